@@ -1,0 +1,137 @@
+"""Acceptance estimates: from a drafter's confidences to calibrated survivals.
+
+A drafter reports, per draft token, its confidence (softmax probability of the drafted token)
+and the top-2 margin. `Calibrator` maps those, plus the draft's position in the block, to
+p = P(draft accepted | every earlier draft of the request accepted), learned online from
+verification outcomes. Survival is the running product of p along a request.
+
+Censoring: a pruned draft was never verified, and a draft after the first rejection was never
+judged on its own; both say nothing about p and are left out of the fit (not counted as
+rejections, which would bias p low for exactly the drafts D-Cut prunes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dcut_core import ragged
+
+_EPS = 1e-6
+
+
+def survival(p: np.ndarray, cu: np.ndarray) -> np.ndarray:
+    """Survivals [N] from per-draft acceptance estimates [N] (ragged by cu)."""
+    return ragged.segment_cumprod(np.clip(p, 0.0, 1.0), cu)
+
+
+def verify_outcomes(cu_drafted: np.ndarray, kept: np.ndarray, accepted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Which drafts were judged and how: (flat indices [M], accepted? [M]).
+
+    Request i kept k_i drafts and had a_i of them accepted (a_i <= k_i): drafts 0..a_i-1 were
+    accepted, draft a_i was rejected if a_i < k_i, everything later is censored.
+    """
+    kept = np.asarray(kept, dtype=np.int64)
+    accepted = np.asarray(accepted, dtype=np.int64)
+    if (accepted > kept).any() or (accepted < 0).any():
+        raise ValueError("accepted counts must satisfy 0 <= accepted <= kept")
+    lengths = np.diff(cu_drafted)
+    pos = ragged.positions(cu_drafted)
+    k = np.repeat(kept, lengths)
+    a = np.repeat(accepted, lengths)
+    judged = (pos < k) & (pos <= a)
+    idx = np.nonzero(judged)[0]
+    return idx, pos[idx] < a[idx]
+
+
+def _logit(x: np.ndarray) -> np.ndarray:
+    x = np.clip(x, _EPS, 1.0 - _EPS)
+    return np.log(x) - np.log1p(-x)
+
+
+def _sigmoid(z: np.ndarray) -> np.ndarray:
+    return 0.5 * (1.0 + np.tanh(0.5 * z))
+
+
+@dataclass
+class Calibrator:
+    """Online logistic calibration of draft confidences (Platt scaling with extra features).
+
+    Features: [1, logit(confidence), margin, position / block]. The weights start at the
+    identity map (p = confidence) and the ridge penalty pulls toward it, so with little data
+    the estimate is the raw confidence and it moves only as evidence accumulates.
+    """
+
+    block: int = 16
+    ridge: float = 1.0
+    refit_every: int = 256
+    keep: int = 16384
+    weights: np.ndarray = field(default_factory=lambda: np.array([0.0, 1.0, 0.0, 0.0]))
+    observed: int = 0
+    _x: list[np.ndarray] = field(default_factory=list, repr=False)
+    _y: list[np.ndarray] = field(default_factory=list, repr=False)
+    _pending: int = 0
+
+    PRIOR = np.array([0.0, 1.0, 0.0, 0.0])
+
+    def features(self, confidence: np.ndarray, margin: np.ndarray, position: np.ndarray) -> np.ndarray:
+        """Design matrix [N, 4]."""
+        conf = np.asarray(confidence, dtype=np.float64)
+        return np.stack(
+            [np.ones_like(conf), _logit(conf), np.asarray(margin, dtype=np.float64),
+             np.asarray(position, dtype=np.float64) / self.block],
+            axis=-1,
+        )
+
+    def estimate(self, confidence: np.ndarray, margin: np.ndarray, position: np.ndarray) -> np.ndarray:
+        """Calibrated P(accept | prefix accepted) [N]."""
+        return _sigmoid(self.features(confidence, margin, position) @ self.weights)
+
+    def observe(self, confidence: np.ndarray, margin: np.ndarray, position: np.ndarray,
+                accepted: np.ndarray) -> None:
+        """Add judged (uncensored) drafts; refits every `refit_every` observations."""
+        y = np.asarray(accepted, dtype=np.float64)
+        if len(y) == 0:
+            return
+        self._x.append(self.features(confidence, margin, position))
+        self._y.append(y)
+        self.observed += len(y)
+        self._pending += len(y)
+        if self._pending >= self.refit_every:
+            self.fit()
+
+    def fit(self, newton_steps: int = 20) -> None:
+        """Penalised maximum likelihood over the kept observations (Newton's method)."""
+        x = np.concatenate(self._x)[-self.keep:]
+        y = np.concatenate(self._y)[-self.keep:]
+        self._x, self._y, self._pending = [x], [y], 0
+        w = self.weights.copy()
+        lam = self.ridge * np.eye(len(w))
+        for _ in range(newton_steps):
+            p = _sigmoid(x @ w)
+            grad = x.T @ (p - y) + lam @ (w - self.PRIOR)
+            hess = (x * (p * (1.0 - p))[:, None]).T @ x + lam
+            step = np.linalg.solve(hess, grad)
+            w -= step
+            if np.abs(step).max() < 1e-8:
+                break
+        self.weights = w
+
+
+def expected_calibration_error(pred: np.ndarray, outcome: np.ndarray, bins: int = 15) -> float:
+    """Σ_b (n_b / n) · |mean pred_b − mean outcome_b| over equal-width probability bins."""
+    pred = np.asarray(pred, dtype=np.float64)
+    outcome = np.asarray(outcome, dtype=np.float64)
+    if len(pred) == 0:
+        return 0.0
+    b = np.minimum((pred * bins).astype(np.int64), bins - 1)
+    n = np.bincount(b, minlength=bins)
+    gap = np.abs(np.bincount(b, pred, bins) - np.bincount(b, outcome, bins))
+    return float(gap.sum() / n.sum())
+
+
+def brier_score(pred: np.ndarray, outcome: np.ndarray) -> float:
+    """Mean squared error of probabilistic predictions."""
+    pred = np.asarray(pred, dtype=np.float64)
+    return float(np.mean((pred - np.asarray(outcome, dtype=np.float64)) ** 2)) if len(pred) else 0.0

@@ -1,0 +1,240 @@
+"""Step-latency model: a sum of named, non-negative terms over features of the step's shape.
+
+    seconds = Σ_t coef[t] · feature_t(step)
+
+Terms (all features are non-decreasing in the step's token count, so with non-negative
+coefficients the model is monotone, which pruning's budget scan assumes):
+
+    fixed         1                                     launches, dense weight reads
+    dense         tokens                                per-token matmuls every token pays
+    attention     Σ tokens · context                    score and value work of the new tokens
+    kv_read       Σ context over requests               reading each request's KV cache once
+    experts       MoE layers · distinct experts on the busiest rank
+                                                        expert weight reads (memory-bound side)
+    expert_flops  MoE layers · token-expert pairs per rank
+                                                        expert matmuls (compute-bound side)
+    a2a_latency   MoE layers · [EP > 1]                 dispatch + combine fixed latency
+    a2a_bytes     MoE layers · bytes the busiest rank sends (dispatch + combine)
+
+Distinct experts for n tokens routed top-k over E experts uniformly: E·(1 − (1 − k/E)^n);
+a rank that holds E/EP of them sees that count divided by EP.
+Runtimes that pad to fixed shapes (CUDA graphs) make cost a step function of tokens: `pad_tokens`
+rounds the token count up to the next captured size before the features are taken.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+
+import numpy as np
+
+from dcut_core.hardware import HARDWARE, MODELS, Hardware, ModelShape
+from dcut_core.nnls import nnls
+from dcut_core.pruning import StepCost
+
+TERMS = ("fixed", "dense", "attention", "kv_read", "experts", "expert_flops", "a2a_latency", "a2a_bytes")
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a verification (or decode) step looks like to the cost model."""
+
+    requests: int
+    tokens: int  # verify tokens in the step: R + kept drafts
+    context: int  # Σ over requests of their cached context length
+
+
+def expected_distinct_experts(tokens: np.ndarray | int, experts: int, top_k: int) -> np.ndarray:
+    """Expected number of distinct experts n tokens touch, uniform top-k routing: [same as tokens]."""
+    n = np.asarray(tokens, dtype=np.float64)
+    if experts <= 0:
+        return np.zeros_like(n)
+    return experts * (1.0 - (1.0 - top_k / experts) ** n)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """A fitted or preset step-time model for one deployment (model shape × EP size)."""
+
+    model: ModelShape
+    ep: int
+    coef: dict[str, float]
+    pad_tokens: tuple[int, ...] = ()
+    source: str = "preset"
+
+    def __post_init__(self) -> None:
+        unknown = set(self.coef) - set(TERMS)
+        if unknown:
+            raise ValueError(f"unknown cost terms: {sorted(unknown)}")
+        if any(v < 0 or not math.isfinite(v) for v in self.coef.values()):
+            raise ValueError("cost coefficients must be finite and non-negative")
+        if self.ep < 1 or (self.model.is_moe and self.model.experts % self.ep):
+            raise ValueError(f"EP size {self.ep} must divide the expert count {self.model.experts}")
+
+    # -- features ---------------------------------------------------------------------------
+
+    def padded(self, tokens: np.ndarray) -> np.ndarray:
+        if not self.pad_tokens:
+            return tokens
+        sizes = np.asarray(self.pad_tokens, dtype=np.int64)
+        idx = np.minimum(np.searchsorted(sizes, tokens), len(sizes) - 1)
+        return np.where(tokens <= sizes[-1], sizes[idx], tokens)
+
+    def features(self, requests: np.ndarray, tokens: np.ndarray, context: np.ndarray) -> np.ndarray:
+        """Feature matrix [S, len(TERMS)] for S step shapes given as arrays."""
+        m = self.model
+        tok = self.padded(np.asarray(tokens, dtype=np.int64)).astype(np.float64)
+        req = np.maximum(np.asarray(requests, dtype=np.float64), 1.0)
+        ctx = np.asarray(context, dtype=np.float64)
+        moe = float(m.moe_layers) if m.is_moe else 0.0
+        ep_on = 1.0 if self.ep > 1 else 0.0
+        per_rank_tokens = np.ceil(tok / self.ep)
+        sent = per_rank_tokens * m.top_k * (self.ep - 1) / self.ep * m.hidden * m.act_bytes
+        cols = {
+            "fixed": np.ones_like(tok),
+            "dense": tok,
+            "attention": tok * ctx / req,
+            "kv_read": ctx,
+            "experts": moe * expected_distinct_experts(tok, m.experts, m.top_k) / self.ep,
+            "expert_flops": moe * tok * m.top_k / self.ep,
+            "a2a_latency": moe * ep_on * np.ones_like(tok),
+            "a2a_bytes": moe * 2.0 * sent,
+        }
+        return np.stack([cols[t] for t in TERMS], axis=-1)
+
+    def coef_vector(self) -> np.ndarray:
+        return np.array([self.coef.get(t, 0.0) for t in TERMS])
+
+    # -- prediction -------------------------------------------------------------------------
+
+    def predict(self, shape: StepShape) -> float:
+        f = self.features(np.array([shape.requests]), np.array([shape.tokens]), np.array([shape.context]))
+        return float(f[0] @ self.coef_vector())
+
+    def breakdown(self, shape: StepShape) -> dict[str, float]:
+        """Seconds per term for one step."""
+        f = self.features(np.array([shape.requests]), np.array([shape.tokens]), np.array([shape.context]))[0]
+        return {t: float(f[i] * self.coef.get(t, 0.0)) for i, t in enumerate(TERMS)}
+
+    def verify_curve(self, requests: int, context: int) -> StepCost:
+        """Step cost as a function of total verify tokens, for one batch (pruning's input)."""
+        coef = self.coef_vector()
+
+        def curve(tokens: np.ndarray) -> np.ndarray:
+            n = len(tokens)
+            f = self.features(np.full(n, requests), tokens, np.full(n, context))
+            return f @ coef
+
+        return StepCost(curve)
+
+    # -- persistence ------------------------------------------------------------------------
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {"version": 1, "model": asdict(self.model), "ep": self.ep, "coef": self.coef,
+             "pad_tokens": list(self.pad_tokens), "source": self.source},
+            indent=2,
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> CostModel:
+        d = json.loads(text)
+        if d.get("version") != 1:
+            raise ValueError(f"unsupported cost model version {d.get('version')!r}")
+        return cls(ModelShape(**d["model"]), int(d["ep"]), {k: float(v) for k, v in d["coef"].items()},
+                   tuple(int(x) for x in d.get("pad_tokens", ())), d.get("source", "file"))
+
+
+def preset(model: ModelShape | str, hardware: Hardware | str, ep: int = 1,
+           pad_tokens: Sequence[int] = ()) -> CostModel:
+    """Cost model from first principles: roofline figures of the hardware, shapes of the model."""
+    m = MODELS[model] if isinstance(model, str) else model
+    hw = HARDWARE[hardware] if isinstance(hardware, str) else hardware
+    flops, bw = hw.peak_flops, hw.mem_bw
+    coef = {
+        # Attention and dense weights are replicated (data-parallel attention): every rank reads
+        # them once per step and handles 1/EP of the tokens and KV caches.
+        "fixed": hw.launch_s + m.dense_params * m.param_bytes / bw,
+        "dense": 2.0 * m.dense_params / flops / ep,
+        "attention": 4.0 * m.layers * m.heads * m.head_dim / flops / ep,
+        "kv_read": 2.0 * m.layers * m.kv_heads * m.head_dim * m.act_bytes / bw / ep,
+        "experts": m.expert_params * m.param_bytes / bw if m.is_moe else 0.0,
+        "expert_flops": 2.0 * m.expert_params / flops if m.is_moe else 0.0,
+        "a2a_latency": hw.a2a_latency_s(ep) if m.is_moe else 0.0,
+        "a2a_bytes": 1.0 / hw.a2a_bw(ep) if m.is_moe and ep > 1 else 0.0,
+    }
+    return CostModel(m, ep, coef, tuple(pad_tokens), f"preset:{hw.name}")
+
+
+def fit(base: CostModel, samples: Sequence[tuple[StepShape, float]],
+        terms: Sequence[str] = TERMS) -> CostModel:
+    """Fit non-negative coefficients of `terms` to measured (shape, seconds) samples.
+
+    Each sample is weighted by 1/seconds so that relative error counts, not absolute: a 10 %
+    miss on a 4 ms step matters as much as on a 100 ms one.
+    """
+    if len(samples) < len(terms):
+        raise ValueError(f"need at least {len(terms)} samples to fit {len(terms)} terms")
+    req = np.array([s.requests for s, _ in samples])
+    tok = np.array([s.tokens for s, _ in samples])
+    ctx = np.array([s.context for s, _ in samples])
+    y = np.array([t for _, t in samples], dtype=np.float64)
+    if (y <= 0).any() or not np.isfinite(y).all():
+        raise ValueError("measured step times must be positive and finite")
+    cols = [TERMS.index(t) for t in terms]
+    x = base.features(req, tok, ctx)[:, cols]
+    # Scale columns to unit norm so the active-set solver sees a well-conditioned problem.
+    w = 1.0 / y
+    xa = x * w[:, None]
+    norms = np.linalg.norm(xa, axis=0)
+    norms[norms == 0] = 1.0
+    c = nnls(xa / norms, y * w) / norms
+    return replace(base, coef={t: float(c[i]) for i, t in enumerate(terms)}, source="fitted")
+
+
+@dataclass
+class OnlineCorrection:
+    """Refines a cost model from measured step times while serving.
+
+    Keeps an exponentially weighted mean of log(measured / predicted) and multiplies
+    predictions by its exponential; keeps the most recent samples so `refit` can re-run the
+    full fit on live data. Both are cheap enough for the coordinator's step loop.
+    """
+
+    model: CostModel
+    halflife_steps: float = 50.0
+    keep: int = 2048
+    log_ratio: float = 0.0
+    observed: int = 0
+    samples: list[tuple[StepShape, float]] = field(default_factory=list)
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        predicted = self.model.predict(shape)
+        if predicted <= 0 or seconds <= 0:
+            return
+        alpha = 1.0 - 0.5 ** (1.0 / self.halflife_steps)
+        self.log_ratio += alpha * (math.log(seconds / predicted) - self.log_ratio)
+        self.observed += 1
+        self.samples.append((shape, seconds))
+        if len(self.samples) > self.keep:
+            del self.samples[: len(self.samples) - self.keep]
+
+    @property
+    def scale(self) -> float:
+        return math.exp(self.log_ratio)
+
+    def predict(self, shape: StepShape) -> float:
+        return self.scale * self.model.predict(shape)
+
+    def verify_curve(self, requests: int, context: int) -> StepCost:
+        base = self.model.verify_curve(requests, context)
+        s = self.scale
+        return StepCost(lambda tokens: s * base.verify_seconds(tokens))
+
+    def refit(self, terms: Sequence[str] = TERMS) -> None:
+        """Replace the model by a fit on the kept samples and reset the correction."""
+        self.model = fit(self.model, self.samples, terms)
+        self.log_ratio = 0.0

@@ -1,0 +1,333 @@
+"""Pruning policies: which draft tokens, across the whole batch, are sent to verification.
+
+Vocabulary (DESIGN.md): a request drafts `drafted_i` tokens; a policy keeps the first `k_i` of
+them (kept) and drops the rest (pruned). `survival[i, j]` is the estimated probability that the
+first j + 1 drafts of request i are all accepted; it never grows along a request.
+
+A plan `k` is worth, in expected committed tokens per second,
+
+    (R + Σ_i Σ_{j<k_i} s[i, j]) / (C_fixed + C_verify(R + Σ_i k_i))
+
+(R requests each commit one bonus or recovered token). For a fixed total budget m = Σ k_i the
+numerator is largest when the kept set is the global top-m survivals; because survivals never
+grow along a request that set is prefix-closed, i.e. a valid plan. So the exact optimum is a scan
+over m = 0..M of one sorted array (docs/algorithm.md has the argument).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from dcut_core import ragged
+
+# Total verify tokens [M] -> step seconds [M]; must accept an int64 array.
+CostCurve = Callable[[np.ndarray], np.ndarray]
+
+
+@dataclass(frozen=True)
+class DraftBatch:
+    """Survivals of one step's drafts, ragged: flat [N] + offsets [R + 1]."""
+
+    survival: np.ndarray  # [N] float64, non-increasing inside each request
+    cu_drafted: np.ndarray  # [R + 1] int64
+    accepted_len: np.ndarray | None = None  # [R] true accepted drafts; the oracle's only input
+
+    @classmethod
+    def from_rows(
+        cls, rows: Sequence[Sequence[float] | np.ndarray], accepted_len: Sequence[int] | None = None
+    ) -> DraftBatch:
+        flat, cu = ragged.flatten(rows)
+        acc = None if accepted_len is None else np.asarray(accepted_len, dtype=np.int64)
+        return cls(flat, cu, acc)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.cu_drafted) - 1
+
+    @property
+    def drafted(self) -> np.ndarray:
+        return np.diff(self.cu_drafted)
+
+    def validate(self) -> None:
+        """Raise ValueError on malformed survivals (shape, range, growth along a request)."""
+        s, cu = self.survival, self.cu_drafted
+        ragged.check_offsets(cu, len(s))
+        if not np.isfinite(s).all() or (s < 0).any() or (s > 1 + 1e-9).any():
+            raise ValueError("survival values must be finite and in [0, 1]")
+        rises = np.diff(s) > 1e-12  # [N - 1]; entry t compares flat t and t + 1
+        starts = cu[1:-1][(cu[1:-1] > 0) & (cu[1:-1] < len(s))]
+        rises[starts - 1] = False  # a step across a request boundary may rise
+        if rises.any():
+            raise ValueError("survival must be non-increasing along each request")
+        if self.accepted_len is not None and (
+            len(self.accepted_len) != self.num_requests
+            or (self.accepted_len < 0).any()
+            or (self.accepted_len > self.drafted).any()
+        ):
+            raise ValueError("accepted_len must hold 0 <= a_i <= drafted_i for every request")
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Predicted verification step time as a function of total verify tokens."""
+
+    verify_seconds: CostCurve
+    fixed_seconds: float = 0.0
+
+    def seconds(self, tokens: np.ndarray) -> np.ndarray:
+        out = self.fixed_seconds + np.asarray(self.verify_seconds(tokens), dtype=np.float64)
+        if out.shape != tokens.shape:
+            raise ValueError(f"cost curve returned shape {out.shape} for {tokens.shape} inputs")
+        if not np.isfinite(out).all() or (out <= 0).any():
+            raise ValueError("step cost must be finite and positive for every budget")
+        return out
+
+
+@dataclass(frozen=True)
+class PruneDecision:
+    """A policy's plan for one step and what it expects of it."""
+
+    kept: np.ndarray  # [R] int64, 0 <= kept_i <= drafted_i
+    expected_tokens: float  # R + Σ survivals of kept drafts
+    predicted_seconds: float  # C_fixed + C_verify(R + Σ kept)
+    guard: bool = False  # the low-load guard overrode pruning and kept everything
+
+    @property
+    def expected_rate(self) -> float:
+        return self.expected_tokens / self.predicted_seconds
+
+
+class Policy(Protocol):
+    """Every pruning policy: same drafts in, a kept count per request out."""
+
+    name: str
+
+    def choose(self, batch: DraftBatch, cost: StepCost) -> PruneDecision: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# The global-sort machinery shared by the budgeted policies.
+
+
+@dataclass(frozen=True)
+class _Scan:
+    """Objective of every budget m = 0..M over one batch."""
+
+    order_desc: np.ndarray  # [N] survivals sorted high to low
+    tokens: np.ndarray  # [M + 1] expected committed tokens with budget m
+    seconds: np.ndarray  # [M + 1] predicted step time with budget m
+
+    @property
+    def rate(self) -> np.ndarray:
+        return self.tokens / self.seconds
+
+
+def _scan(batch: DraftBatch, cost: StepCost, max_budget: int | None = None) -> _Scan:
+    r = batch.num_requests
+    order_desc = np.sort(batch.survival)[::-1]
+    m_max = len(order_desc) if max_budget is None else min(len(order_desc), max(0, max_budget))
+    tokens = np.empty(m_max + 1, dtype=np.float64)
+    tokens[0] = r
+    np.cumsum(order_desc[:m_max], out=tokens[1:])
+    tokens[1:] += r
+    seconds = cost.seconds(r + np.arange(m_max + 1, dtype=np.int64))
+    return _Scan(order_desc, tokens, seconds)
+
+
+def _kept_top_m(batch: DraftBatch, order_desc: np.ndarray, m: int) -> np.ndarray:
+    """Kept counts [R] of the global top-m survivals; ties broken by (request, position).
+
+    Entries above the m-th value are all kept; of those equal to it, the first ones in flat
+    (request-major) order fill the rest. Equal values inside a request are contiguous, so the
+    result stays prefix-closed.
+    """
+    s, cu = batch.survival, batch.cu_drafted
+    if m <= 0:
+        return np.zeros(batch.num_requests, dtype=np.int64)
+    v = order_desc[m - 1]
+    above = s > v
+    equal = s == v
+    take = above | (equal & (np.cumsum(equal) <= m - int(above.sum())))
+    return ragged.segment_sums(take.astype(np.int64), cu)
+
+
+def _decision(batch: DraftBatch, cost: StepCost, kept: np.ndarray, guard: bool = False) -> PruneDecision:
+    keep_mask = ragged.positions(batch.cu_drafted) < np.repeat(kept, batch.drafted)
+    tokens = batch.num_requests + float(batch.survival[keep_mask].sum())
+    total = np.array([batch.num_requests + int(kept.sum())], dtype=np.int64)
+    return PruneDecision(kept, tokens, float(cost.seconds(total)[0]), guard)
+
+
+def best_budget(rate: np.ndarray, candidates: np.ndarray | None = None) -> int:
+    """Index of the highest rate; the first (smallest budget) on ties."""
+    if candidates is None:
+        return int(np.argmax(rate))
+    return int(candidates[int(np.argmax(rate[candidates]))])
+
+
+# ---------------------------------------------------------------------------------------------
+# Policies
+
+
+@dataclass(frozen=True)
+class Ar:
+    """Plain autoregressive decoding: no draft is ever kept."""
+
+    name: str = "ar"
+
+    def choose(self, batch: DraftBatch, cost: StepCost) -> PruneDecision:
+        return _decision(batch, cost, np.zeros(batch.num_requests, dtype=np.int64))
+
+
+@dataclass(frozen=True)
+class Full:
+    """Verify every draft."""
+
+    name: str = "full"
+
+    def choose(self, batch: DraftBatch, cost: StepCost) -> PruneDecision:
+        return _decision(batch, cost, batch.drafted.astype(np.int64))
+
+
+@dataclass(frozen=True)
+class FixedK:
+    """Truncate every request to its first k drafts."""
+
+    k: int
+    name: str = "fixed-K"
+
+    def __post_init__(self) -> None:
+        if self.k < 0:
+            raise ValueError("fixed-K needs k >= 0")
+        object.__setattr__(self, "name", f"fixed-{self.k}")
+
+    def choose(self, batch: DraftBatch, cost: StepCost) -> PruneDecision:
+        return _decision(batch, cost, np.minimum(batch.drafted, self.k).astype(np.int64))
+
+
+@dataclass(frozen=True)
+class Tetris:
+    """Global top-C survivals with a fixed C = per_request · R (no cost model)."""
+
+    per_request: int
+    name: str = "tetris"
+
+    def choose(self, batch: DraftBatch, cost: StepCost) -> PruneDecision:
+        order_desc = np.sort(batch.survival)[::-1]
+        m = min(len(order_desc), self.per_request * batch.num_requests)
+        return _decision(batch, cost, _kept_top_m(batch, order_desc, m))
+
+
+@dataclass(frozen=True)
+class DcutBuckets:
+    """The paper's coarse D-Cut: global top-m with m restricted to a few keep ratios."""
+
+    ratios: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)
+    name: str = "dcut-buckets"
+
+    def choose(self, batch: DraftBatch, cost: StepCost) -> PruneDecision:
+        scan = _scan(batch, cost)
+        total = len(scan.order_desc)
+        candidates = np.array(sorted({round(r * total) for r in self.ratios}), dtype=np.int64)
+        m = best_budget(scan.rate, candidates)
+        return _decision(batch, cost, _kept_top_m(batch, scan.order_desc, m))
+
+
+@dataclass(frozen=True)
+class Dcut:
+    """Exact budget scan (the default policy).
+
+    max_budget: never keep more than this many drafts in one step (memory / latency cap).
+    fill_step: when the cost is a step function (padded shapes), keep the next-best drafts that
+        fit in the step already paid for.
+    guard_threshold: low-load guard; if the best plan's predicted rate beats keeping everything
+        (up to max_budget) by less than this fraction, keep everything. Estimates are noisy, and
+        when verification is nearly free a wrongly pruned draft costs more than it saves.
+    """
+
+    max_budget: int | None = None
+    fill_step: bool = True
+    guard_threshold: float = 0.02
+    name: str = "dcut"
+
+    def choose(self, batch: DraftBatch, cost: StepCost) -> PruneDecision:
+        scan = _scan(batch, cost, self.max_budget)
+        m_all = len(scan.tokens) - 1
+        rate = scan.rate
+        m = best_budget(rate)
+        if rate[m] < rate[m_all] * (1.0 + self.guard_threshold):
+            return _decision(batch, cost, _kept_top_m(batch, scan.order_desc, m_all), guard=m != m_all)
+        if self.fill_step:
+            paid = scan.seconds[m] * (1.0 + 1e-12)
+            over = np.nonzero(scan.seconds[m:] > paid)[0]
+            m = m_all if len(over) == 0 else m + int(over[0]) - 1
+        return _decision(batch, cost, _kept_top_m(batch, scan.order_desc, m))
+
+
+@dataclass(frozen=True)
+class Oracle:
+    """Knows each request's true accepted length; an upper bound for benchmarks only."""
+
+    name: str = "oracle"
+
+    def choose(self, batch: DraftBatch, cost: StepCost) -> PruneDecision:
+        if batch.accepted_len is None:
+            raise ValueError("the oracle policy needs the true accepted lengths")
+        truth = (ragged.positions(batch.cu_drafted) < np.repeat(batch.accepted_len, batch.drafted))
+        known = DraftBatch(truth.astype(np.float64), batch.cu_drafted)
+        scan = _scan(known, cost)
+        kept = _kept_top_m(known, scan.order_desc, best_budget(scan.rate))
+        return _decision(known, cost, kept)
+
+
+POLICY_NAMES = ("ar", "full", "fixed-K", "tetris", "dcut-buckets", "dcut", "oracle")
+
+
+def policy_from_name(name: str, block: int, **dcut_options) -> Policy:
+    """Parse a command-line policy name ("fixed-4" for fixed-K) into a policy object.
+
+    `block` is the drafter's block size, which sets tetris's per-request budget (half a block,
+    the setting TETRIS is usually compared at) and bounds fixed-K.
+    """
+    if name.startswith("fixed-"):
+        k = int(name.removeprefix("fixed-"))
+        if not 0 <= k <= block:
+            raise ValueError(f"fixed-K needs 0 <= K <= block ({block}), got {k}")
+        return FixedK(k)
+    simple: dict[str, Callable[[], Policy]] = {
+        "ar": Ar,
+        "full": Full,
+        "tetris": lambda: Tetris(max(1, block // 2)),
+        "dcut-buckets": DcutBuckets,
+        "dcut": lambda: Dcut(**dcut_options),
+        "oracle": Oracle,
+    }
+    if name not in simple:
+        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}")
+    return simple[name]()
+
+
+def choose_kept(
+    survival: Sequence[Sequence[float] | np.ndarray],
+    verify_cost: Callable[[int], float],
+    fixed_cost: float = 0.0,
+    max_budget: int | None = None,
+) -> np.ndarray:
+    """Exact D-Cut decision for plain inputs: kept counts [R] (int64).
+
+    survival: one 1-D array per request, non-increasing. verify_cost: total verify tokens
+    (R + Σ kept) -> seconds, called with Python ints. No guard and no step filling: this is the
+    bare optimum of the objective, the smallest budget among equals.
+    """
+    batch = DraftBatch.from_rows(survival)
+    batch.validate()
+
+    def curve(tokens: np.ndarray) -> np.ndarray:
+        return np.array([float(verify_cost(int(n))) for n in tokens], dtype=np.float64)
+
+    policy = Dcut(max_budget=max_budget, fill_step=False, guard_threshold=0.0)
+    return policy.choose(batch, StepCost(curve, fixed_cost)).kept

@@ -1,0 +1,70 @@
+"""Ragged batches as one flat array plus cumulative offsets.
+
+A batch of R requests with n_i entries each travels as `flat` ([N], N = Σ n_i) and `cu`
+([R + 1], cu[0] = 0, cu[i + 1] - cu[i] = n_i). These helpers are the only place that knows
+how to walk that layout, so the policies and rules stay straight-line array code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def offsets_from_lengths(lengths: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Cumulative offsets [R + 1] from per-request lengths [R]."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if lengths.ndim != 1 or (lengths < 0).any():
+        raise ValueError("lengths must be a 1-D array of non-negative integers")
+    cu = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=cu[1:])
+    return cu
+
+
+def flatten(rows: Sequence[Sequence[float] | np.ndarray], dtype=np.float64) -> tuple[np.ndarray, np.ndarray]:
+    """Turn a list of 1-D rows into (flat [N], cu [R + 1])."""
+    arrays = [np.asarray(r, dtype=dtype).reshape(-1) for r in rows]
+    cu = offsets_from_lengths([len(a) for a in arrays])
+    flat = np.concatenate(arrays) if arrays else np.zeros(0, dtype=dtype)
+    return flat, cu
+
+
+def segment_ids(cu: np.ndarray) -> np.ndarray:
+    """Request index of every flat entry: [N]."""
+    return np.repeat(np.arange(len(cu) - 1), np.diff(cu))
+
+
+def positions(cu: np.ndarray) -> np.ndarray:
+    """Position of every flat entry inside its own request: [N]."""
+    n = int(cu[-1])
+    return np.arange(n) - np.repeat(cu[:-1], np.diff(cu))
+
+
+def segment_sums(values: np.ndarray, cu: np.ndarray) -> np.ndarray:
+    """Per-request sums of a flat array: [R]. Empty requests sum to 0."""
+    csum = np.zeros(len(values) + 1, dtype=np.result_type(values.dtype, np.int64))
+    np.cumsum(values, out=csum[1:])
+    return csum[cu[1:]] - csum[cu[:-1]]
+
+
+def segment_cumprod(values: np.ndarray, cu: np.ndarray) -> np.ndarray:
+    """Running product restarted at every request: [N].
+
+    Done on a padded [R, K] view (K = longest request), which is exact even with zeros,
+    unlike a log-cumsum.
+    """
+    lengths = np.diff(cu)
+    if len(values) == 0:
+        return values.astype(np.float64)
+    width = int(lengths.max())
+    mask = np.arange(width)[None, :] < lengths[:, None]  # [R, K]
+    padded = np.ones(mask.shape, dtype=np.float64)
+    padded[mask] = values
+    return np.cumprod(padded, axis=1)[mask]
+
+
+def check_offsets(cu: np.ndarray, n: int) -> None:
+    """Raise ValueError unless cu is a valid offsets array for n flat entries."""
+    if cu.ndim != 1 or len(cu) < 1 or cu[0] != 0 or cu[-1] != n or (np.diff(cu) < 0).any():
+        raise ValueError(f"invalid offsets for {n} entries: {cu!r}")

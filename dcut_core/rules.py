@@ -1,0 +1,124 @@
+"""Lossless acceptance rules on numpy arrays.
+
+Layout: request i sent k_i kept drafts; the target returned k_i + 1 rows for it — its
+prediction after the last committed token and after each kept draft. So drafts are ragged by
+`cu_kept` ([R + 1]) and target rows by `cu_kept + arange(R + 1)`.
+
+Per request the rule emits the accepted drafts plus exactly one token from the target:
+- bonus token: every kept draft was accepted, the target's own next token is appended;
+- recovered token: draft a_i was rejected, a replacement is drawn in its place.
+Either way at least one token is committed per step, and the output is distributed exactly as
+the target alone would produce it (greedy: identical tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dcut_core import ragged
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """Outcome of one verification step."""
+
+    accepted: np.ndarray  # [R] drafts accepted per request
+    tokens: np.ndarray  # [Σ (accepted_i + 1)] emitted tokens, flat
+    cu_tokens: np.ndarray  # [R + 1]
+
+
+def target_offsets(cu_kept: np.ndarray) -> np.ndarray:
+    """Offsets of the target's rows [R + 1] for drafts ragged by cu_kept."""
+    return cu_kept + np.arange(len(cu_kept))
+
+
+def _leading_true(mask: np.ndarray, cu: np.ndarray) -> np.ndarray:
+    """Per request, how many entries of `mask` are True before the first False: [R]."""
+    return ragged.segment_sums(ragged.segment_cumprod(mask.astype(np.float64), cu).astype(np.int64), cu)
+
+
+def _draft_rows(cu_kept: np.ndarray) -> np.ndarray:
+    """Target row of every draft [N]: draft j of request i is judged by row cu_t[i] + j."""
+    return np.arange(int(cu_kept[-1])) + ragged.segment_ids(cu_kept)
+
+
+def greedy(draft_tokens: np.ndarray, cu_kept: np.ndarray, target_tokens: np.ndarray) -> Accepted:
+    """Longest prefix of drafts equal to the target's argmax tokens, then the target's token.
+
+    draft_tokens: [N]; target_tokens: [N + R] argmax of the target's rows.
+    """
+    ragged.check_offsets(cu_kept, len(draft_tokens))
+    cu_t = target_offsets(cu_kept)
+    if len(target_tokens) != cu_t[-1]:
+        raise ValueError(f"expected {cu_t[-1]} target rows, got {len(target_tokens)}")
+    match = draft_tokens == target_tokens[_draft_rows(cu_kept)]  # [N]
+    accepted = _leading_true(match, cu_kept)
+    # Accepted drafts equal the target's tokens, so the output is target rows 0..a_i.
+    emit = ragged.positions(cu_t) <= np.repeat(accepted, np.diff(cu_t))
+    return Accepted(accepted, target_tokens[emit], ragged.offsets_from_lengths(accepted + 1))
+
+
+def speculative(
+    draft_tokens: np.ndarray,
+    cu_kept: np.ndarray,
+    draft_probs: np.ndarray | None,
+    target_probs: np.ndarray,
+    u_accept: np.ndarray,
+    u_sample: np.ndarray,
+) -> Accepted:
+    """Speculative sampling (Leviathan et al. / Chen et al.) with explicit uniforms.
+
+    draft_tokens: [N]; draft_probs: [N, V] the distribution each draft was sampled from, or
+    None for deterministic drafts (one-hot q); target_probs: [N + R, V];
+    u_accept: [N] and u_sample: [R] uniforms in [0, 1), drawn by the caller (per-request seeds).
+    Draft x at a row with target p and draft q is accepted when u < p(x) / q(x); on rejection
+    the replacement is drawn from norm(max(0, p − q)); after the last kept draft, from p.
+    """
+    ragged.check_offsets(cu_kept, len(draft_tokens))
+    r = len(cu_kept) - 1
+    cu_t = target_offsets(cu_kept)
+    if target_probs.shape[0] != cu_t[-1] or len(u_accept) != len(draft_tokens) or len(u_sample) != r:
+        raise ValueError("target_probs, u_accept or u_sample do not match the drafts' layout")
+    n = len(draft_tokens)
+    rows = _draft_rows(cu_kept)
+    p_x = target_probs[rows, draft_tokens]  # [N]
+    q_x = np.ones(n) if draft_probs is None else draft_probs[np.arange(n), draft_tokens]
+    accepted = _leading_true(u_accept * q_x < p_x, cu_kept)
+
+    final_rows = cu_t[:-1] + accepted  # [R] row that yields the bonus or recovered token
+    dist = target_probs[final_rows].astype(np.float64, copy=True)  # [R, V]
+    rejected = np.nonzero(accepted < np.diff(cu_kept))[0]
+    if len(rejected):
+        draft_at = cu_kept[rejected] + accepted[rejected]  # flat index of the rejected draft
+        if draft_probs is None:
+            dist[rejected, draft_tokens[draft_at]] = 0.0
+        else:
+            dist[rejected] = np.maximum(dist[rejected] - draft_probs[draft_at], 0.0)
+    mass = dist.sum(axis=1, keepdims=True)  # [R, 1]
+    # A rejection implies p(x) < q(x), so some other token has p > q and the residual has mass;
+    # only rounding can empty it, and then the target's row is the exact answer.
+    empty = mass[:, 0] <= 1e-12
+    dist[empty] = target_probs[final_rows[empty]]
+    mass[empty] = dist[empty].sum(axis=1, keepdims=True)
+    cdf = np.cumsum(dist, axis=1)  # [R, V], last column = mass
+    sampled = np.minimum((cdf <= u_sample[:, None] * mass).sum(axis=1), dist.shape[1] - 1)
+
+    keep_draft = ragged.positions(cu_kept) < np.repeat(accepted, np.diff(cu_kept))
+    cu_out = ragged.offsets_from_lengths(accepted + 1)
+    out = np.empty(int(cu_out[-1]), dtype=draft_tokens.dtype if n else np.int64)
+    last = cu_out[1:] - 1
+    body = np.ones(len(out), dtype=bool)
+    body[last] = False
+    out[body] = draft_tokens[keep_draft]
+    out[last] = sampled
+    return Accepted(accepted, out, cu_out)
+
+
+def speculative_rng(draft_tokens: np.ndarray, cu_kept: np.ndarray, draft_probs: np.ndarray | None,
+                    target_probs: np.ndarray, rng: np.random.Generator) -> Accepted:
+    """`speculative` with uniforms drawn from one generator."""
+    u_accept = rng.random(len(draft_tokens))
+    u_sample = rng.random(len(cu_kept) - 1)
+    return speculative(draft_tokens, cu_kept, draft_probs, target_probs, u_accept, u_sample)

@@ -1,0 +1,94 @@
+"""Acceptance estimates: survival, censoring, calibration quality."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dcut_core import ragged
+from dcut_core.acceptance import (
+    Calibrator,
+    brier_score,
+    expected_calibration_error,
+    survival,
+    verify_outcomes,
+)
+
+
+def test_survival_is_the_running_product_per_request():
+    flat, cu = ragged.flatten([[0.5, 0.5, 0.0], [], [0.9, 1.0]])
+    np.testing.assert_allclose(survival(flat, cu), [0.5, 0.25, 0.0, 0.9, 0.9])
+
+
+def test_verify_outcomes_censor_pruned_and_post_rejection_drafts():
+    cu = ragged.offsets_from_lengths([4, 3, 2, 0])
+    # r0 kept 3, accepted 1: d0 yes, d1 no, d2 censored (after rejection), d3 pruned.
+    # r1 kept 3, accepted 3: all yes.  r2 kept 0: nothing judged.
+    idx, ok = verify_outcomes(cu, kept=[3, 3, 0, 0], accepted=[1, 3, 0, 0])
+    assert idx.tolist() == [0, 1, 4, 5, 6]
+    assert ok.tolist() == [True, False, True, True, True]
+    with pytest.raises(ValueError):
+        verify_outcomes(cu, kept=[1, 0, 0, 0], accepted=[2, 0, 0, 0])
+
+
+def synthetic(rng, n, distort):
+    """True acceptance q; the drafter reports a distorted confidence and a margin."""
+    q = rng.uniform(0.02, 0.98, n)
+    conf = distort(q)
+    margin = np.clip(conf - rng.uniform(0, 0.3, n), 0, 1)
+    pos = rng.integers(0, 16, n)
+    return conf, margin, pos, q, rng.random(n) < q
+
+
+def under_confident(q):
+    z = np.log(q) - np.log1p(-q)
+    return 1.0 / (1.0 + np.exp(-0.4 * z))
+
+
+def over_confident(q):
+    return q ** 0.3
+
+
+@pytest.mark.parametrize("distort", [under_confident, over_confident])
+def test_calibration_lowers_ece_and_brier(distort):
+    rng = np.random.default_rng(0)
+    cal = Calibrator()
+    conf, margin, pos, _, y = synthetic(rng, 20000, distort)
+    cal.observe(conf, margin, pos, y)
+    conf, margin, pos, _, y = synthetic(rng, 20000, distort)  # held out
+    raw_ece, raw_brier = expected_calibration_error(conf, y), brier_score(conf, y)
+    est = cal.estimate(conf, margin, pos)
+    assert raw_ece > 0.08
+    assert expected_calibration_error(est, y) < 0.03
+    assert brier_score(est, y) < raw_brier
+
+
+def test_uncalibrated_estimate_is_the_raw_confidence():
+    cal = Calibrator()
+    conf = np.array([0.1, 0.5, 0.93])
+    np.testing.assert_allclose(cal.estimate(conf, np.zeros(3), np.zeros(3)), conf, atol=1e-9)
+
+
+def test_censoring_keeps_the_estimate_unbiased():
+    # Every draft is accepted with p = 0.8 given its prefix; the drafter always says 0.5.
+    # Requests keep a random prefix (pruning) and stop at the first rejection. Counting the
+    # unjudged drafts as rejections would pull the estimate far below 0.8.
+    rng = np.random.default_rng(1)
+    cal = Calibrator(ridge=1e-3)
+    r, block = 4000, 8
+    cu = ragged.offsets_from_lengths(np.full(r, block))
+    kept = rng.integers(0, block + 1, r)
+    first_reject = rng.geometric(0.2, r) - 1  # accepted drafts before the first rejection
+    accepted = np.minimum(first_reject, kept)
+    idx, ok = verify_outcomes(cu, kept, accepted)
+    conf = np.full(len(idx), 0.5)
+    pos = ragged.positions(cu)[idx]
+    cal.observe(conf, np.zeros(len(idx)), pos, ok)
+    cal.fit()
+    est = cal.estimate(np.full(block, 0.5), np.zeros(block), np.arange(block))
+    np.testing.assert_allclose(est, 0.8, atol=0.03)
+
+
+def test_ece_and_brier_exact():
+    assert expected_calibration_error(np.array([0.9, 0.9]), np.array([1, 0]), bins=10) == pytest.approx(0.4)
+    assert brier_score(np.array([1.0, 0.0]), np.array([1, 1])) == pytest.approx(0.5)

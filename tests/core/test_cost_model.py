@@ -1,0 +1,134 @@
+"""Cost model: expert counting, presets, fitting, online refinement, persistence."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy.optimize import nnls as scipy_nnls
+
+from dcut_core.cost_model import (
+    TERMS,
+    CostModel,
+    OnlineCorrection,
+    StepShape,
+    expected_distinct_experts,
+    fit,
+    preset,
+)
+from dcut_core.hardware import HARDWARE, MODELS, ModelShape
+from dcut_core.nnls import nnls
+
+TINY_MOE = ModelShape("tiny", 4, 256, 4, 2, 64, 4096, 0, experts=8, top_k=2,
+                      expert_intermediate=512, moe_layers=4, param_bytes=4, act_bytes=4)
+
+
+def test_distinct_experts_match_the_published_table():
+    # PUBLISHED.md: E=256, k=8 -> 8, 30.5, 102, 163, 222, 252, 256 for n = 1 ... 256.
+    n = np.array([1, 4, 16, 32, 64, 128, 256])
+    got = expected_distinct_experts(n, 256, 8)
+    np.testing.assert_allclose(got, [8, 30.5, 102, 163, 222, 252, 256], atol=0.6)
+
+
+def test_preset_curves_are_monotone_and_moe_is_flatter_than_dense():
+    def kept_fraction_curve(model, ep):
+        cm = preset(model, "h20", ep=ep)
+        curve = cm.verify_curve(requests=64, context=64 * 1024)
+        tokens = 64 + np.array([0.25, 0.5, 0.75, 1.0]) * 64 * 16
+        return curve.seconds(tokens.astype(np.int64))
+
+    dense = kept_fraction_curve("dense-8b", 1)
+    moe = kept_fraction_curve("moe-35b-a3b", 8)
+    assert (np.diff(dense) > 0).all() and (np.diff(moe) > 0).all()
+    assert dense[-1] / dense[0] > 1.5 * (moe[-1] / moe[0])
+
+
+def test_all_to_all_term_appears_with_expert_parallelism_and_grows_across_nodes():
+    shape = StepShape(requests=32, tokens=256, context=32 * 512)
+    parts = {ep: preset("moe-35b-a3b", "h200", ep=ep).breakdown(shape) for ep in (1, 8, 16, 64)}
+    assert parts[1]["a2a_latency"] == 0 and parts[1]["a2a_bytes"] == 0
+    assert 0 < parts[8]["a2a_latency"] < parts[16]["a2a_latency"] < parts[64]["a2a_latency"]
+    # Leaving the NVLink domain (EP > 8) drops the bandwidth: the per-byte cost goes up.
+    assert preset("moe-35b-a3b", "h200", 16).coef["a2a_bytes"] > preset("moe-35b-a3b", "h200", 8).coef["a2a_bytes"]
+    assert HARDWARE["h200"].a2a_latency_s(8) == pytest.approx((77 + 114) * 1e-6)
+
+
+def test_padding_makes_a_step_function():
+    cm = preset(TINY_MOE, "cpu", pad_tokens=(8, 16, 32))
+    c = cm.verify_curve(requests=2, context=100).seconds(np.arange(1, 40))
+    assert len(np.unique(c[:8])) == 1 and len(np.unique(c[8:16])) == 1 and c[16] > c[15]
+    assert (np.diff(c) >= 0).all()
+
+
+def test_nnls_matches_scipy():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        a = rng.normal(size=(int(rng.integers(5, 30)), int(rng.integers(1, 8))))
+        b = rng.normal(size=a.shape[0])
+        ours, ref = nnls(a, b), scipy_nnls(a, b)[0]
+        assert (ours >= 0).all()
+        assert np.linalg.norm(a @ ours - b) == pytest.approx(np.linalg.norm(a @ ref - b), rel=1e-7, abs=1e-9)
+
+
+def grid_samples(model: CostModel, noise: float, seed: int) -> list[tuple[StepShape, float]]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for r in (1, 2, 4, 8, 16, 32, 64):
+        for per in (1, 2, 4, 8, 16):
+            for ctx in (64, 256, 1024):
+                s = StepShape(r, r * per, r * ctx)
+                out.append((s, model.predict(s) * (1 + noise * rng.standard_normal())))
+    return out
+
+
+def test_fit_recovers_known_parameters():
+    terms = ("fixed", "dense", "attention", "kv_read", "experts")
+    truth = CostModel(TINY_MOE, 2, {"fixed": 4e-3, "dense": 80e-6, "attention": 2e-9,
+                                    "kv_read": 5e-8, "experts": 1e-4})
+    base = CostModel(TINY_MOE, 2, dict.fromkeys(terms, 0.0))
+    exact = fit(base, grid_samples(truth, 0.0, 0), terms)
+    for t in terms:
+        assert exact.coef[t] == pytest.approx(truth.coef[t], rel=1e-6)
+    # With a2a latency in the truth: it and `fixed` are collinear at one EP size, so the fit
+    # can only find their sum.
+    truth = CostModel(TINY_MOE, 2, {"fixed": 4e-3, "dense": 80e-6, "attention": 2e-9,
+                                    "experts": 1e-4, "a2a_latency": 3e-4})
+    noisy = fit(base, grid_samples(truth, 0.01, 1), ("fixed", "dense", "attention", "experts"))
+    assert noisy.coef["fixed"] == pytest.approx(4e-3 + 4 * 3e-4, rel=0.05)
+    assert noisy.coef["dense"] == pytest.approx(80e-6, rel=0.1)
+    assert noisy.coef["experts"] == pytest.approx(1e-4, rel=0.1)
+
+
+def test_fit_rejects_bad_samples():
+    base = preset(TINY_MOE, "cpu")
+    with pytest.raises(ValueError, match="at least"):
+        fit(base, [(StepShape(1, 1, 1), 1.0)])
+    with pytest.raises(ValueError, match="positive"):
+        fit(base, [(StepShape(1, i + 1, 1), -1.0) for i in range(len(TERMS))])
+
+
+def test_online_correction_tracks_a_slower_machine_and_refits():
+    truth = preset(TINY_MOE, "cpu", ep=2)
+    slow = CostModel(TINY_MOE, 2, {k: 1.5 * v for k, v in truth.coef.items()})
+    online = OnlineCorrection(truth, halflife_steps=10)
+    samples = grid_samples(slow, 0.0, 0)
+    for shape, seconds in samples * 3:
+        online.observe(shape, seconds)
+    assert online.scale == pytest.approx(1.5, rel=1e-3)
+    s = StepShape(8, 40, 8 * 300)
+    assert online.predict(s) == pytest.approx(slow.predict(s), rel=1e-3)
+    assert online.verify_curve(8, 2400).seconds(np.array([40]))[0] == pytest.approx(slow.predict(s), rel=1e-3)
+    online.refit(("fixed", "dense", "attention", "kv_read", "experts", "expert_flops"))
+    assert online.scale == 1.0
+    assert online.predict(s) == pytest.approx(slow.predict(s), rel=0.05)
+
+
+def test_json_round_trip_and_validation():
+    cm = preset(MODELS["moe-35b-a3b"], "h100", ep=8, pad_tokens=(8, 16))
+    back = CostModel.from_json(cm.to_json())
+    assert back == CostModel(cm.model, cm.ep, cm.coef, cm.pad_tokens, cm.source)
+    with pytest.raises(ValueError, match="version"):
+        CostModel.from_json('{"version": 7}')
+    with pytest.raises(ValueError, match="non-negative"):
+        CostModel(TINY_MOE, 1, {"fixed": -1.0})
+    with pytest.raises(ValueError, match="divide"):
+        CostModel(TINY_MOE, 3, {})

@@ -1,0 +1,253 @@
+"""Pruning policies: exact hand cases, brute force optimality, hypothesis properties."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dcut_core.pruning import (
+    Ar,
+    Dcut,
+    DcutBuckets,
+    DraftBatch,
+    FixedK,
+    Full,
+    Oracle,
+    StepCost,
+    Tetris,
+    choose_kept,
+    policy_from_name,
+)
+
+
+def linear(fixed: float, per_token: float) -> StepCost:
+    return StepCost(lambda n: per_token * n.astype(np.float64), fixed)
+
+
+def objective(rows: list[np.ndarray], kept: tuple[int, ...], cost: StepCost) -> float:
+    tokens = len(rows) + sum(float(r[:k].sum()) for r, k in zip(rows, kept, strict=True))
+    return tokens / float(cost.seconds(np.array([len(rows) + sum(kept)]))[0])
+
+
+def random_rows(rng: np.random.Generator, r: int, max_drafted: int) -> list[np.ndarray]:
+    rows = []
+    for _ in range(r):
+        p = rng.uniform(0.0, 1.0, rng.integers(0, max_drafted + 1))
+        if rng.random() < 0.3:  # coarse values make exact ties common
+            p = np.round(p, 1)
+        rows.append(np.cumprod(p))
+    return rows
+
+
+def random_cost(rng: np.random.Generator) -> StepCost:
+    kind = rng.integers(3)
+    fixed, a = rng.uniform(0.1, 2.0), rng.uniform(0.0, 0.5)
+    if kind == 0:
+        return linear(fixed, a)
+    if kind == 1:  # knee: flat until a threshold, then linear
+        knee = rng.integers(1, 12)
+        return StepCost(lambda n: a * np.maximum(n - knee, 0).astype(np.float64), fixed)
+    step = rng.integers(2, 6)  # padded shapes: a step function
+    return StepCost(lambda n: a * np.ceil(n / step).astype(np.float64), fixed)
+
+
+# -- exact hand cases ---------------------------------------------------------------------------
+
+
+def test_dcut_hand_case():
+    # fixed 1, each verify token 0.1. Keeping only the 0.9 draft: (2 + 0.9) / (1 + 0.3) = 2.2308;
+    # adding 0.8·0.9 = 0.72: (2 + 1.62) / 1.4 = 2.5857; adding 0.5: (2 + 2.12) / 1.5 = 2.7467;
+    # next best 0.1 (0.72·0.139) ... the scan finds the maximum among all budgets.
+    rows = [np.array([0.9, 0.72, 0.1]), np.array([0.5, 0.05])]
+    cost = linear(1.0, 0.1)
+    kept = Dcut(guard_threshold=0.0, fill_step=False).choose(DraftBatch.from_rows(rows), cost).kept
+    best = max(itertools.product(range(4), range(3)), key=lambda k: objective(rows, k, cost))
+    assert tuple(kept) == best == (2, 1)
+
+
+def test_dcut_keeps_nothing_when_verification_is_expensive():
+    rows = [np.array([0.3, 0.1]), np.array([0.2])]
+    d = Dcut(guard_threshold=0.0).choose(DraftBatch.from_rows(rows), linear(0.0, 1.0))
+    assert d.kept.tolist() == [0, 0]
+    assert d.expected_tokens == 2.0 and d.predicted_seconds == 2.0
+
+
+def test_ties_go_to_the_smaller_budget():
+    # Constant cost and a zero-survival draft: keeping it changes nothing, so it is pruned.
+    rows = [np.array([0.5, 0.0])]
+    assert choose_kept(rows, lambda n: 1.0).tolist() == [1]
+
+
+def test_equal_survivals_are_taken_in_request_order_and_stay_prefix_closed():
+    rows = [np.array([0.5, 0.5, 0.5]), np.array([0.5, 0.5])]
+    batch = DraftBatch.from_rows(rows)
+    # per-request budget 2 -> 4 of the 5 equal values: request 0 first, both prefixes.
+    assert Tetris(2).choose(batch, linear(1, 0)).kept.tolist() == [3, 1]
+
+
+def test_low_load_guard_keeps_everything_when_the_gain_is_small():
+    rows = [np.array([0.9, 0.8, 0.3]), np.array([0.9, 0.2])]
+    batch = DraftBatch.from_rows(rows)
+    cost = linear(1.0, 0.08)  # pruning the 0.2 draft gains 1.2 %
+    exact = Dcut(guard_threshold=0.0, fill_step=False).choose(batch, cost)
+    assert exact.kept.sum() < 5 and not exact.guard
+    guarded = Dcut(guard_threshold=0.5).choose(batch, cost)
+    assert guarded.kept.tolist() == [3, 2] and guarded.guard
+
+
+def test_step_cost_is_filled_with_the_next_best_drafts():
+    # Cost jumps every 4 verify tokens; zero-survival drafts are free inside the paid step.
+    rows = [np.array([0.9, 0.0, 0.0]), np.array([0.9, 0.0])]
+    cost = StepCost(lambda n: np.ceil(n / 4.0), 0.0)
+    bare = Dcut(guard_threshold=0.0, fill_step=False).choose(DraftBatch.from_rows(rows), cost)
+    filled = Dcut(guard_threshold=0.0, fill_step=True).choose(DraftBatch.from_rows(rows), cost)
+    assert bare.kept.tolist() == [1, 1]  # 4 tokens: one step
+    assert filled.kept.sum() == 2  # 2 + 2 = 4 tokens already fill the step exactly
+    rows = [np.array([0.9, 0.0, 0.0]), np.array([0.0, 0.0])]
+    filled = Dcut(guard_threshold=0.0, fill_step=True).choose(DraftBatch.from_rows(rows), cost)
+    assert filled.kept.sum() == 2 and filled.predicted_seconds == 1.0
+
+
+def test_max_budget_caps_kept_drafts():
+    rows = [np.full(8, 0.99), np.full(8, 0.98)]
+    d = Dcut(max_budget=5).choose(DraftBatch.from_rows(rows), linear(1.0, 0.0))
+    assert d.kept.sum() == 5
+
+
+def test_simple_policies():
+    rows = [np.array([0.9, 0.5, 0.1]), np.array([0.8]), np.array([])]
+    batch = DraftBatch.from_rows(rows)
+    cost = linear(1.0, 0.1)
+    assert Ar().choose(batch, cost).kept.tolist() == [0, 0, 0]
+    assert Full().choose(batch, cost).kept.tolist() == [3, 1, 0]
+    assert FixedK(2).choose(batch, cost).kept.tolist() == [2, 1, 0]
+    assert FixedK(2).name == "fixed-2"
+    assert Tetris(1).choose(batch, cost).kept.tolist() == [2, 1, 0]  # top-3: 0.9, 0.8, 0.5
+
+
+def test_buckets_only_use_the_listed_keep_ratios():
+    rows = [np.linspace(0.9, 0.1, 8), np.linspace(0.8, 0.05, 8)]
+    batch = DraftBatch.from_rows(rows)
+    for per_token in (0.0, 0.02, 0.1, 0.5, 5.0):
+        d = DcutBuckets().choose(batch, linear(1.0, per_token))
+        assert d.kept.sum() in {4, 8, 12, 16}
+
+
+def test_oracle_keeps_exactly_the_accepted_drafts_when_tokens_cost_something():
+    rows = [np.array([0.9, 0.8, 0.7]), np.array([0.9, 0.9])]
+    batch = DraftBatch.from_rows(rows, accepted_len=[1, 2])
+    assert Oracle().choose(batch, linear(1.0, 0.01)).kept.tolist() == [1, 2]
+    with pytest.raises(ValueError):
+        Oracle().choose(DraftBatch.from_rows(rows), linear(1.0, 0.01))
+
+
+def test_bad_survivals_are_rejected():
+    with pytest.raises(ValueError, match="non-increasing"):
+        choose_kept([np.array([0.2, 0.5])], lambda n: 1.0)
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        choose_kept([np.array([1.5])], lambda n: 1.0)
+    with pytest.raises(ValueError, match="positive"):
+        choose_kept([np.array([0.5])], lambda n: 0.0)
+    # a rise across a request boundary is fine
+    assert choose_kept([np.array([0.1]), np.array([0.9])], lambda n: 1.0).tolist() == [1, 1]
+
+
+def test_policy_names():
+    assert policy_from_name("fixed-3", block=8).name == "fixed-3"
+    assert policy_from_name("dcut", block=8, guard_threshold=0.1).guard_threshold == 0.1
+    for name in ("ar", "full", "tetris", "dcut-buckets", "dcut", "oracle"):
+        assert policy_from_name(name, block=16).name == name
+    with pytest.raises(ValueError, match="unknown policy"):
+        policy_from_name("fastest", block=8)
+    with pytest.raises(ValueError):
+        policy_from_name("fixed-9", block=8)
+
+
+# -- brute force --------------------------------------------------------------------------------
+
+
+def test_dcut_reaches_the_brute_force_optimum():
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        rows = random_rows(rng, int(rng.integers(1, 5)), 5)
+        cost = random_cost(rng)
+        plans = list(itertools.product(*[range(len(r) + 1) for r in rows]))
+        values = np.array([objective(rows, k, cost) for k in plans])
+        best = values.max()
+        min_budget = min(sum(k) for k, v in zip(plans, values, strict=True) if v >= best * (1 - 1e-12))
+        kept = choose_kept(rows, lambda n, c=cost: float(c.seconds(np.array([n]))[0]))
+        assert objective(rows, tuple(kept), cost) >= best * (1 - 1e-12)
+        assert kept.sum() == min_budget
+        assert all(0 <= k <= len(r) for k, r in zip(kept, rows, strict=True))
+
+
+def test_guarded_dcut_never_loses_more_than_the_threshold():
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        rows = random_rows(rng, int(rng.integers(1, 5)), 5)
+        cost = random_cost(rng)
+        batch = DraftBatch.from_rows(rows)
+        best = Dcut(guard_threshold=0.0, fill_step=False).choose(batch, cost)
+        for policy in (Dcut(), Dcut(guard_threshold=0.1), DcutBuckets(), Tetris(2), Full()):
+            d = policy.choose(batch, cost)
+            assert d.expected_rate <= best.expected_rate * (1 + 1e-12)
+        assert Dcut(guard_threshold=0.1).choose(batch, cost).expected_rate >= best.expected_rate / 1.1
+
+
+def test_oracle_beats_every_policy_on_realised_tokens():
+    rng = np.random.default_rng(2)
+    for _ in range(200):
+        rows = random_rows(rng, int(rng.integers(1, 5)), 5)
+        acc = [int(rng.integers(0, len(r) + 1)) for r in rows]
+        batch = DraftBatch.from_rows(rows, accepted_len=acc)
+        cost = random_cost(rng)
+
+        def realised(kept, acc=acc, cost=cost):
+            toks = len(acc) + sum(min(int(k), a) for k, a in zip(kept, acc, strict=True))
+            return toks / float(cost.seconds(np.array([len(acc) + int(sum(kept))]))[0])
+
+        oracle = realised(Oracle().choose(batch, cost).kept)
+        for policy in (Dcut(), Full(), FixedK(2), Tetris(2), DcutBuckets(), Ar()):
+            assert realised(policy.choose(batch, cost).kept) <= oracle * (1 + 1e-12)
+
+
+# -- properties ---------------------------------------------------------------------------------
+
+survival_rows = st.lists(
+    st.lists(st.floats(0.0, 1.0, allow_nan=False), max_size=8).map(
+        lambda p: np.cumprod(np.array(p, dtype=np.float64))
+    ),
+    min_size=1,
+    max_size=8,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=survival_rows, budget=st.integers(0, 70))
+def test_top_budget_is_prefix_closed_and_monotone(rows, budget):
+    batch = DraftBatch.from_rows(rows)
+    total = int(batch.drafted.sum())
+    a = Dcut(max_budget=budget, guard_threshold=0.0, fill_step=False).choose(batch, linear(1, 0)).kept
+    b = Dcut(max_budget=budget + 1, guard_threshold=0.0, fill_step=False).choose(batch, linear(1, 0)).kept
+    # With free verification every positive-survival draft is worth keeping, up to the cap.
+    assert a.sum() <= min(budget, total)
+    assert (a <= batch.drafted).all() and (a >= 0).all()
+    assert (b >= a).all()  # a larger budget never drops a draft it kept before
+    kept_values = np.concatenate([r[:k] for r, k in zip(rows, a, strict=True)] + [np.zeros(0)])
+    dropped = np.concatenate([r[k:] for r, k in zip(rows, a, strict=True)] + [np.zeros(0)])
+    if len(kept_values) and len(dropped):
+        assert kept_values.min() >= dropped.max()  # the kept set is a global top-m
+
+
+@settings(max_examples=150, deadline=None)
+@given(rows=survival_rows, fixed=st.floats(0.01, 10.0), a=st.floats(0.0, 2.0), factor=st.floats(1.0, 10.0))
+def test_budget_shrinks_as_verify_tokens_get_dearer(rows, fixed, a, factor):
+    batch = DraftBatch.from_rows(rows)
+    exact = Dcut(guard_threshold=0.0, fill_step=False)
+    cheap = exact.choose(batch, linear(fixed, a)).kept.sum()
+    dear = exact.choose(batch, linear(fixed, a * factor)).kept.sum()
+    assert dear <= cheap
