@@ -120,13 +120,31 @@ class CostModel:
         return {t: float(f[i] * self.coef.get(t, 0.0)) for i, t in enumerate(TERMS)}
 
     def verify_curve(self, requests: int, context: int) -> StepCost:
-        """Step cost as a function of total verify tokens, for one batch (pruning's input)."""
-        coef = self.coef_vector()
+        """Step cost as a function of total verify tokens, for one batch (pruning's input).
+
+        The features collapse, for fixed requests and context, to
+        a + b·n + c·ceil(n / EP) + d·(1 − (1 − k/E)^n) with n the padded token count; this
+        closed form is what the scan evaluates at every budget (it equals `features @ coef`).
+        """
+        m, c, ep = self.model, self.coef, self.ep
+        moe = float(m.moe_layers) if m.is_moe else 0.0
+        req = max(requests, 1)
+        a = c.get("fixed", 0.0) + c.get("kv_read", 0.0) * context
+        a += c.get("a2a_latency", 0.0) * moe * (1.0 if ep > 1 else 0.0)
+        b = c.get("dense", 0.0) + c.get("attention", 0.0) * context / req
+        b += c.get("expert_flops", 0.0) * moe * m.top_k / ep
+        per_rank = c.get("a2a_bytes", 0.0) * moe * 2.0 * m.top_k * (ep - 1) / ep * m.hidden * m.act_bytes
+        d = c.get("experts", 0.0) * moe * m.experts / ep if m.is_moe else 0.0
+        log_miss = np.log1p(-m.top_k / m.experts) if m.is_moe and m.top_k < m.experts else -np.inf
 
         def curve(tokens: np.ndarray) -> np.ndarray:
-            n = len(tokens)
-            f = self.features(np.full(n, requests), tokens, np.full(n, context))
-            return f @ coef
+            n = self.padded(np.asarray(tokens, dtype=np.int64)).astype(np.float64)
+            out = a + b * n
+            if per_rank:
+                out += per_rank * np.ceil(n / ep)
+            if d:
+                out += d * -np.expm1(n * log_miss)
+            return out
 
         return StepCost(curve)
 

@@ -132,3 +132,11 @@ def test_json_round_trip_and_validation():
         CostModel(TINY_MOE, 1, {"fixed": -1.0})
     with pytest.raises(ValueError, match="divide"):
         CostModel(TINY_MOE, 3, {})
+
+
+def test_the_closed_form_curve_equals_the_feature_sum():
+    for cm in (preset(TINY_MOE, "cpu", ep=2, pad_tokens=(4, 16, 64)), preset("moe-35b-a3b", "h20", ep=16),
+               preset("dense-8b", "h100")):
+        tokens = np.arange(1, 300)
+        f = cm.features(np.full(len(tokens), 7), tokens, np.full(len(tokens), 7 * 333))
+        np.testing.assert_allclose(cm.verify_curve(7, 7 * 333).seconds(tokens), f @ cm.coef_vector(), rtol=1e-12)
