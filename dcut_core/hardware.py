@@ -9,6 +9,7 @@ NVLink domain (8 GPUs) for RDMA. Which preset a running machine matches is decid
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -43,7 +44,7 @@ class Hardware:
             # Inside one node, scale the EP8 figure down with log2(ep) (EP2 ≈ a third of EP8).
             d, c = _A2A_LATENCY_US[sizes[0]]
             return (d + c) * 1e-6 * math.log2(ep) / math.log2(sizes[0])
-        for lo, hi in zip(sizes, sizes[1:], strict=False):
+        for lo, hi in itertools.pairwise(sizes):
             if ep <= hi:
                 t = (math.log2(ep) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
                 return 1e-6 * ((1 - t) * sum(_A2A_LATENCY_US[lo]) + t * sum(_A2A_LATENCY_US[hi]))

@@ -1,0 +1,37 @@
+# Two commands for users: `make serve` and `make test`. Both create .venv on first use.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# The CPU wheel that lies on this kind of machine; installing it first keeps pip from resolving
+# `torch` to a multi-GB CUDA build (see docs/dependencies.md).
+TORCH := torch==2.13.0
+PIP := $(BIN)/python -m pip --disable-pip-version-check --progress-bar off
+
+.PHONY: setup serve test lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@echo "Installing into $(VENV) (log: $(VENV)/install.log) ..."
+	@$(PIP) install -q $(TORCH) > $(VENV)/install.log 2>&1 || { tail -n 30 $(VENV)/install.log; exit 1; }
+	@$(PIP) install -q -e '.[test]' >> $(VENV)/install.log 2>&1 || { tail -n 30 $(VENV)/install.log; exit 1; }
+	@touch $@
+	@echo "Installed."
+
+serve: setup
+	$(BIN)/dcut serve
+
+lint: setup
+	$(BIN)/ruff check .
+
+test: lint
+	$(BIN)/python -m pytest
+
+bench: setup
+	$(BIN)/python benchmarks/decision_time.py --out runs/bench
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

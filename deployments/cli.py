@@ -1,0 +1,91 @@
+"""The `dcut` command line (contract in DESIGN.md; change it only by adding).
+
+Every subcommand of the contract is declared here with its options, so `dcut CMD --help` is
+always complete. A subcommand whose implementation has not landed says which issue brings it
+and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from dcut_core.pruning import POLICY_NAMES
+
+NOT_YET_EXIT = 2
+
+# subcommand -> (issue number, what it needs) for the parts still to land.
+PENDING: dict[str, tuple[int, str]] = {
+    "serve": (6, "the Ray Serve deployment"),
+    "generate": (5, "the speculative-decoding engine"),
+    "bench": (7, "the benchmark harness"),
+    "profile": (3, "the expert-parallel target model"),
+    "simulate": (7, "the cluster-scale simulator"),
+}
+
+
+def _add_serve(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="settings file (YAML or JSON)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+
+
+def _add_generate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompts", nargs="*", metavar="PROMPT")
+    p.add_argument("--prompts-file", help="one prompt per line")
+    p.add_argument("--policy", default="dcut", help=f"one of {', '.join(POLICY_NAMES)} (fixed-K as fixed-4)")
+    p.add_argument("--block", type=int, default=16, help="drafter block size: drafts per request per step")
+    p.add_argument("--drafter", default="block", help="block (trained block drafter) or ngram")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks of the target")
+    p.add_argument("--drafters", type=int, default=1, help="drafter replicas")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt, in input order")
+
+
+def _add_bench(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--concurrency", default="1,4,16,64")
+    p.add_argument("--policies", default="ar,full,dcut")
+    p.add_argument("--block", type=int, default=16)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--out", default="runs/bench")
+    p.add_argument("--url", help="OpenAI-compatible endpoint to measure instead of the embedded engine")
+
+
+def _add_profile(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="cost_model.json")
+
+
+def _add_simulate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+
+
+SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
+    "serve": ("serve the bundled model over an OpenAI-compatible API", _add_serve),
+    "generate": ("generate completions with one embedded engine", _add_generate),
+    "bench": ("throughput and latency sweeps; writes results.json, CSV and plots", _add_bench),
+    "profile": ("profile the deployment's step cost and write the fitted cost model", _add_profile),
+    "simulate": ("cluster-scale what-if runs from the cost model", _add_simulate),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dcut", description="Speculative decoding with D-Cut on Ray Serve.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (help_text, add) in SUBCOMMANDS.items():
+        add(sub.add_parser(name, help=help_text, description=help_text))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    issue, what = PENDING[args.command]
+    print(f"dcut {args.command}: not available yet; it lands with {what} (issue #{issue}).", file=sys.stderr)
+    return NOT_YET_EXIT
+
+
+if __name__ == "__main__":
+    sys.exit(main())
