@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # The CPU wheel that lies on this kind of machine; installing it first keeps pip from resolving
 # `torch` to a multi-GB CUDA build (see docs/dependencies.md).
 TORCH := torch==2.13.0
-PIP := $(BIN)/python -m pip --disable-pip-version-check --progress-bar off
+PIP := $(BIN)/python -m pip --disable-pip-version-check
 
 .PHONY: setup serve test lint bench clean
 
@@ -16,8 +16,8 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@echo "Installing into $(VENV) (log: $(VENV)/install.log) ..."
-	@$(PIP) install -q $(TORCH) > $(VENV)/install.log 2>&1 || { tail -n 30 $(VENV)/install.log; exit 1; }
-	@$(PIP) install -q -e '.[test]' >> $(VENV)/install.log 2>&1 || { tail -n 30 $(VENV)/install.log; exit 1; }
+	@$(PIP) install -q --progress-bar off $(TORCH) > $(VENV)/install.log 2>&1 || { tail -n 30 $(VENV)/install.log; exit 1; }
+	@$(PIP) install -q --progress-bar off -e '.[test]' >> $(VENV)/install.log 2>&1 || { tail -n 30 $(VENV)/install.log; exit 1; }
 	@touch $@
 	@echo "Installed."
 
