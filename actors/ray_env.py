@@ -1,0 +1,40 @@
+"""Starting Ray on one machine, kept on loopback.
+
+Ray advertises the machine's external address by default and, from 2.60, turns on token
+authentication. For local runs and tests both are set off before Ray is *imported* (Ray reads
+RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER into a constant at import time) and so before any Ray process
+starts (NOTES.md: `_node_ip_address` alone does not keep listeners on 127.0.0.1). Entry points
+(the command line, tests' conftest) call `set_local_env()` first. Callers that manage a real
+cluster do not use this module.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+LOCAL_RAY_ENV = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # every listener and connection on 127.0.0.1
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "GLOO_SOCKET_IFNAME": "lo",  # gloo's EP group over loopback
+}
+
+
+def set_local_env() -> None:
+    """Apply LOCAL_RAY_ENV to this process (and so to every Ray process it starts)."""
+    for key, value in LOCAL_RAY_ENV.items():
+        os.environ.setdefault(key, value)
+
+
+def start_local_ray(num_cpus: int | None = None, **kwargs) -> None:
+    """A fresh single-node Ray on loopback (never joins a stale cluster from a temp file)."""
+    set_local_env()  # still reaches the Ray processes started below
+    import ray
+
+    if ray._private.ray_constants.ENABLE_RAY_CLUSTER:
+        log.warning("Ray was imported before set_local_env(): it will listen on the machine's address, "
+                    "not only on 127.0.0.1")
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, **kwargs)

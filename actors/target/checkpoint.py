@@ -1,0 +1,161 @@
+"""Hugging Face-format checkpoints: config.json + safetensors (single file or sharded index).
+
+Expert weights come in two layouts, both read here:
+- per-expert (transformers 4.x): `mlp.experts.{e}.gate_proj/up_proj/down_proj.weight`;
+- fused (transformers 5.x): `mlp.experts.gate_up_proj` [E, 2I, H] and `mlp.experts.down_proj`
+  [E, H, I].
+An expert-parallel rank reads only its own experts (`get_slice` on fused tensors), so no rank
+ever holds the whole expert set in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Iterator
+from contextlib import ExitStack
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from actors.target.config import MoEConfig
+from actors.target.model import MoETransformer
+
+LAYOUTS = ("fused", "per_expert")
+
+
+def _hf_name(ours: str) -> str:
+    return ours if ours.startswith("lm_head.") else f"model.{ours}"
+
+
+def _expert_prefix(layer: int) -> str:
+    return f"model.layers.{layer}.mlp.experts"
+
+
+class _Tensors:
+    """Lazy view over every tensor of a checkpoint, single-file or sharded."""
+
+    def __init__(self, model_dir: pathlib.Path, stack: ExitStack) -> None:
+        index = model_dir / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"no safetensors files in {model_dir}")
+        self._where: dict[str, object] = {}
+        for f in files:
+            handle = stack.enter_context(safe_open(str(model_dir / f), framework="pt"))
+            for key in handle.keys():  # noqa: SIM118 - safe_open handles are not mappings
+                self._where[key] = handle
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._where
+
+    def get(self, key: str) -> torch.Tensor:
+        if key not in self._where:
+            raise KeyError(f"checkpoint has no tensor {key!r}")
+        return self._where[key].get_tensor(key)
+
+    def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        return self._where[key].get_slice(key)[start:stop]
+
+
+def load_model(model_dir: str | pathlib.Path, first_expert: int = 0, local_experts: int | None = None,
+               dtype: torch.dtype = torch.float32) -> MoETransformer:
+    """Build the model from a checkpoint, holding experts [first_expert, first_expert + local)."""
+    model_dir = pathlib.Path(model_dir)
+    cfg = MoEConfig.load(model_dir)
+    count = cfg.num_experts if local_experts is None else local_experts
+    if first_expert < 0 or first_expert + count > cfg.num_experts:
+        raise ValueError(f"expert range {first_expert}+{count} outside 0..{cfg.num_experts}")
+    with torch.device("meta"):
+        model = MoETransformer(cfg, first_expert, count)
+    state: dict[str, torch.Tensor] = {}
+    with ExitStack() as stack:
+        tensors = _Tensors(model_dir, stack)
+        for name, _ in model.named_parameters():
+            if ".mlp.experts." in name:
+                continue
+            if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue
+            state[name] = tensors.get(_hf_name(name))
+        for layer, block in enumerate(layer.mlp if layer.is_moe else None for layer in model.layers):
+            if block is not None:
+                gate_up, down = _load_experts(tensors, layer, first_expert, count)
+                state[f"layers.{layer}.mlp.experts.gate_up"] = gate_up
+                state[f"layers.{layer}.mlp.experts.down"] = down
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ValueError(f"checkpoint {model_dir} lacks weights for {missing[:5]}")
+    return model.eval()
+
+
+def _load_experts(tensors: _Tensors, layer: int, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    prefix = _expert_prefix(layer)
+    if f"{prefix}.gate_up_proj" in tensors:
+        return tensors.rows(f"{prefix}.gate_up_proj", first, first + count), \
+            tensors.rows(f"{prefix}.down_proj", first, first + count)
+    if f"{prefix}.{first}.gate_proj.weight" not in tensors:
+        raise KeyError(f"layer {layer}: no expert weights in either the fused or the per-expert layout")
+    gate_up = [torch.cat([tensors.get(f"{prefix}.{e}.gate_proj.weight"), tensors.get(f"{prefix}.{e}.up_proj.weight")])
+               for e in range(first, first + count)]
+    down = [tensors.get(f"{prefix}.{e}.down_proj.weight") for e in range(first, first + count)]
+    return torch.stack(gate_up), torch.stack(down)
+
+
+def _hf_state(model: MoETransformer, layout: str) -> Iterator[tuple[str, torch.Tensor]]:
+    cfg = model.cfg
+    for name, p in model.state_dict().items():
+        if ".mlp.experts." in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue
+        yield _hf_name(name), p
+    for layer, dec in enumerate(model.layers):
+        if not dec.is_moe:
+            continue
+        ex, prefix = dec.mlp.experts, _expert_prefix(layer)
+        if layout == "fused":
+            yield f"{prefix}.gate_up_proj", ex.gate_up.data
+            yield f"{prefix}.down_proj", ex.down.data
+            continue
+        inter = ex.down.shape[2]
+        for local in range(ex.count):
+            e = ex.first + local
+            yield f"{prefix}.{e}.gate_proj.weight", ex.gate_up.data[local, :inter]
+            yield f"{prefix}.{e}.up_proj.weight", ex.gate_up.data[local, inter:]
+            yield f"{prefix}.{e}.down_proj.weight", ex.down.data[local]
+
+
+def save_model(model: MoETransformer, model_dir: str | pathlib.Path, layout: str = "fused",
+               max_shard_bytes: int | None = None) -> None:
+    """Write a full model (all experts) as config.json + safetensors in `layout`."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}")
+    if model.moe_blocks() and model.moe_blocks()[0].experts.count != model.cfg.num_experts:
+        raise ValueError("only a model holding every expert can be saved")
+    model_dir = pathlib.Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(model.cfg.to_dict(), indent=2))
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, t in _hf_state(model, layout):
+        nbytes = t.numel() * t.element_size()
+        if max_shard_bytes and size + nbytes > max_shard_bytes and shards[-1]:
+            shards.append({})
+            size = 0
+        shards[-1][key] = t.detach().contiguous().clone()
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(model_dir / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, fname))
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))

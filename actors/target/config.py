@@ -1,0 +1,127 @@
+"""Target model configuration, read from a Hugging Face `config.json` (Qwen3-MoE family)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from dataclasses import asdict, dataclass, field
+
+from dcut_core.hardware import ModelShape
+
+SUPPORTED_TYPES = ("qwen3_moe", "qwen2_moe", "dcut_moe")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Decoder-only MoE transformer: RMSNorm, RoPE, GQA, top-k softmax router, SwiGLU experts."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int  # width of dense MLP layers (layers without experts)
+    moe_intermediate_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0  # > 0: a gated shared expert (Qwen2-MoE style)
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qk_norm: bool = True  # Qwen3 normalises q and k per head; Qwen2 does not
+    attention_bias: bool = False
+    model_type: str = "qwen3_moe"
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError("num_experts_per_tok cannot exceed num_experts")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> MoEConfig:
+        model_type = d.get("model_type", "qwen3_moe")
+        if model_type not in SUPPORTED_TYPES:
+            raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_TYPES)}")
+        scaling = d.get("rope_scaling") or d.get("rope_parameters")
+        if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) != "default":
+            raise ValueError(f"rope scaling {scaling!r} is not supported")
+        if d.get("use_sliding_window"):
+            raise ValueError("sliding-window attention is not supported")
+        theta = d.get("rope_theta")
+        if theta is None and isinstance(scaling, dict):
+            theta = scaling.get("rope_theta")
+        heads = int(d["num_attention_heads"])
+        eos = d.get("eos_token_id")
+        known = {f for f in cls.__dataclass_fields__ if f != "extra"}
+        return cls(
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=int(d["hidden_size"]),
+            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(d.get("num_key_value_heads", heads)),
+            head_dim=int(d.get("head_dim") or d["hidden_size"] // heads),
+            intermediate_size=int(d.get("intermediate_size", 0)),
+            moe_intermediate_size=int(d.get("moe_intermediate_size", 0)),
+            num_experts=int(d.get("num_experts", d.get("num_local_experts", 0))),
+            num_experts_per_tok=int(d.get("num_experts_per_tok", 0)),
+            norm_topk_prob=bool(d.get("norm_topk_prob", model_type != "qwen2_moe")),
+            shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size", 0)),
+            decoder_sparse_step=int(d.get("decoder_sparse_step", 1)),
+            mlp_only_layers=tuple(d.get("mlp_only_layers", ())),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta if theta is not None else 1e6),
+            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qk_norm=bool(d.get("qk_norm", model_type != "qwen2_moe")),
+            attention_bias=bool(d.get("attention_bias", model_type == "qwen2_moe")),
+            model_type=model_type,
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=eos[0] if isinstance(eos, list) else eos,
+            extra={k: v for k, v in d.items() if k not in known},
+        )
+
+    @classmethod
+    def load(cls, model_dir: str | pathlib.Path) -> MoEConfig:
+        return cls.from_dict(json.loads((pathlib.Path(model_dir) / "config.json").read_text()))
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("extra")
+        d["mlp_only_layers"] = list(self.mlp_only_layers)
+        d["architectures"] = ["Qwen3MoeForCausalLM"] if self.model_type == "qwen3_moe" else [self.model_type]
+        d["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        d["hidden_act"] = "silu"
+        return d
+
+    def shape(self, name: str = "target", param_bytes: int = 4) -> ModelShape:
+        """What the cost model needs to know about this model."""
+        dense_layers = self.num_hidden_layers - self.moe_layers
+        return ModelShape(
+            name, self.num_hidden_layers, self.hidden_size, self.num_attention_heads,
+            self.num_key_value_heads, self.head_dim, self.vocab_size,
+            self.intermediate_size if dense_layers else 0,
+            experts=self.num_experts, top_k=self.num_experts_per_tok,
+            expert_intermediate=self.moe_intermediate_size,
+            shared_intermediate=self.shared_expert_intermediate_size,
+            moe_layers=self.moe_layers, param_bytes=param_bytes, act_bytes=param_bytes,
+        )

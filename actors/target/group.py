@@ -1,0 +1,214 @@
+"""`EPGroup`: the expert-parallel target as one unit, seen from the coordinator.
+
+Creates N `TargetWorker` actors in one placement group (PACK on a node, STRICT_SPREAD across
+nodes), forms their torch.distributed group, assigns each request to one rank (data-parallel
+attention: that rank owns its KV cache) and fans every step out to all ranks.
+
+Failure model: the group is one unit. If any rank dies, or a step exceeds `step_timeout_s`, the
+step raises `EPGroupError` at once (without waiting for the survivors, which would sit in a
+collective), every actor of the group is killed, and the group refuses further work. A batch that
+a rank rejects before any collective (KV cache full, bad token ids) raises `BatchRejected` and
+leaves the group healthy.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from actors.target.moe import StepStats
+from actors.target.worker import BatchRejected, RankBatch, TargetWorker, WorkerSpec
+
+
+class EPGroupError(RuntimeError):
+    """The EP group failed (a rank died or hung); it must be rebuilt."""
+
+
+@dataclass(frozen=True)
+class EPConfig:
+    model_dir: str
+    world: int = 1
+    placement: str = "PACK"  # or "STRICT_SPREAD": one rank per node
+    cpus_per_rank: float = 1.0
+    gpus_per_rank: float = 0.0
+    threads_per_rank: int = 1
+    kv_capacity_tokens: int = 65536  # per rank
+    kv_block_size: int = 16
+    step_timeout_s: float = 120.0
+    group_timeout_s: float = 30.0
+    start_timeout_s: float = 120.0
+
+
+@dataclass
+class TargetOutput:
+    """Per request, in the order asked: the target's rows."""
+
+    argmax: list[np.ndarray]  # [m_i] each
+    top2_gap: list[np.ndarray]
+    logits: list[np.ndarray] | None  # [m_i, V] each
+    captured: list[dict[int, np.ndarray]]  # per request: layer -> [n_i, H]
+    rank_stats: list[StepStats] = field(default_factory=list)
+    wall_s: float = 0.0
+
+
+class EPGroup:
+    """Driver-side handle of one expert-parallel target."""
+
+    def __init__(self, cfg: EPConfig) -> None:
+        self.cfg = cfg
+        self._broken: str | None = None
+        self._owner: dict[int, int] = {}  # request -> rank holding its KV cache
+        bundle = {"CPU": cfg.cpus_per_rank} | ({"GPU": cfg.gpus_per_rank} if cfg.gpus_per_rank else {})
+        self.pg = placement_group([dict(bundle) for _ in range(cfg.world)], strategy=cfg.placement)
+        try:
+            ray.get(self.pg.ready(), timeout=cfg.start_timeout_s)
+        except ray.exceptions.GetTimeoutError as exc:
+            remove_placement_group(self.pg)
+            raise EPGroupError(f"no room for {cfg.world} ranks ({cfg.placement}, {bundle} each) within "
+                               f"{cfg.start_timeout_s:.0f} s") from exc
+        backend = "nccl" if cfg.gpus_per_rank else "gloo"
+        self.workers = [
+            TargetWorker.options(
+                num_cpus=cfg.cpus_per_rank, num_gpus=cfg.gpus_per_rank,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
+            ).remote(WorkerSpec(cfg.model_dir, r, cfg.world, cfg.threads_per_rank, cfg.kv_capacity_tokens,
+                                cfg.kv_block_size, cfg.group_timeout_s, backend,
+                                "cuda" if cfg.gpus_per_rank else "cpu"))
+            for r in range(cfg.world)
+        ]
+        master = ray.get(self.workers[0].master_address.remote(), timeout=cfg.start_timeout_s)
+        self.ranks = self._gather([w.setup.remote(master) for w in self.workers], cfg.start_timeout_s)
+
+    # -- request placement ----------------------------------------------------------------------
+
+    def rank_of(self, rid: int) -> int:
+        """The rank that owns request rid's KV cache; new requests go to the least loaded rank."""
+        if rid not in self._owner:
+            load = [0] * self.cfg.world
+            for r in self._owner.values():
+                load[r] += 1
+            self._owner[rid] = int(np.argmin(load))
+        return self._owner[rid]
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def forward(self, request_ids: list[int], chunks: list[list[int]], logits: str | list[list[int]] = "all",
+                with_logits: bool = False, capture_layers: tuple[int, ...] = ()) -> TargetOutput:
+        """Append chunks[i] to request_ids[i] on its rank; rows at `logits` ("all", "last", or
+        per-request positions inside the chunk)."""
+        t0 = time.perf_counter()
+        if len(request_ids) != len(chunks) or len(set(request_ids)) != len(request_ids):
+            raise ValueError("one chunk per request, each request once")
+        new = [rid for rid in request_ids if rid not in self._owner]
+        per_rank: list[list[int]] = [[] for _ in range(self.cfg.world)]
+        for i, rid in enumerate(request_ids):
+            per_rank[self.rank_of(rid)].append(i)
+        if logits == "all":
+            rows = [len(c) for c in chunks]
+        elif logits == "last":
+            rows = [1] * len(chunks)
+        else:
+            rows = [len(p) for p in logits]
+        batches = [self._rank_batch(idx, request_ids, chunks, logits, with_logits, capture_layers)
+                   for idx in per_rank]
+        try:
+            results = self._gather([w.forward.remote(b) for w, b in zip(self.workers, batches, strict=True)],
+                                   self.cfg.step_timeout_s)
+        except BatchRejected:
+            for rid in new:  # the rejected batch placed nothing
+                del self._owner[rid]
+            raise
+        out = TargetOutput([], [], [] if with_logits else None, [], [r.stats for r in results],
+                           time.perf_counter() - t0)
+        slots: list[tuple[int, int, int, int, int]] = [(0, 0, 0, 0, 0)] * len(request_ids)
+        for r, idx in enumerate(per_rank):
+            row = tok = 0
+            for i in idx:
+                slots[i] = (r, row, row + rows[i], tok, tok + len(chunks[i]))
+                row, tok = row + rows[i], tok + len(chunks[i])
+        for r, a, b, ta, tb in slots:
+            res = results[r]
+            out.argmax.append(res.argmax[a:b])
+            out.top2_gap.append(res.top2_gap[a:b])
+            if with_logits:
+                out.logits.append(res.logits[a:b])
+            out.captured.append({layer: h[ta:tb] for layer, h in res.captured.items()})
+        return out
+
+    @staticmethod
+    def _rank_batch(idx: list[int], request_ids, chunks, logits, with_logits, capture_layers) -> RankBatch:
+        lengths = [len(chunks[i]) for i in idx]
+        cu = np.zeros(len(idx) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=cu[1:])
+        tokens = np.fromiter((t for i in idx for t in chunks[i]), dtype=np.int64, count=int(cu[-1]))
+        if logits == "all":
+            index = np.arange(int(cu[-1]), dtype=np.int64)
+        elif logits == "last":
+            index = cu[1:] - 1
+        else:
+            index = np.fromiter((cu[j] + p for j, i in enumerate(idx) for p in logits[i]), dtype=np.int64)
+        return RankBatch([request_ids[i] for i in idx], tokens, cu, index, with_logits, capture_layers)
+
+    # -- cache management -----------------------------------------------------------------------
+
+    def truncate(self, lengths: dict[int, int]) -> None:
+        """Roll back rejected drafts: request -> new cached length."""
+        per_rank: list[dict[int, int]] = [{} for _ in range(self.cfg.world)]
+        for rid, n in lengths.items():
+            per_rank[self._owner[rid]][rid] = n
+        self._gather([w.truncate.remote(p) for w, p in zip(self.workers, per_rank, strict=True) if p],
+                     self.cfg.step_timeout_s)
+
+    def release(self, request_ids: list[int]) -> None:
+        per_rank: list[list[int]] = [[] for _ in range(self.cfg.world)]
+        for rid in request_ids:
+            if rid in self._owner:
+                per_rank[self._owner.pop(rid)].append(rid)
+        self._gather([w.release.remote(p) for w, p in zip(self.workers, per_rank, strict=True) if p],
+                     self.cfg.step_timeout_s)
+
+    def cache_info(self) -> list[dict]:
+        return self._gather([w.cache_info.remote() for w in self.workers], self.cfg.step_timeout_s)
+
+    # -- failure handling -----------------------------------------------------------------------
+
+    def _gather(self, refs: list, timeout_s: float) -> list:
+        """ray.get for a group call: fail fast on the first dead rank, bounded by timeout_s."""
+        if self._broken:
+            raise EPGroupError(f"EP group is down: {self._broken}")
+        deadline = time.monotonic() + timeout_s
+        pending, rejected = list(refs), []
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                self._fail(f"step exceeded {timeout_s:.0f} s (a rank hung)")
+            try:
+                ray.get(ready[0])
+            except BatchRejected as exc:
+                rejected.append(str(getattr(exc, "cause", exc)))  # the worker's message, not the traceback
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+                self._fail(f"rank failed: {type(exc).__name__}: {str(exc).splitlines()[0]}", exc)
+        if rejected:
+            specific = [m for m in rejected if "another rank" not in m]
+            raise BatchRejected((specific or rejected)[0])
+        return ray.get(refs)
+
+    def _fail(self, reason: str, cause: BaseException | None = None) -> None:
+        self._broken = reason
+        self.shutdown()
+        raise EPGroupError(f"EP group failed: {reason}") from cause
+
+    @property
+    def healthy(self) -> bool:
+        return self._broken is None
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            ray.kill(w, no_restart=True)
+        remove_placement_group(self.pg)
+

@@ -1,0 +1,105 @@
+"""Paged KV cache: one fixed pool of token slots per rank, handed out in blocks.
+
+Memory is bounded by configuration (`capacity_tokens`); a request that would exceed it gets
+`KVCacheFull` before anything is written, so the cache is never left half-updated. Requests own
+a block table; slot of position t = table[t // block] * block + t % block. Rollback of rejected
+drafts is `truncate`, which frees whole blocks past the new length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class KVCacheFull(RuntimeError):
+    """The configured KV memory cannot hold the requested tokens."""
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    layers: int
+    kv_heads: int
+    head_dim: int
+    capacity_tokens: int
+    block_size: int = 16
+
+
+class PagedKVCache:
+    """Owns K/V tensors [layers, slots, kv_heads, head_dim] and each request's block table."""
+
+    def __init__(self, spec: CacheSpec, dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
+        if spec.capacity_tokens < spec.block_size:
+            raise ValueError("KV capacity must hold at least one block")
+        self.spec = spec
+        self.num_blocks = spec.capacity_tokens // spec.block_size
+        slots = self.num_blocks * spec.block_size
+        self.k = torch.zeros(spec.layers, slots, spec.kv_heads, spec.head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out low blocks first
+        self._tables: dict[int, list[int]] = {}
+        self._lengths: dict[int, int] = {}
+
+    # -- bookkeeping ----------------------------------------------------------------------------
+
+    def __contains__(self, rid: int) -> bool:
+        return rid in self._tables
+
+    def length(self, rid: int) -> int:
+        return self._lengths[rid]
+
+    @property
+    def free_tokens(self) -> int:
+        return len(self._free) * self.spec.block_size
+
+    @property
+    def requests(self) -> list[int]:
+        return list(self._tables)
+
+    def _blocks_needed(self, rid: int, new_len: int) -> int:
+        have = len(self._tables.get(rid, ()))
+        return max(0, -(-new_len // self.spec.block_size) - have)
+
+    def reserve(self, growth: dict[int, int]) -> None:
+        """Make room for `growth[rid]` more tokens of each request, all or nothing."""
+        need = sum(self._blocks_needed(rid, self._lengths.get(rid, 0) + n) for rid, n in growth.items())
+        if need > len(self._free):
+            raise KVCacheFull(
+                f"KV cache full: {need} blocks of {self.spec.block_size} tokens needed, "
+                f"{len(self._free)} free (capacity {self.num_blocks * self.spec.block_size} tokens)"
+            )
+        for rid, n in growth.items():
+            table = self._tables.setdefault(rid, [])
+            self._lengths.setdefault(rid, 0)
+            for _ in range(self._blocks_needed(rid, self._lengths[rid] + n)):
+                table.append(self._free.pop())
+
+    def commit(self, rid: int, n: int) -> None:
+        """Record that n tokens were written after the current end of request rid."""
+        self._lengths[rid] += n
+
+    def truncate(self, rid: int, new_len: int) -> None:
+        """Drop every token of rid at position >= new_len (rejected drafts) and free their blocks."""
+        if not 0 <= new_len <= self._lengths[rid]:
+            raise ValueError(f"cannot truncate request {rid} of length {self._lengths[rid]} to {new_len}")
+        self._lengths[rid] = new_len
+        table = self._tables[rid]
+        keep = -(-new_len // self.spec.block_size)
+        self._free.extend(reversed(table[keep:]))
+        del table[keep:]
+
+    def release(self, rid: int) -> None:
+        """Forget a finished request and free all its blocks."""
+        if rid in self._tables:
+            self._free.extend(reversed(self._tables.pop(rid)))
+            del self._lengths[rid]
+
+    # -- slot arithmetic ------------------------------------------------------------------------
+
+    def slots(self, rid: int, start: int, end: int) -> torch.Tensor:
+        """Slot index of positions start..end-1 of request rid: [end - start]."""
+        bs = self.spec.block_size
+        table = torch.tensor(self._tables[rid], dtype=torch.long)
+        pos = torch.arange(start, end)
+        return table[pos // bs] * bs + pos % bs

@@ -1,0 +1,129 @@
+"""Dense building blocks of the target: RMSNorm, rotary embedding, paged GQA attention, SwiGLU."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from actors.target.config import MoEConfig
+from actors.target.kv_cache import PagedKVCache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [N, head_dim] for the (non-interleaved, rotate-half) rotary embedding."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [N, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [N, heads, D]; cos/sin: [N, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos[:, None, :] + rotated * sin[:, None, :]).to(x.dtype)
+
+
+@dataclass
+class AttentionPlan:
+    """Where one forward's tokens go in the paged cache and who attends to what (all layers)."""
+
+    write_slots: torch.Tensor  # [N] cache slot of each new token
+    key_slots: torch.Tensor  # [R, T] cache slots of every key of each request (padded with 0)
+    mask: torch.Tensor  # [R, 1, Q, T] bool: query j of request i may attend to key t
+    q_index: torch.Tensor  # [R, Q] flat token index of each padded query (0 for padding)
+    q_valid: torch.Tensor  # [R, Q] bool
+    cos: torch.Tensor  # [N, D]
+    sin: torch.Tensor  # [N, D]
+
+
+def plan_attention(cache: PagedKVCache, request_ids: list[int], cu: torch.Tensor, starts: list[int],
+                   head_dim: int, theta: float) -> AttentionPlan:
+    """Build the per-forward attention plan. Cache blocks must already be reserved."""
+    lengths = (cu[1:] - cu[:-1]).tolist()
+    r, q, t = len(request_ids), max(lengths, default=0), max((s + n for s, n in zip(starts, lengths, strict=True)),
+                                                              default=0)
+    key_slots = torch.zeros(r, t, dtype=torch.long)
+    write = []
+    for i, (rid, s, n) in enumerate(zip(request_ids, starts, lengths, strict=True)):
+        slots = cache.slots(rid, 0, s + n)
+        key_slots[i, : s + n] = slots
+        write.append(slots[s:])
+    starts_t = torch.tensor(starts, dtype=torch.long)
+    lens_t = torch.tensor(lengths, dtype=torch.long)
+    j = torch.arange(q)
+    q_valid = j[None, :] < lens_t[:, None]  # [R, Q]
+    q_pos = starts_t[:, None] + j[None, :]  # [R, Q]
+    k_pos = torch.arange(t)
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < (starts_t + lens_t)[:, None, None])
+    mask |= (~q_valid[:, :, None]) & (k_pos[None, None, :] == 0)  # padded queries see one key: no NaN
+    q_index = torch.where(q_valid, cu[:-1, None] + j[None, :], torch.zeros((), dtype=torch.long))
+    positions = q_pos[q_valid]  # [N] in flat order
+    cos, sin = rope_cos_sin(positions, head_dim, theta)
+    write_slots = torch.cat(write) if write else torch.zeros(0, dtype=torch.long)
+    return AttentionPlan(write_slots, key_slots, mask[:, None], q_index, q_valid, cos, sin)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention over a paged KV cache, ragged batches of appended tokens."""
+
+    def __init__(self, cfg: MoEConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(h, self.heads * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, self.kv_heads * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, self.kv_heads * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x: torch.Tensor, plan: AttentionPlan, cache: PagedKVCache) -> torch.Tensor:
+        n = x.shape[0]
+        if n == 0:  # an EP rank with no requests this step still runs the MoE collectives
+            return torch.zeros_like(x)
+        q = self.q_proj(x).view(n, self.heads, self.head_dim)  # [N, H, D]
+        k = self.k_proj(x).view(n, self.kv_heads, self.head_dim)  # [N, Hkv, D]
+        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, plan.cos, plan.sin), apply_rope(k, plan.cos, plan.sin)
+        cache.k[self.layer, plan.write_slots] = k.to(cache.k.dtype)
+        cache.v[self.layer, plan.write_slots] = v.to(cache.v.dtype)
+        keys = cache.k[self.layer][plan.key_slots].transpose(1, 2)  # [R, Hkv, T, D]
+        values = cache.v[self.layer][plan.key_slots].transpose(1, 2)
+        queries = q[plan.q_index].transpose(1, 2)  # [R, H, Q, D]
+        out = F.scaled_dot_product_attention(queries, keys.to(q.dtype), values.to(q.dtype), attn_mask=plan.mask,
+                                             enable_gqa=self.heads != self.kv_heads)
+        out = out.transpose(1, 2)[plan.q_valid]  # [N, H, D] back in flat order
+        return self.o_proj(out.reshape(n, self.heads * self.head_dim))
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)): the dense MLP and the shared expert."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,56 @@
+"""`LocalTarget`: the single-process target behind the same interface as `EPGroup`.
+
+It is the reference the expert-parallel group is checked against, and the cheap path where one
+process is enough (drafter training, small tests).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from actors.target.group import TargetOutput
+from actors.target.model import ForwardBatch, MoETransformer
+from actors.target.moe import StepStats
+
+
+class LocalTarget:
+    """A model and its KV cache in this process."""
+
+    def __init__(self, model: MoETransformer, kv_capacity_tokens: int = 65536, kv_block_size: int = 16) -> None:
+        self.model = model
+        self.cache = model.new_cache(kv_capacity_tokens, kv_block_size)
+
+    def forward(self, request_ids: list[int], chunks: list[list[int]], logits: str | list[list[int]] = "all",
+                with_logits: bool = False, capture_layers: tuple[int, ...] = ()) -> TargetOutput:
+        t0 = time.perf_counter()
+        batch = ForwardBatch.from_lists(request_ids, chunks, "last" if logits == "last" else "all")
+        if not isinstance(logits, str):
+            starts = batch.cu[:-1].tolist()
+            index = [s + p for s, pos in zip(starts, logits, strict=True) for p in pos]
+            batch = ForwardBatch(batch.request_ids, batch.tokens, batch.cu, torch.tensor(index, dtype=torch.long))
+        stats = StepStats()
+        out, captured = self.model(batch, self.cache, stats, capture_layers)
+        rows = [len(c) for c in chunks] if logits == "all" else [1] * len(chunks) if logits == "last" \
+            else [len(p) for p in logits]
+        row_splits = torch.tensor(rows).cumsum(0).tolist()[:-1]
+        tok_splits = batch.cu[1:-1].tolist()
+        top2 = torch.topk(out, 2, dim=-1).values
+        split = lambda t, s: [x.numpy() for x in torch.tensor_split(t, s)]  # noqa: E731
+        return TargetOutput(
+            split(out.argmax(-1), row_splits), split(top2[:, 0] - top2[:, 1], row_splits),
+            split(out.float(), row_splits) if with_logits else None,
+            [dict(zip(captured, hs, strict=True)) for hs in zip(*[split(h, tok_splits) for h in captured.values()],
+                                                                  strict=True)]
+            if captured else [{} for _ in chunks],
+            [stats], time.perf_counter() - t0,
+        )
+
+    def truncate(self, lengths: dict[int, int]) -> None:
+        for rid, n in lengths.items():
+            self.cache.truncate(rid, n)
+
+    def release(self, request_ids: list[int]) -> None:
+        for rid in request_ids:
+            self.cache.release(rid)

@@ -1,0 +1,143 @@
+"""Sparse MoE block: top-k softmax router, SwiGLU experts, and the expert dispatch.
+
+The block computes routing and delegates "send every (token, expert) pair to the rank that
+holds the expert, run it there, bring the result back" to a `Dispatch`. With one rank that is a
+local regroup; with N ranks (`actors/target/parallel.py`) it is two `all_to_all_single` calls
+with uneven splits. Both share this module's code, so the single-process model *is* the EP model
+with N = 1.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from actors.target.config import MoEConfig
+from actors.target.layers import SwiGLU
+
+
+@dataclass
+class StepStats:
+    """Where one forward's time went on this rank, and what it sent."""
+
+    total_s: float = 0.0
+    attention_s: float = 0.0
+    experts_s: float = 0.0
+    dispatch_s: float = 0.0
+    combine_s: float = 0.0
+    bytes_sent: int = 0  # expert rows sent to other ranks, dispatch + combine
+    distinct_experts: int = 0  # Σ over MoE layers of this rank's experts that got at least one token
+    moe_layers: int = 0
+    tokens: int = 0
+    requests: int = 0
+    context: int = 0  # Σ over requests of cached tokens before this forward
+    per_layer: list[int] = field(default_factory=list, repr=False)
+
+    @property
+    def other_s(self) -> float:
+        return max(0.0, self.total_s - self.attention_s - self.experts_s - self.dispatch_s - self.combine_s)
+
+
+class LocalExperts(nn.Module):
+    """The experts this rank holds: global ids first .. first + count - 1, fused weights."""
+
+    def __init__(self, hidden: int, intermediate: int, first: int, count: int) -> None:
+        super().__init__()
+        self.first, self.count = first, count
+        self.gate_up = nn.Parameter(torch.empty(count, 2 * intermediate, hidden))  # [E_r, 2I, H]
+        self.down = nn.Parameter(torch.empty(count, hidden, intermediate))  # [E_r, H, I]
+
+    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """rows [M, H] grouped by local expert (counts[e] rows each) -> outputs [M, H]."""
+        out = torch.empty_like(rows)
+        start = 0
+        for e, c in enumerate(counts):
+            if c:
+                gate, up = F.linear(rows[start:start + c], self.gate_up[e]).chunk(2, dim=-1)
+                out[start:start + c] = F.linear(F.silu(gate) * up, self.down[e])
+                start += c
+        return out
+
+
+class Dispatch:
+    """Runs (token, expert) pairs on the experts' owners. This base class is one rank, no comms."""
+
+    world = 1
+    rank = 0
+
+    def exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        return counts
+
+    def exchange_rows(self, rows: torch.Tensor, recv: list[int], send: list[int]) -> torch.Tensor:
+        return rows
+
+    def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor,
+                 experts: LocalExperts, num_experts: int, stats: StepStats | None) -> torch.Tensor:
+        n, k = topk_idx.shape
+        flat = topk_idx.reshape(-1)  # [n·k] global expert of each pair
+        order = torch.argsort(flat, stable=True)  # sorted by expert, hence by owning rank
+        t0 = time.perf_counter()
+        send_e = torch.bincount(flat, minlength=num_experts)  # [E] pairs per global expert
+        recv_e = self.exchange_counts(send_e)  # [E]: from rank s to my expert j at s·E_r + j
+        per_rank = num_experts // self.world
+        send = send_e.view(self.world, per_rank).sum(1).tolist()
+        recv = recv_e.view(self.world, per_rank).sum(1).tolist()
+        rows = self.exchange_rows(x[order // k], recv, send)  # [Σ recv, H] by (source, expert)
+        t1 = time.perf_counter()
+        # Regroup the received rows by local expert, run them, restore the arrival order.
+        local_e = torch.repeat_interleave(torch.arange(per_rank).repeat(self.world), recv_e)
+        by_expert = torch.argsort(local_e, stable=True)
+        counts = recv_e.view(self.world, per_rank).sum(0)
+        done = torch.empty_like(rows)
+        done[by_expert] = experts(rows[by_expert], counts.tolist())
+        t2 = time.perf_counter()
+        back = self.exchange_rows(done, send, recv)  # [n·k, H] in `order`
+        t3 = time.perf_counter()
+        y = torch.empty_like(back)
+        y[order] = back
+        out = (y.view(n, k, x.shape[1]) * topk_w[..., None].to(y.dtype)).sum(1)  # fixed summation order
+        if stats is not None:
+            stats.dispatch_s += t1 - t0
+            stats.experts_s += t2 - t1
+            stats.combine_s += t3 - t2
+            stats.bytes_sent += 2 * (sum(send) - send[self.rank]) * x.shape[1] * x.element_size()
+            touched = int((counts > 0).sum())
+            stats.distinct_experts += touched
+            stats.per_layer.append(touched)
+            stats.moe_layers += 1
+        return out
+
+
+class MoEBlock(nn.Module):
+    """Router + experts (+ optional gated shared expert), Qwen3-MoE / Qwen2-MoE semantics."""
+
+    def __init__(self, cfg: MoEConfig, first_expert: int = 0, local_experts: int | None = None) -> None:
+        super().__init__()
+        self.num_experts, self.top_k, self.norm_topk = cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        count = cfg.num_experts if local_experts is None else local_experts
+        self.experts = LocalExperts(cfg.hidden_size, cfg.moe_intermediate_size, first_expert, count)
+        self.shared_expert = None
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = SwiGLU(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        self.dispatch = Dispatch()
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k experts [n, k] and their weights [n, k] for each token."""
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, idx = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return idx, weights.to(x.dtype)
+
+    def forward(self, x: torch.Tensor, stats: StepStats | None = None) -> torch.Tensor:
+        idx, weights = self.route(x)
+        out = self.dispatch(x, idx, weights, self.experts, self.num_experts, stats)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out

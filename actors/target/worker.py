@@ -1,0 +1,143 @@
+"""`TargetWorker`: one expert-parallel rank of the target, as a Ray actor.
+
+Each rank holds the dense weights, E/N experts, and the KV caches of the requests assigned to
+it (attention is data-parallel). Every forward is a collective: all ranks call it for the same
+step, each with its own requests (possibly none).
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from dataclasses import dataclass, field
+
+import numpy as np
+import ray
+import torch
+import torch.distributed as dist
+
+from actors.target.checkpoint import load_model
+from actors.target.kv_cache import KVCacheFull
+from actors.target.model import ForwardBatch, Prepared
+from actors.target.moe import StepStats
+from actors.target.parallel import apply_expert_parallel, expert_range
+
+
+class BatchRejected(ValueError):
+    """A rank refused a forward batch before any collective ran; every rank refused it too."""
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    model_dir: str
+    rank: int
+    world: int
+    threads: int = 1
+    kv_capacity_tokens: int = 65536
+    kv_block_size: int = 16
+    group_timeout_s: float = 30.0
+    backend: str = "gloo"
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class RankBatch:
+    """One rank's share of a step: ragged tokens of its own requests."""
+
+    request_ids: list[int]
+    tokens: np.ndarray  # [N] int64
+    cu: np.ndarray  # [R + 1] int64
+    logit_index: np.ndarray  # [M] flat indices into tokens
+    with_logits: bool = False
+    capture_layers: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class RankResult:
+    argmax: np.ndarray  # [M] the target's greedy token at each asked-for row
+    top2_gap: np.ndarray  # [M] logit gap between the best and second-best token (near-tie check)
+    logits: np.ndarray | None  # [M, V] float32 when asked for
+    captured: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> [N, H]
+    stats: StepStats = field(default_factory=StepStats)
+
+
+@ray.remote
+class TargetWorker:
+    """One EP rank: its expert slice, the shared dense weights, and its requests' KV caches."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        torch.set_num_threads(spec.threads)  # ranks share the machine's cores: set it, never guess
+        self.spec = spec
+        self.model = None
+        self.cache = None
+
+    def master_address(self) -> tuple[str, int]:
+        """Address for the process group's rendezvous (called on rank 0)."""
+        ip = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((ip, 0))
+            return ip, s.getsockname()[1]
+
+    def setup(self, master: tuple[str, int]) -> dict:
+        """Join the process group and load this rank's slice of the model."""
+        s = self.spec
+        if s.world > 1:
+            dist.init_process_group(s.backend, init_method=f"tcp://{master[0]}:{master[1]}", rank=s.rank,
+                                    world_size=s.world, timeout=datetime.timedelta(seconds=s.group_timeout_s))
+        first, count = expert_range(_num_experts(s.model_dir), s.rank, s.world)
+        self.model = load_model(s.model_dir, first, count).to(s.device)
+        if s.world > 1:
+            apply_expert_parallel(self.model, s.rank, s.world)
+        self.cache = self.model.new_cache(s.kv_capacity_tokens, s.kv_block_size)
+        return {"rank": s.rank, "experts": (first, count), "node": ray.get_runtime_context().get_node_id()}
+
+    def forward(self, rb: RankBatch) -> RankResult:
+        """Run this rank's part of one step (a collective when world > 1)."""
+        batch = ForwardBatch(rb.request_ids, torch.from_numpy(rb.tokens), torch.from_numpy(rb.cu),
+                             torch.from_numpy(rb.logit_index))
+        prepared, error = None, None
+        if batch.request_ids:
+            try:
+                prepared = self.model.prepare(batch, self.cache)
+            except (ValueError, KVCacheFull) as exc:
+                error = exc
+        if not self._all_agree(error is None):
+            if prepared is not None:
+                self.model.undo(prepared, self.cache)
+            raise BatchRejected(f"rank {self.spec.rank}: {error}" if error else "rejected by another rank")
+        stats = StepStats()
+        if prepared is None:  # no requests here, but the MoE collectives still need this rank
+            prepared = Prepared(batch, [], [], [])
+        logits, captured = self.model.forward(prepared, self.cache, stats, rb.capture_layers)
+        top2 = torch.topk(logits, 2, dim=-1).values if logits.shape[-1] > 1 else logits.repeat(1, 2)
+        return RankResult(
+            logits.argmax(-1).numpy(), (top2[:, 0] - top2[:, 1]).numpy(),
+            logits.float().numpy() if rb.with_logits else None,
+            {k: v.float().numpy() for k, v in captured.items()}, stats,
+        )
+
+    def _all_agree(self, ok: bool) -> bool:
+        if self.spec.world == 1:
+            return ok
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def truncate(self, lengths: dict[int, int]) -> None:
+        """Roll back rejected tokens: request -> new length."""
+        for rid, n in lengths.items():
+            self.cache.truncate(rid, n)
+
+    def release(self, request_ids: list[int]) -> None:
+        for rid in request_ids:
+            self.cache.release(rid)
+
+    def cache_info(self) -> dict:
+        return {"free_tokens": self.cache.free_tokens, "requests": len(self.cache.requests),
+                "lengths": {rid: self.cache.length(rid) for rid in self.cache.requests}}
+
+
+def _num_experts(model_dir: str) -> int:
+    from actors.target.config import MoEConfig
+
+    return MoEConfig.load(model_dir).num_experts

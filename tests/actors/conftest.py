@@ -1,0 +1,34 @@
+"""Small random checkpoints in Hugging Face format, made once per session (no downloads)."""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.target.checkpoint import save_model
+from actors.target.config import MoEConfig
+from actors.target.model import MoETransformer
+
+
+def tiny_config(**overrides) -> MoEConfig:
+    base = dict(vocab_size=96, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                mlp_only_layers=(1,), rope_theta=10000.0, max_position_embeddings=512)
+    return MoEConfig(**(base | overrides))
+
+
+def tiny_model(seed: int = 0, **overrides) -> MoETransformer:
+    model = MoETransformer(tiny_config(**overrides))
+    model.init_random(seed)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny") / "fused"
+    save_model(tiny_model(), path, layout="fused")
+    return str(path)
+
+
+@pytest.fixture
+def make_tiny():
+    return tiny_model

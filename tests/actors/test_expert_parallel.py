@@ -1,0 +1,114 @@
+"""Expert parallelism across Ray actors: exactness against one process, failures, profiling."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import ray
+
+from actors.ray_env import start_local_ray
+from actors.target.checkpoint import load_model
+from actors.target.decode import greedy_decode
+from actors.target.group import EPConfig, EPGroup, EPGroupError
+from actors.target.local import LocalTarget
+from actors.target.profile import ProfileGrid, fit_profile, run_profile
+from actors.target.worker import BatchRejected
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9], [10, 11, 12], [40, 41, 42, 43], [77, 5]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    start_local_ray(num_cpus=8)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint):
+    model = load_model(tiny_checkpoint)
+    target = LocalTarget(model)
+    first = target.forward(list(range(5)), PROMPTS, with_logits=True)
+    second = target.forward(list(range(5)), [[3, 4], [5], [6, 7, 8], [9], [10, 11]], with_logits=True)
+    greedy = greedy_decode(LocalTarget(model), list(range(5)), PROMPTS, max_new_tokens=12)
+    return first, second, greedy
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_ep_logits_and_greedy_tokens_equal_one_process(tiny_checkpoint, reference, world):
+    first_ref, second_ref, greedy_ref = reference
+    group = EPGroup(EPConfig(tiny_checkpoint, world=world, cpus_per_rank=1))
+    try:
+        first = group.forward(list(range(5)), PROMPTS, with_logits=True)
+        second = group.forward(list(range(5)), [[3, 4], [5], [6, 7, 8], [9], [10, 11]], with_logits=True)
+        for got, ref in ((first, first_ref), (second, second_ref)):
+            for a, b in zip(got.logits, ref.logits, strict=True):
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+        assert {r["experts"] for r in group.ranks} == {(r * 8 // world, 8 // world) for r in range(world)}
+        group.release(list(range(5)))
+        greedy = greedy_decode(group, [100 + i for i in range(5)], PROMPTS, max_new_tokens=12)
+        assert greedy == greedy_ref
+        if world > 1:
+            stats = second.rank_stats
+            assert all(s.dispatch_s > 0 and s.combine_s > 0 for s in stats)
+            assert sum(s.bytes_sent for s in stats) > 0
+            assert all(s.moe_layers == 2 for s in stats)  # layer 1 of 3 is dense
+    finally:
+        group.shutdown()
+
+
+def test_rank_with_no_requests_still_takes_part(tiny_checkpoint, reference):
+    group = EPGroup(EPConfig(tiny_checkpoint, world=4))
+    try:
+        out = group.forward([0], [PROMPTS[0]], with_logits=True)  # three ranks idle
+        np.testing.assert_allclose(out.logits[0], reference[0].logits[0], rtol=1e-5, atol=1e-5)
+    finally:
+        group.shutdown()
+
+
+def test_rejected_batch_leaves_the_group_serving(tiny_checkpoint):
+    group = EPGroup(EPConfig(tiny_checkpoint, world=2, kv_capacity_tokens=64, kv_block_size=16))
+    try:
+        group.forward([1, 2], [[1] * 40, [2] * 40])  # one request per rank, 3 of 4 blocks each
+        with pytest.raises(BatchRejected, match="KV cache full"):
+            group.forward([1, 2], [[1] * 30, [2]])
+        with pytest.raises(BatchRejected, match="token ids"):
+            group.forward([3], [[1000]])
+        info = group.cache_info()
+        assert sorted(len(i["lengths"]) for i in info) == [1, 1]  # request 3 was never placed
+        assert all(list(i["lengths"].values()) == [40] for i in info)
+        out = group.forward([1, 2], [[5], [6]])
+        assert group.healthy and len(out.argmax) == 2
+    finally:
+        group.shutdown()
+
+
+def test_dead_rank_fails_the_step_quickly_and_the_group_stays_down(tiny_checkpoint):
+    group = EPGroup(EPConfig(tiny_checkpoint, world=2, step_timeout_s=60, group_timeout_s=20))
+    group.forward([1, 2], [[1, 2], [3, 4]])
+    ray.kill(group.workers[1])
+    t0 = time.monotonic()
+    with pytest.raises(EPGroupError, match="rank failed"):
+        group.forward([1, 2], [[5], [6]])
+    assert time.monotonic() - t0 < 15  # the survivor is stuck in a collective; we do not wait for it
+    assert not group.healthy
+    with pytest.raises(EPGroupError, match="down"):
+        group.forward([1], [[7]])
+
+
+def test_profile_samples_fit_the_cost_model(tiny_checkpoint):
+    group = EPGroup(EPConfig(tiny_checkpoint, world=2))
+    try:
+        grid = ProfileGrid(requests=(1, 4), tokens_per_request=(1, 4, 8), contexts=(16, 48), repeats=1)
+        samples = run_profile(group, grid, vocab_size=96)
+        assert len(samples) == 12 and all(s.seconds > 0 for s in samples)
+        parts = samples[-1].breakdown()
+        assert parts["dispatch_s"] > 0 and parts["bytes_sent_max"] > 0
+        assert 0 < parts["distinct_experts_per_layer"] <= 4
+        model = fit_profile(samples, load_model(tiny_checkpoint).cfg.shape(), ep=2)
+        assert all(model.predict(s.shape) > 0 for s in samples)
+        assert group.cache_info()[0]["requests"] == 0  # profiling cleans up after itself
+    finally:
+        group.shutdown()

@@ -1,0 +1,128 @@
+"""The target model in one process: HF compatibility, ragged forward, KV cache, rollback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from actors.target.checkpoint import load_model, save_model
+from actors.target.config import MoEConfig
+from actors.target.kv_cache import KVCacheFull
+from actors.target.local import LocalTarget
+from actors.target.model import ForwardBatch
+
+
+def run(model, chunks, capacity=2048):
+    logits, _ = model(ForwardBatch.from_lists(list(range(len(chunks))), chunks), model.new_cache(capacity))
+    return logits
+
+
+@pytest.mark.parametrize("layout", ["fused", "per_expert"])
+def test_logits_equal_transformers_qwen3_moe(tmp_path, make_tiny, layout):
+    model = make_tiny(1)
+    save_model(model, tmp_path, layout=layout, max_shard_bytes=60_000 if layout == "per_expert" else None)
+    assert (tmp_path / "model.safetensors.index.json").exists() == (layout == "per_expert")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    tokens = [3, 17, 5, 90, 41, 8, 8, 60, 2]
+    with torch.no_grad():
+        ref = hf(torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(run(model, [tokens]), ref, rtol=1e-5, atol=1e-5)
+    loaded = load_model(tmp_path)
+    torch.testing.assert_close(run(loaded, [tokens]), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_checkpoint_written_by_transformers_loads(tmp_path):
+    cfg = transformers.Qwen3MoeConfig(vocab_size=80, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=8, intermediate_size=48,
+                                      moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                                      norm_topk_prob=True)
+    torch.manual_seed(0)
+    hf = transformers.Qwen3MoeForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path)
+    tokens = [1, 2, 3, 4, 70, 6]
+    with torch.no_grad():
+        ref = hf(torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(run(load_model(tmp_path), [tokens]), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_qwen2_moe_shared_expert_matches_transformers(tmp_path):
+    cfg = transformers.Qwen2MoeConfig(vocab_size=80, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=48, moe_intermediate_size=16,
+                                      shared_expert_intermediate_size=24, num_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(1)
+    hf = transformers.Qwen2MoeForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path)
+    tokens = [5, 9, 13, 2, 77]
+    with torch.no_grad():
+        ref = hf(torch.tensor([tokens])).logits[0]
+    model = load_model(tmp_path)
+    assert model.moe_blocks()[0].shared_expert is not None
+    torch.testing.assert_close(run(model, [tokens]), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_ragged_batch_equals_separate_requests_and_chunked_prefill(make_tiny):
+    model = make_tiny()
+    chunks = [[1, 2, 3, 4, 5, 6, 7], [9], [10, 11, 12]]
+    together = run(model, chunks)
+    separate = torch.cat([run(model, [c]) for c in chunks])
+    torch.testing.assert_close(together, separate, rtol=1e-5, atol=1e-5)
+    cache = model.new_cache(512, block_size=4)  # small blocks: chunks straddle block edges
+    parts = [model(ForwardBatch.from_lists([0], [c]), cache)[0] for c in ([1, 2, 3], [4, 5], [6, 7])]
+    torch.testing.assert_close(torch.cat(parts), together[:7], rtol=1e-5, atol=1e-5)
+
+
+def test_logits_only_at_requested_positions(make_tiny):
+    model = make_tiny()
+    full = run(model, [[1, 2, 3, 4]])
+    out = LocalTarget(model).forward([7], [[1, 2, 3, 4]], logits=[[1, 3]], with_logits=True)
+    torch.testing.assert_close(torch.from_numpy(out.logits[0]), full[[1, 3]], rtol=1e-6, atol=1e-6)
+
+
+def test_rollback_of_rejected_drafts(make_tiny):
+    model = make_tiny()
+    target = LocalTarget(model, kv_capacity_tokens=256, kv_block_size=4)
+    target.forward([1], [[5, 6, 7]])
+    target.forward([1], [[8, 9, 10, 11, 12, 13]])  # three drafts... all rejected
+    free_before = target.cache.free_tokens
+    target.truncate({1: 3})
+    assert target.cache.length(1) == 3 and target.cache.free_tokens > free_before
+    after = target.forward([1], [[20, 21]], with_logits=True).logits[0]
+    fresh = LocalTarget(model).forward([1], [[5, 6, 7, 20, 21]], with_logits=True).logits[0][3:]
+    torch.testing.assert_close(torch.from_numpy(after), torch.from_numpy(fresh), rtol=1e-5, atol=1e-5)
+
+
+def test_kv_capacity_is_enforced_without_corruption(make_tiny):
+    model = make_tiny()
+    target = LocalTarget(model, kv_capacity_tokens=32, kv_block_size=8)
+    target.forward([1], [list(range(1, 21))])  # 3 blocks of 4
+    free = target.cache.free_tokens
+    with pytest.raises(KVCacheFull, match="KV cache full"):
+        target.forward([1, 2], [[1, 2, 3], list(range(1, 12))])
+    assert target.cache.length(1) == 20 and 2 not in target.cache and target.cache.free_tokens == free
+    target.forward([1], [[1, 2, 3, 4]])  # still serving
+    with pytest.raises(ValueError, match="token ids"):
+        target.forward([1], [[96]])
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        LocalTarget(model, kv_capacity_tokens=2048).forward([3], [[1] * 513])
+
+
+def test_expert_slice_loading(tiny_checkpoint):
+    part = load_model(tiny_checkpoint, first_expert=4, local_experts=4)
+    full = load_model(tiny_checkpoint)
+    block_p, block_f = part.moe_blocks()[0], full.moe_blocks()[0]
+    assert block_p.experts.gate_up.shape[0] == 4
+    torch.testing.assert_close(block_p.experts.gate_up, block_f.experts.gate_up[4:])
+    with pytest.raises(ValueError, match="expert range"):
+        load_model(tiny_checkpoint, first_expert=6, local_experts=4)
+
+
+def test_config_rejects_what_we_cannot_run_exactly(tmp_path):
+    good = MoEConfig(8, 8, 1, 1, 1, 8, 8, 8, 2, 1).to_dict()
+    with pytest.raises(ValueError, match="rope scaling"):
+        MoEConfig.from_dict(good | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="model_type"):
+        MoEConfig.from_dict(good | {"model_type": "llama"})
+    with pytest.raises(ValueError, match="sliding"):
+        MoEConfig.from_dict(good | {"use_sliding_window": True})
+    assert MoEConfig.from_dict(good) == MoEConfig(8, 8, 1, 1, 1, 8, 8, 8, 2, 1)
