@@ -32,6 +32,7 @@ test: lint
 
 bench: setup
 	$(BIN)/python benchmarks/decision_time.py --out runs/bench
+	$(BIN)/python benchmarks/ep_step.py --out runs/bench
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -8,9 +8,11 @@ and exits with status 2.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Callable, Sequence
 
+from actors.ray_env import set_local_env
 from dcut_core.pruning import POLICY_NAMES
 
 NOT_YET_EXIT = 2
@@ -20,7 +22,6 @@ PENDING: dict[str, tuple[int, str]] = {
     "serve": (6, "the Ray Serve deployment"),
     "generate": (5, "the speculative-decoding engine"),
     "bench": (7, "the benchmark harness"),
-    "profile": (3, "the expert-parallel target model"),
     "simulate": (7, "the cluster-scale simulator"),
 }
 
@@ -55,10 +56,6 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", help="OpenAI-compatible endpoint to measure instead of the embedded engine")
 
 
-def _add_profile(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default="cost_model.json")
-
-
 def _add_simulate(p: argparse.ArgumentParser) -> None:
     p.add_argument("rest", nargs=argparse.REMAINDER)
 
@@ -67,7 +64,8 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = 
     "serve": ("serve the bundled model over an OpenAI-compatible API", _add_serve),
     "generate": ("generate completions with one embedded engine", _add_generate),
     "bench": ("throughput and latency sweeps; writes results.json, CSV and plots", _add_bench),
-    "profile": ("profile the deployment's step cost and write the fitted cost model", _add_profile),
+    "profile": ("profile the deployment's step cost and write the fitted cost model",
+                lambda p: _lazy("deployments.profile_command").add_arguments(p)),
     "simulate": ("cluster-scale what-if runs from the cost model", _add_simulate),
 }
 
@@ -80,8 +78,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _lazy(module: str):
+    """Import a command's module only when it is used: Ray and torch load slowly."""
+    return importlib.import_module(module)
+
+
+IMPLEMENTED = {"profile": "deployments.profile_command"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    set_local_env()  # before anything imports Ray
     args = build_parser().parse_args(argv)
+    if args.command in IMPLEMENTED:
+        return _lazy(IMPLEMENTED[args.command]).run(args)
     issue, what = PENDING[args.command]
     print(f"dcut {args.command}: not available yet; it lands with {what} (issue #{issue}).", file=sys.stderr)
     return NOT_YET_EXIT

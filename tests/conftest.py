@@ -1,8 +1,41 @@
-"""Test-wide set-up: keep every Ray process of the suite on loopback.
+"""Test-wide set-up.
 
-This runs before any test module imports Ray (Ray reads the setting at import time).
+Keeps every Ray process of the suite on loopback (this runs before any test module imports Ray,
+which reads the setting at import time), and makes small random checkpoints in Hugging Face
+format once per session (no downloads).
 """
 
 from actors.ray_env import set_local_env
 
 set_local_env()
+
+import pytest  # noqa: E402  (after set_local_env on purpose)
+
+from actors.target.checkpoint import save_model  # noqa: E402
+from actors.target.config import MoEConfig  # noqa: E402
+from actors.target.model import MoETransformer  # noqa: E402
+
+
+def tiny_config(**overrides) -> MoEConfig:
+    base = dict(vocab_size=96, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                mlp_only_layers=(1,), rope_theta=10000.0, max_position_embeddings=512)
+    return MoEConfig(**(base | overrides))
+
+
+def tiny_model(seed: int = 0, **overrides) -> MoETransformer:
+    model = MoETransformer(tiny_config(**overrides))
+    model.init_random(seed)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny") / "fused"
+    save_model(tiny_model(), path, layout="fused")
+    return str(path)
+
+
+@pytest.fixture
+def make_tiny():
+    return tiny_model
