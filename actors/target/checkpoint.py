@@ -132,8 +132,9 @@ def _hf_state(model: MoETransformer, layout: str) -> Iterator[tuple[str, torch.T
 
 
 def save_model(model: MoETransformer, model_dir: str | pathlib.Path, layout: str = "fused",
-               max_shard_bytes: int | None = None) -> None:
-    """Write a full model (all experts) as config.json + safetensors in `layout`."""
+               max_shard_bytes: int | None = None, dtype: torch.dtype | None = None) -> None:
+    """Write a full model (all experts) as config.json + safetensors in `layout`, optionally cast
+    to `dtype` (the bundled demo weights are stored in float16)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}")
     if model.moe_blocks() and model.moe_blocks()[0].experts.count != model.cfg.num_experts:
@@ -148,7 +149,7 @@ def save_model(model: MoETransformer, model_dir: str | pathlib.Path, layout: str
         if max_shard_bytes and size + nbytes > max_shard_bytes and shards[-1]:
             shards.append({})
             size = 0
-        shards[-1][key] = t.detach().contiguous().clone()
+        shards[-1][key] = t.detach().to(dtype or t.dtype).contiguous().clone()
         size += nbytes
     if len(shards) == 1:
         save_file(shards[0], str(model_dir / "model.safetensors"), metadata={"format": "pt"})

@@ -15,8 +15,9 @@ from actors.target.model import MoETransformer
 
 DEMO_TARGET = MoEConfig(
     vocab_size=4096, hidden_size=256, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
-    head_dim=64, intermediate_size=1024, moe_intermediate_size=512, num_experts=8, num_experts_per_tok=2,
-    rope_theta=10000.0, max_position_embeddings=2048, model_type="qwen3_moe",
+    head_dim=64, intermediate_size=1024, moe_intermediate_size=384, num_experts=8, num_experts_per_tok=2,
+    rope_theta=10000.0, max_position_embeddings=2048, tie_word_embeddings=True, model_type="qwen3_moe",
+    eos_token_id=0,
 )
 
 

@@ -116,6 +116,21 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(n, self.heads * self.head_dim))
 
 
+    def forward_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Causal self-attention over whole sequences, no cache (training). x: [B, T, H]."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b * t, self.heads, self.head_dim)
+        k = self.k_proj(x).view(b * t, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos.repeat(b, 1), sin.repeat(b, 1)  # [B·T, D]
+        q = apply_rope(q, cos, sin).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = apply_rope(k, cos, sin).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.heads != self.kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)): the dense MLP and the shared expert."""
 

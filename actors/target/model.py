@@ -15,7 +15,7 @@ from torch import nn
 
 from actors.target.config import MoEConfig
 from actors.target.kv_cache import CacheSpec, PagedKVCache
-from actors.target.layers import Attention, RMSNorm, SwiGLU, plan_attention
+from actors.target.layers import Attention, RMSNorm, SwiGLU, plan_attention, rope_cos_sin
 from actors.target.moe import MoEBlock, StepStats
 
 
@@ -144,6 +144,21 @@ class MoETransformer(nn.Module):
             stats.requests += len(prep.lengths)
             stats.context += sum(prep.starts)
         return logits, captured
+
+    def forward_train(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole sequences, causal, no cache (training): logits [B, T, V] and the mean
+        load-balancing loss of the MoE layers."""
+        b, t = tokens.shape
+        cos, sin = rope_cos_sin(torch.arange(t), self.cfg.head_dim, self.cfg.rope_theta)
+        x = self.embed_tokens(tokens)  # [B, T, H]
+        aux = x.new_zeros(())
+        for layer in self.layers:
+            x = x + layer.self_attn.forward_dense(layer.input_layernorm(x), cos, sin)
+            h = layer.post_attention_layernorm(x).reshape(b * t, -1)
+            if layer.is_moe:
+                aux = aux + layer.mlp.load_balance_loss(h)
+            x = x + layer.mlp(h).view(b, t, -1)
+        return self.lm_head(self.norm(x)), aux / max(1, len(self.moe_blocks()))
 
     def init_random(self, seed: int, std: float = 0.02) -> None:
         """Deterministic random weights for tests and profiling (norms near 1, the rest small)."""

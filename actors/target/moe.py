@@ -135,6 +135,15 @@ class MoEBlock(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return idx, weights.to(x.dtype)
 
+    def load_balance_loss(self, x: torch.Tensor) -> torch.Tensor:
+        """Switch-style auxiliary loss E · Σ_e (fraction routed to e) · (mean router prob of e);
+        1.0 when routing is uniform. Training only."""
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # [n, E]
+        chosen = torch.topk(probs, self.top_k, dim=-1).indices
+        fraction = torch.zeros(self.num_experts).index_add_(0, chosen.reshape(-1), torch.ones(chosen.numel()))
+        fraction = fraction / chosen.numel()
+        return self.num_experts * (fraction * probs.mean(0)).sum()
+
     def forward(self, x: torch.Tensor, stats: StepStats | None = None) -> torch.Tensor:
         idx, weights = self.route(x)
         out = self.dispatch(x, idx, weights, self.experts, self.num_experts, stats)
