@@ -1,0 +1,35 @@
+"""What every drafter takes and returns (block drafter and n-gram drafter alike)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class DraftOutput:
+    """Drafts of one pass for R requests, ragged: flat arrays + offsets."""
+
+    tokens: np.ndarray  # [N] int64
+    cu: np.ndarray  # [R + 1]
+    confidence: np.ndarray  # [N] probability the drafter gave the drafted token
+    margin: np.ndarray  # [N] top-1 minus top-2 probability
+    probs: np.ndarray | None = None  # [N, V] the distribution each draft was drawn from (sampling only)
+
+
+class Drafter(Protocol):
+    """Drafts for a batch of requests; owns whatever per-request state it keeps."""
+
+    def draft(self, request_ids: list[int], last_tokens: list[int], lengths: list[int],
+              temperature: float = 0.0, rng: np.random.Generator | None = None) -> DraftOutput:
+        """Up to lengths[i] drafts for request i following last_tokens[i] (its newest token)."""
+        ...
+
+    def commit(self, request_ids: list[int], tokens: list[list[int]], hidden: list[dict]) -> None:
+        """Newly committed tokens of each request, and the target's hidden states (layer ->
+        [m_i, H]) at those of them the target has processed (all but the newest)."""
+        ...
+
+    def release(self, request_ids: list[int]) -> None: ...

@@ -1,0 +1,111 @@
+"""`BlockDrafter`: runs the block drafter for a batch of requests with cached context features.
+
+Per request it keeps, in a paged cache like the target's, each drafter layer's keys and values
+of every committed position whose target hidden states are known. `extend` adds them as tokens
+commit (projection done once per token), `truncate` rolls back, `draft` runs one block pass.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from actors.drafter.base import DraftOutput
+from actors.drafter.model import DraftModel
+from actors.target.kv_cache import CacheSpec, PagedKVCache
+
+
+class BlockDrafter:
+    """Drafts K − 1 tokens per request per pass; owns the drafter's context caches."""
+
+    def __init__(self, model: DraftModel, capacity_tokens: int = 65536, block_size: int | None = None) -> None:
+        cfg = model.cfg
+        self.model = model
+        self.block = block_size or cfg.block_size
+        if not 2 <= self.block <= cfg.block_size:
+            raise ValueError(f"block size must be in 2..{cfg.block_size}")
+        spec = CacheSpec(cfg.num_layers, cfg.num_key_value_heads, cfg.head_dim, capacity_tokens)
+        self.cache = PagedKVCache(spec)
+
+    @property
+    def target_layers(self) -> tuple[int, ...]:
+        return self.model.cfg.target_layers
+
+    def context_length(self, rid: int) -> int:
+        return self.cache.length(rid) if rid in self.cache else 0
+
+    @torch.inference_mode()
+    def extend(self, request_ids: list[int], hidden: list[dict[int, np.ndarray | torch.Tensor]]) -> None:
+        """Append committed positions: hidden[i][layer] is [n_i, H] target states after `layer`."""
+        feats, rows = [], []
+        for rid, h in zip(request_ids, hidden, strict=True):
+            x = torch.cat([torch.as_tensor(h[layer]).float() for layer in self.target_layers], dim=-1)
+            feats.append(x)
+            rows.append(x.shape[0])
+        growth = {rid: n for rid, n in zip(request_ids, rows, strict=True) if n}
+        if not growth:
+            return
+        self.cache.reserve(growth)
+        starts = [self.context_length(rid) for rid in request_ids]
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, rows, strict=True)])
+        slots = torch.cat([self.cache.slots(rid, s, s + n) for rid, s, n in zip(request_ids, starts, rows,
+                                                                                  strict=True) if n])
+        proj = self.model.project(torch.cat(feats))  # [Σn, H]
+        cos, sin = self.model.rope(positions)
+        for i, layer in enumerate(self.model.layers):
+            k, v = layer.context_kv(proj, cos, sin)
+            self.cache.k[i, slots], self.cache.v[i, slots] = k, v
+        for rid, n in growth.items():
+            self.cache.commit(rid, n)
+
+    def commit(self, request_ids: list[int], tokens: list[list[int]], hidden: list[dict]) -> None:
+        """Newly committed tokens; only their target hidden states matter here (`extend`)."""
+        self.extend(request_ids, hidden)
+
+    def truncate(self, lengths: dict[int, int]) -> None:
+        for rid, n in lengths.items():
+            self.cache.truncate(rid, n)
+
+    def release(self, request_ids: list[int]) -> None:
+        for rid in request_ids:
+            self.cache.release(rid)
+
+    @torch.inference_mode()
+    def draft(self, request_ids: list[int], last_tokens: list[int], lengths: list[int], temperature: float = 0.0,
+              rng: np.random.Generator | None = None) -> DraftOutput:
+        """lengths[i] (≤ block − 1) drafts for request i; the LM head runs only on those rows."""
+        lengths = [min(n, self.block - 1) for n in lengths]
+        b = len(request_ids)
+        ctx = [self.context_length(rid) for rid in request_ids]
+        t = max(ctx, default=0)
+        key_slots = torch.zeros(b, t, dtype=torch.long)
+        for i, (rid, n) in enumerate(zip(request_ids, ctx, strict=True)):
+            if n:
+                key_slots[i, :n] = self.cache.slots(rid, 0, n)
+        mask = torch.arange(t)[None, :] < torch.tensor(ctx)[:, None]  # [B, T]
+        ctx_kv = [(self.cache.k[i][key_slots], self.cache.v[i][key_slots]) for i in range(len(self.model.layers))]
+        hidden = self.model.block_hidden(torch.tensor(last_tokens), torch.tensor(ctx), ctx_kv, mask, self.block)
+        pick = torch.arange(self.block)[None, :]
+        want = (pick >= 1) & (pick <= torch.tensor(lengths)[:, None])  # [B, K] rows that may be kept
+        logits = self.model.logits(hidden[want]).float()  # [N, V]
+        return sample_drafts(logits, lengths, temperature, rng)
+
+
+def sample_drafts(logits: torch.Tensor, lengths: list[int], temperature: float,
+                  rng: np.random.Generator | None) -> DraftOutput:
+    """Greedy (temperature 0) or sampled drafts with their confidence and top-2 margin."""
+    cu = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=cu[1:])
+    if temperature > 0:
+        probs = torch.softmax(logits / temperature, dim=-1)
+        u = torch.from_numpy((rng or np.random.default_rng()).random(len(logits)))
+        tokens = torch.searchsorted(probs.double().cumsum(-1), (u * probs.double().sum(-1))[:, None]).squeeze(-1)
+        tokens = tokens.clamp_max(probs.shape[-1] - 1)
+    else:
+        probs = torch.softmax(logits, dim=-1)
+        tokens = probs.argmax(-1)
+    top2 = torch.topk(probs, 2, dim=-1).values
+    conf = probs.gather(-1, tokens[:, None]).squeeze(-1)
+    return DraftOutput(tokens.numpy().astype(np.int64), cu, conf.numpy().astype(np.float64),
+                       (top2[:, 0] - top2[:, 1]).numpy().astype(np.float64),
+                       probs.numpy() if temperature > 0 else None)

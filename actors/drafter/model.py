@@ -1,0 +1,147 @@
+"""The block-parallel drafter (DFlash/DFly family): one forward pass drafts a whole block.
+
+Input block for a request whose last committed token t sits at position p:
+`[t, MASK, ..., MASK]` (K positions p .. p+K−1). The drafter's attention sees
+- the request's context: target hidden states taken after a few target layers at every
+  committed position < p, concatenated and projected once per committed token, then turned into
+  each drafter layer's keys and values and cached (`DraftCache`), never recomputed;
+- the block itself, bidirectionally.
+Block output j (1 ≤ j < K) predicts the token at position p + j: K − 1 drafts per pass. The
+token embedding and the LM head are the target's own (shared, frozen).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from actors.target.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    hidden_size: int
+    target_layers: tuple[int, ...]  # 1-based target layers whose outputs condition the drafter
+    num_layers: int = 1
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    intermediate_size: int = 768
+    block_size: int = 16  # K: K − 1 drafts per pass
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def load(cls, path: str | pathlib.Path) -> DraftConfig:
+        d = json.loads(pathlib.Path(path).read_text())
+        d["target_layers"] = tuple(d["target_layers"])
+        return cls(**d)
+
+
+class DraftLayer(nn.Module):
+    """Pre-norm layer: attention of block queries over [context ++ block], then SwiGLU."""
+
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.norm_in = RMSNorm(h, cfg.rms_norm_eps)
+        self.norm_ctx = RMSNorm(h, cfg.rms_norm_eps)
+        self.q_proj = nn.Linear(h, self.heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, self.kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.heads * d, h, bias=False)
+        self.norm_mlp = RMSNorm(h, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(h, cfg.intermediate_size)
+
+    def context_kv(self, feats: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [n, Hkv, D] of projected context features [n, H] at their positions."""
+        n = feats.shape[0]
+        x = self.norm_ctx(feats)
+        k = apply_rope(self.k_proj(x).view(n, self.kv_heads, self.head_dim), cos, sin)
+        return k, self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor,
+                ctx_v: torch.Tensor, ctx_mask: torch.Tensor) -> torch.Tensor:
+        """x: [B, K, H] blocks; cos/sin: [B·K, D]; ctx_k/v: [B, T, Hkv, D]; ctx_mask: [B, T]."""
+        b, k, _ = x.shape
+        h = self.norm_in(x).reshape(b * k, -1)
+        q = apply_rope(self.q_proj(h).view(b * k, self.heads, self.head_dim), cos, sin)
+        bk = apply_rope(self.k_proj(h).view(b * k, self.kv_heads, self.head_dim), cos, sin)
+        bv = self.v_proj(h).view(b * k, self.kv_heads, self.head_dim)
+        keys = torch.cat([ctx_k, bk.view(b, k, self.kv_heads, self.head_dim)], 1).transpose(1, 2)
+        values = torch.cat([ctx_v, bv.view(b, k, self.kv_heads, self.head_dim)], 1).transpose(1, 2)
+        mask = torch.cat([ctx_mask, ctx_mask.new_ones(b, k)], 1)[:, None, None, :]  # [B, 1, 1, T + K]
+        q = q.view(b, k, self.heads, self.head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
+        x = x + self.o_proj(out.transpose(1, 2).reshape(b, k, -1))
+        return x + self.mlp(self.norm_mlp(x))
+
+
+class DraftModel(nn.Module):
+    """The drafter's own weights; embedding and LM head are borrowed from the target."""
+
+    def __init__(self, cfg: DraftConfig, embed: nn.Embedding, lm_head: nn.Linear) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.ctx_proj = nn.Linear(len(cfg.target_layers) * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.mask_embedding = nn.Parameter(torch.zeros(cfg.hidden_size))
+        self.layers = nn.ModuleList([DraftLayer(cfg) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self._shared = (embed, lm_head)  # a tuple: not registered, not saved, not trained
+
+    @property
+    def embed(self) -> nn.Embedding:
+        return self._shared[0]
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self._shared[1]
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Concatenated target hidden states [n, L·H] -> context features [n, H]."""
+        return self.ctx_proj(hidden)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_cos_sin(positions.reshape(-1), self.cfg.head_dim, self.cfg.rope_theta)
+
+    def block_hidden(self, last_tokens: torch.Tensor, positions: torch.Tensor, ctx_kv: list[tuple[torch.Tensor,
+                     torch.Tensor]], ctx_mask: torch.Tensor, block: int) -> torch.Tensor:
+        """Final hidden states [B, K, H] of B blocks starting at `positions` [B] with `last_tokens` [B]."""
+        b = last_tokens.shape[0]
+        x = self.mask_embedding.expand(b, block, -1).clone()
+        x[:, 0] = self.embed(last_tokens)
+        cos, sin = self.rope(positions[:, None] + torch.arange(block)[None, :])
+        for layer, (k, v) in zip(self.layers, ctx_kv, strict=True):
+            x = layer(x, cos, sin, k, v, ctx_mask)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def save(self, path: str | pathlib.Path, dtype: torch.dtype = torch.float16) -> None:
+        from safetensors.torch import save_file
+
+        path = pathlib.Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "drafter_config.json").write_text(self.cfg.to_json())
+        state = {k: v.detach().to(dtype).contiguous() for k, v in self.state_dict().items()}
+        save_file(state, str(path / "drafter.safetensors"), metadata={"format": "pt"})
+
+    @classmethod
+    def load(cls, path: str | pathlib.Path, embed: nn.Embedding, lm_head: nn.Linear) -> DraftModel:
+        from safetensors.torch import load_file
+
+        path = pathlib.Path(path)
+        model = cls(DraftConfig.load(path / "drafter_config.json"), embed, lm_head)
+        state = load_file(str(path / "drafter.safetensors"))
+        model.load_state_dict({k: v.float() for k, v in state.items()})
+        return model.eval()

@@ -1,0 +1,89 @@
+"""Drafters: n-gram exact cases, block-drafter cache consistency, lossless speculative decoding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from actors.drafter.block import BlockDrafter
+from actors.drafter.model import DraftConfig, DraftModel
+from actors.drafter.ngram import NgramDrafter
+from actors.drafter.speculate import speculative_greedy
+from actors.target.decode import greedy_decode
+from actors.target.local import LocalTarget
+from actors.target.model import ForwardBatch
+
+
+def test_ngram_follows_the_most_recent_match_with_match_statistics():
+    d = NgramDrafter(max_n=3)
+    d.commit([1], [[1, 2, 3, 9, 1, 2, 3]])
+    out = d.draft([1], [3], [3])
+    assert out.tokens.tolist() == [9, 1, 2]
+    np.testing.assert_allclose(out.confidence, (1 + 0.75) / 2)  # one match, prior 3/4 for n = 3
+    np.testing.assert_allclose(out.margin, 1.0)
+    # Two earlier "5 6" continuations disagree: the most recent wins, with half the evidence.
+    d.commit([2], [[5, 6, 7, 5, 6, 8, 0, 5, 6]])
+    out = d.draft([2], [6], [2])
+    assert out.tokens.tolist() == [8, 0]
+    assert out.confidence[0] == pytest.approx((1 + 2 / 3) / 3)
+    assert out.margin[0] == pytest.approx(0.0)
+    assert out.confidence[1] == pytest.approx((1 + 2 / 3) / 2)  # only the agreeing match is left
+
+
+def test_ngram_without_a_match_drafts_nothing_and_checks_history():
+    d = NgramDrafter()
+    d.commit([1, 2], [[1, 2, 3, 4], [7]])
+    out = d.draft([1, 2], [4, 7], [5, 5])
+    assert out.cu.tolist() == [0, 0, 0]
+    with pytest.raises(ValueError, match="history"):
+        d.draft([1], [9], [2])
+
+
+def tiny_drafter(target, block=8):
+    cfg = DraftConfig(64, (1, 3), num_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      intermediate_size=64, block_size=block, rope_theta=10000.0)
+    torch.manual_seed(3)
+    model = DraftModel(cfg, target.embed_tokens, target.lm_head)
+    with torch.no_grad():
+        model.mask_embedding.normal_()
+    return model.eval()
+
+
+def test_block_drafter_cache_path_equals_the_training_path(make_tiny):
+    target = make_tiny()
+    model = tiny_drafter(target)
+    toks = torch.randint(0, 96, (30,), generator=torch.Generator().manual_seed(0))
+    _, cap = target(ForwardBatch.from_lists([0], [toks.tolist()]), target.new_cache(256), capture_layers=(1, 3))
+    p = 17
+    drafter = BlockDrafter(model)
+    drafter.extend([5], [{k: v[:9] for k, v in cap.items()}])  # in two installments
+    drafter.extend([5], [{k: v[9:p] for k, v in cap.items()}])
+    drafter.extend([6], [{k: v[:4] for k, v in cap.items()}])  # another request, shorter context
+    out = drafter.draft([6, 5], [int(toks[4]), int(toks[p])], [2, 7])
+    with torch.no_grad():
+        proj = model.project(torch.cat([cap[1], cap[3]], -1))
+        cos, sin = model.rope(torch.arange(30))
+        kv = [layer.context_kv(proj, cos, sin) for layer in model.layers]
+        mask = (torch.arange(30) < p)[None]
+        h = model.block_hidden(toks[p:p + 1], torch.tensor([p]), [(k[None], v[None]) for k, v in kv], mask, 8)
+        probs = torch.softmax(model.logits(h[0, 1:]), -1)
+    assert out.cu.tolist() == [0, 2, 9]
+    assert out.tokens[2:].tolist() == probs.argmax(-1).tolist()
+    np.testing.assert_allclose(out.confidence[2:], probs.max(-1).values.numpy(), rtol=1e-5)
+    drafter.truncate({5: 10})
+    assert drafter.context_length(5) == 10
+
+
+@pytest.mark.parametrize("kind", ["ngram", "block"])
+def test_speculative_greedy_is_lossless(make_tiny, kind):
+    target = make_tiny()
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [50, 51], [7, 7, 7, 7, 9, 10, 11]]
+    ref = greedy_decode(LocalTarget(target), [0, 1, 2], prompts, max_new_tokens=20)
+    drafter = NgramDrafter() if kind == "ngram" else BlockDrafter(tiny_drafter(target))
+    layers = () if kind == "ngram" else (1, 3)
+    trace = speculative_greedy(LocalTarget(target), drafter, [0, 1, 2], prompts, 20, 5, layers)
+    assert trace.tokens == ref
+    assert all(0 <= a <= d for acc, dr in zip(trace.accepted, trace.drafted, strict=True)
+               for a, d in zip(acc, dr, strict=True))
+    assert trace.mat() >= 1.0
