@@ -122,14 +122,19 @@ def main() -> None:
     per_request = {}
     for name in ("block", "ngram"):
         for block in (4, 8, 16):
-            drafter = BlockDrafter(drafter_model, block_size=block) if name == "block" else NgramDrafter(block_size=block)
-            layers = drafter_model.cfg.target_layers if name == "block" else ()
-            trace = speculative_greedy(LocalTarget(target), drafter, ids, prompts, args.new_tokens, block - 1, layers)
+            if name == "block":
+                drafter, layers = BlockDrafter(drafter_model, block_size=block), drafter_model.cfg.target_layers
+            else:
+                drafter, layers = NgramDrafter(block_size=block), ()
+            trace = speculative_greedy(LocalTarget(target), drafter, ids, prompts, args.new_tokens, block - 1,
+                                       layers)
             assert trace.tokens == ar, "speculative output differs from plain greedy decoding"
             j = judged(trace)
-            result[f"{name}_b{block}"] = {"mat": trace.mat(), "mat_per_request_min": float(trace.mat_per_request().min()),
-                                          "mat_per_request_max": float(trace.mat_per_request().max()),
-                                          "acceptance_by_position": by_position(j, block - 1), **calibration(j, block)}
+            mats = trace.mat_per_request()
+            result[f"{name}_b{block}"] = {"mat": trace.mat(), "mat_per_request_min": float(mats.min()),
+                                          "mat_per_request_max": float(mats.max()),
+                                          "acceptance_by_position": by_position(j, block - 1),
+                                          **calibration(j, block)}
             per_request[f"{name}_b{block}"] = trace.mat_per_request().tolist()
     result["cost"] = drafting_cost(target, BlockDrafter(drafter_model, block_size=16), val, rng)
     out = pathlib.Path(args.out)

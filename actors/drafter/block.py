@@ -38,7 +38,7 @@ class BlockDrafter:
     def extend(self, request_ids: list[int], hidden: list[dict[int, np.ndarray | torch.Tensor]]) -> None:
         """Append committed positions: hidden[i][layer] is [n_i, H] target states after `layer`."""
         feats, rows = [], []
-        for rid, h in zip(request_ids, hidden, strict=True):
+        for h in hidden:
             x = torch.cat([torch.as_tensor(h[layer]).float() for layer in self.target_layers], dim=-1)
             feats.append(x)
             rows.append(x.shape[0])

@@ -62,7 +62,8 @@ class DraftLayer(nn.Module):
         self.norm_mlp = RMSNorm(h, cfg.rms_norm_eps)
         self.mlp = SwiGLU(h, cfg.intermediate_size)
 
-    def context_kv(self, feats: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def context_kv(self, feats: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [n, Hkv, D] of projected context features [n, H] at their positions."""
         n = feats.shape[0]
         x = self.norm_ctx(feats)

@@ -38,7 +38,7 @@ def speculative_greedy(target, drafter, request_ids: list[int], prompts: list[li
     r = len(prompts)
     pre = target.forward(request_ids, prompts, logits="last", capture_layers=capture_layers)
     last = [int(a[-1]) for a in pre.argmax]
-    drafter.commit(request_ids, [list(p) + [t] for p, t in zip(prompts, last, strict=True)], pre.captured)
+    drafter.commit(request_ids, [[*p, t] for p, t in zip(prompts, last, strict=True)], pre.captured)
     lengths = [len(p) for p in prompts]  # tokens in the target's cache
     trace = SpecTrace([[t] for t in last], [[] for _ in range(r)], [[] for _ in range(r)], [[] for _ in range(r)],
                       [[] for _ in range(r)])
