@@ -138,7 +138,7 @@ def _scan(batch: DraftBatch, cost: StepCost, max_budget: int | None = None) -> _
     return _Scan(order_desc, tokens, seconds)
 
 
-def _kept_top_m(batch: DraftBatch, order_desc: np.ndarray, m: int) -> np.ndarray:
+def kept_top_m(batch: DraftBatch, order_desc: np.ndarray, m: int) -> np.ndarray:
     """Kept counts [R] of the global top-m survivals; ties broken by (request, position).
 
     Entries above the m-th value are all kept; of those equal to it, the first ones in flat
@@ -219,7 +219,7 @@ class Tetris:
     def choose(self, batch: DraftBatch, cost: StepCost) -> PruneDecision:
         order_desc = np.sort(batch.survival)[::-1]
         m = min(len(order_desc), self.per_request * batch.num_requests)
-        return _decision(batch, cost, _kept_top_m(batch, order_desc, m))
+        return _decision(batch, cost, kept_top_m(batch, order_desc, m))
 
 
 @dataclass(frozen=True)
@@ -234,7 +234,7 @@ class DcutBuckets:
         total = len(scan.order_desc)
         candidates = np.array(sorted({round(r * total) for r in self.ratios}), dtype=np.int64)
         m = best_budget(scan.rate, candidates)
-        return _decision(batch, cost, _kept_top_m(batch, scan.order_desc, m))
+        return _decision(batch, cost, kept_top_m(batch, scan.order_desc, m))
 
 
 @dataclass(frozen=True)
@@ -260,12 +260,12 @@ class Dcut:
         rate = scan.rate
         m = best_budget(rate)
         if rate[m] < rate[m_all] * (1.0 + self.guard_threshold):
-            return _decision(batch, cost, _kept_top_m(batch, scan.order_desc, m_all), guard=m != m_all)
+            return _decision(batch, cost, kept_top_m(batch, scan.order_desc, m_all), guard=m != m_all)
         if self.fill_step:
             paid = scan.seconds[m] * (1.0 + 1e-12)
             over = np.nonzero(scan.seconds[m:] > paid)[0]
             m = m_all if len(over) == 0 else m + int(over[0]) - 1
-        return _decision(batch, cost, _kept_top_m(batch, scan.order_desc, m))
+        return _decision(batch, cost, kept_top_m(batch, scan.order_desc, m))
 
 
 @dataclass(frozen=True)
@@ -280,7 +280,7 @@ class Oracle:
         truth = (ragged.positions(batch.cu_drafted) < np.repeat(batch.accepted_len, batch.drafted))
         known = DraftBatch(truth.astype(np.float64), batch.cu_drafted)
         scan = _scan(known, cost)
-        kept = _kept_top_m(known, scan.order_desc, best_budget(scan.rate))
+        kept = kept_top_m(known, scan.order_desc, best_budget(scan.rate))
         return _decision(known, cost, kept)
 
 

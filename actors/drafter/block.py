@@ -39,6 +39,9 @@ class BlockDrafter:
         """Append committed positions: hidden[i][layer] is [n_i, H] target states after `layer`."""
         feats, rows = [], []
         for h in hidden:
+            if not h:  # tokens the target has not processed yet carry no features
+                rows.append(0)
+                continue
             x = torch.cat([torch.as_tensor(h[layer]).float() for layer in self.target_layers], dim=-1)
             feats.append(x)
             rows.append(x.shape[0])

@@ -54,6 +54,7 @@ class TargetOutput:
     captured: list[dict[int, np.ndarray]]  # per request: layer -> [n_i, H]
     rank_stats: list[StepStats] = field(default_factory=list)
     wall_s: float = 0.0
+    probs: list[np.ndarray] | None = None  # [m_i, V] each, when sampling was asked for
 
 
 class EPGroup:
@@ -98,9 +99,11 @@ class EPGroup:
     # -- one step -------------------------------------------------------------------------------
 
     def forward(self, request_ids: list[int], chunks: list[list[int]], logits: str | list[list[int]] = "all",
-                with_logits: bool = False, capture_layers: tuple[int, ...] = ()) -> TargetOutput:
+                with_logits: bool = False, capture_layers: tuple[int, ...] = (),
+                sampling: list[tuple[float, float]] | None = None) -> TargetOutput:
         """Append chunks[i] to request_ids[i] on its rank; rows at `logits` ("all", "last", or
-        per-request positions inside the chunk)."""
+        per-request positions inside the chunk). `sampling[i]` = (temperature, top_p): requests
+        with temperature > 0 get the target's sampling probabilities of their rows."""
         t0 = time.perf_counter()
         if len(request_ids) != len(chunks) or len(set(request_ids)) != len(request_ids):
             raise ValueError("one chunk per request, each request once")
@@ -114,7 +117,7 @@ class EPGroup:
             rows = [1] * len(chunks)
         else:
             rows = [len(p) for p in logits]
-        batches = [self._rank_batch(idx, request_ids, chunks, logits, with_logits, capture_layers)
+        batches = [self._rank_batch(idx, request_ids, chunks, logits, with_logits, capture_layers, rows, sampling)
                    for idx in per_rank]
         try:
             results = self._gather([w.forward.remote(b) for w, b in zip(self.workers, batches, strict=True)],
@@ -124,7 +127,7 @@ class EPGroup:
                 del self._owner[rid]
             raise
         out = TargetOutput([], [], [] if with_logits else None, [], [r.stats for r in results],
-                           time.perf_counter() - t0)
+                           time.perf_counter() - t0, [] if any(r.probs is not None for r in results) else None)
         slots: list[tuple[int, int, int, int, int]] = [(0, 0, 0, 0, 0)] * len(request_ids)
         for r, idx in enumerate(per_rank):
             row = tok = 0
@@ -137,11 +140,14 @@ class EPGroup:
             out.top2_gap.append(res.top2_gap[a:b])
             if with_logits:
                 out.logits.append(res.logits[a:b])
+            if out.probs is not None:
+                out.probs.append(res.probs[a:b] if res.probs is not None else None)
             out.captured.append({layer: h[ta:tb] for layer, h in res.captured.items()})
         return out
 
     @staticmethod
-    def _rank_batch(idx: list[int], request_ids, chunks, logits, with_logits, capture_layers) -> RankBatch:
+    def _rank_batch(idx: list[int], request_ids, chunks, logits, with_logits, capture_layers, rows,
+                    sampling) -> RankBatch:
         lengths = [len(chunks[i]) for i in idx]
         cu = np.zeros(len(idx) + 1, dtype=np.int64)
         np.cumsum(lengths, out=cu[1:])
@@ -152,7 +158,11 @@ class EPGroup:
             index = cu[1:] - 1
         else:
             index = np.fromiter((cu[j] + p for j, i in enumerate(idx) for p in logits[i]), dtype=np.int64)
-        return RankBatch([request_ids[i] for i in idx], tokens, cu, index, with_logits, capture_layers)
+        temp = top_p = None
+        if sampling is not None:
+            temp = np.repeat([sampling[i][0] for i in idx], [rows[i] for i in idx]).astype(np.float32)
+            top_p = np.repeat([sampling[i][1] for i in idx], [rows[i] for i in idx]).astype(np.float32)
+        return RankBatch([request_ids[i] for i in idx], tokens, cu, index, with_logits, capture_layers, temp, top_p)
 
     # -- cache management -----------------------------------------------------------------------
 

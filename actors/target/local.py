@@ -13,6 +13,7 @@ import torch
 from actors.target.group import TargetOutput
 from actors.target.model import ForwardBatch, MoETransformer
 from actors.target.moe import StepStats
+from actors.target.sampling import target_probs
 
 
 class LocalTarget:
@@ -23,7 +24,8 @@ class LocalTarget:
         self.cache = model.new_cache(kv_capacity_tokens, kv_block_size)
 
     def forward(self, request_ids: list[int], chunks: list[list[int]], logits: str | list[list[int]] = "all",
-                with_logits: bool = False, capture_layers: tuple[int, ...] = ()) -> TargetOutput:
+                with_logits: bool = False, capture_layers: tuple[int, ...] = (),
+                sampling: list[tuple[float, float]] | None = None) -> TargetOutput:
         t0 = time.perf_counter()
         batch = ForwardBatch.from_lists(request_ids, chunks, "last" if logits == "last" else "all")
         if not isinstance(logits, str):
@@ -38,13 +40,18 @@ class LocalTarget:
         tok_splits = batch.cu[1:-1].tolist()
         top2 = torch.topk(out, 2, dim=-1).values
         split = lambda t, s: [x.numpy() for x in torch.tensor_split(t, s)]  # noqa: E731
+        probs = None
+        if sampling is not None and max(t for t, _ in sampling) > 0:
+            temp = torch.tensor([t for (t, _), n in zip(sampling, rows, strict=True) for _ in range(n)])
+            top_p = torch.tensor([p for (_, p), n in zip(sampling, rows, strict=True) for _ in range(n)])
+            probs = split(target_probs(out, temp.float().clamp_min(1e-6), top_p.float()), row_splits)
         return TargetOutput(
             split(out.argmax(-1), row_splits), split(top2[:, 0] - top2[:, 1], row_splits),
             split(out.float(), row_splits) if with_logits else None,
             [dict(zip(captured, hs, strict=True)) for hs in zip(*[split(h, tok_splits) for h in captured.values()],
                                                                   strict=True)]
             if captured else [{} for _ in chunks],
-            [stats], time.perf_counter() - t0,
+            [stats], time.perf_counter() - t0, probs,
         )
 
     def truncate(self, lengths: dict[int, int]) -> None:

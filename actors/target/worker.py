@@ -21,6 +21,7 @@ from actors.target.kv_cache import KVCacheFull
 from actors.target.model import ForwardBatch, Prepared
 from actors.target.moe import StepStats
 from actors.target.parallel import apply_expert_parallel, expert_range
+from actors.target.sampling import target_probs
 
 
 class BatchRejected(ValueError):
@@ -50,6 +51,8 @@ class RankBatch:
     logit_index: np.ndarray  # [M] flat indices into tokens
     with_logits: bool = False
     capture_layers: tuple[int, ...] = ()
+    temperature: np.ndarray | None = None  # [M] per logit row; rows > 0 get sampling probabilities
+    top_p: np.ndarray | None = None  # [M]
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,7 @@ class RankResult:
     logits: np.ndarray | None  # [M, V] float32 when asked for
     captured: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> [N, H]
     stats: StepStats = field(default_factory=StepStats)
+    probs: np.ndarray | None = None  # [M, V] the target's sampling distribution, when any row samples
 
 
 @ray.remote
@@ -110,10 +114,14 @@ class TargetWorker:
             prepared = Prepared(batch, [], [], [])
         logits, captured = self.model.forward(prepared, self.cache, stats, rb.capture_layers)
         top2 = torch.topk(logits, 2, dim=-1).values if logits.shape[-1] > 1 else logits.repeat(1, 2)
+        probs = None
+        if rb.temperature is not None and len(rb.temperature) and float(rb.temperature.max()) > 0:
+            temp = torch.from_numpy(rb.temperature).float().clamp_min(1e-6)
+            probs = target_probs(logits, temp, torch.from_numpy(rb.top_p).float()).numpy()
         return RankResult(
             logits.argmax(-1).numpy(), (top2[:, 0] - top2[:, 1]).numpy(),
             logits.float().numpy() if rb.with_logits else None,
-            {k: v.float().numpy() for k, v in captured.items()}, stats,
+            {k: v.float().numpy() for k, v in captured.items()}, stats, probs,
         )
 
     def _all_agree(self, ok: bool) -> bool:

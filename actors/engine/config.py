@@ -1,0 +1,42 @@
+"""The engine's configuration (plain, frozen; pydantic lives at the edge in deployments/)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    target_dir: str
+    tokenizer_path: str | None = None
+    drafter: str = "block"  # "block" or "ngram"
+    drafter_dir: str | None = None
+    block: int = 16
+    policy: str = "dcut"
+    ep: int = 1
+    drafters: int = 1
+    max_running: int = 64
+    kv_capacity_tokens: int = 65536
+    prefill_chunk: int = 512
+    threads_per_rank: int = 1
+    cpus_per_rank: float = 1.0
+    cpus_per_drafter: float = 0.5
+    eos_token_id: int | None = None
+    cost_model_cache: str | None = None
+    drafting_gate: bool = True
+    explore_every: int = 50
+    guard_threshold: float = 0.02
+    max_budget: int | None = None
+
+    def dcut_options(self) -> dict:
+        return {"guard_threshold": self.guard_threshold, "max_budget": self.max_budget} \
+            if self.policy == "dcut" else {}
+
+    def detokenizer(self) -> Callable[[list[int]], str]:
+        if self.tokenizer_path is None:
+            return lambda ids: " ".join(map(str, ids))
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(self.tokenizer_path)
+        return lambda ids: tok.decode(ids, skip_special_tokens=True)

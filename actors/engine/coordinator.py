@@ -1,0 +1,275 @@
+"""`BatchCoordinator`: continuous batching, drafting, global D-Cut pruning, lossless verification.
+
+One decode step is the list in DESIGN.md, one method per stage:
+schedule → plan → propose → prune → verify → accept → postprocess.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import ray
+
+from actors.engine.config import EngineConfig
+from actors.engine.costs import DraftCostLearner, online, startup_cost_model
+from actors.engine.replica import DrafterReplica, DrafterSpec
+from actors.engine.sequence import SamplingParams, Scheduler, Sequence
+from actors.engine.stages import (
+    Drafts,
+    StepRecord,
+    accept_tokens,
+    empty_drafts,
+    first_tokens,
+    merge_drafts,
+)
+from actors.target.group import EPConfig, EPGroup
+from dcut_core import ragged
+from dcut_core.acceptance import Calibrator, survival, verify_outcomes
+from dcut_core.cost_model import StepShape
+from dcut_core.drafting import AcceptanceTracker, DraftCost, plan_drafts
+from dcut_core.pruning import DraftBatch, policy_from_name
+
+log = logging.getLogger(__name__)
+
+GATED_POLICIES = ("dcut",)  # policies whose engine also decides whether and how far to draft
+COSTED_POLICIES = ("dcut", "dcut-buckets", "oracle")
+
+
+class Engine:
+    """The coordinator's logic, usable in-process (tests) or inside the `BatchCoordinator` actor."""
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        self.policy = policy_from_name(cfg.policy, cfg.block, **cfg.dcut_options())
+        self.target = EPGroup(EPConfig(cfg.target_dir, world=cfg.ep, cpus_per_rank=cfg.cpus_per_rank,
+                                       threads_per_rank=cfg.threads_per_rank,
+                                       kv_capacity_tokens=cfg.kv_capacity_tokens))
+        self.replicas = []
+        if cfg.policy != "ar":
+            spec = DrafterSpec(cfg.drafter, cfg.target_dir, cfg.drafter_dir, cfg.block, cfg.threads_per_rank)
+            self.replicas = [DrafterReplica.options(num_cpus=cfg.cpus_per_drafter).remote(spec)
+                             for _ in range(cfg.drafters)]
+        self.layers = ray.get(self.replicas[0].target_layers.remote()) if self.replicas else ()
+        self.eos = cfg.eos_token_id
+        self.scheduler = Scheduler(cfg.max_running)
+        self.owner: dict[int, int] = {}
+        self.calibrator = Calibrator(block=cfg.block)
+        self.tracker = AcceptanceTracker(block=cfg.block)
+        self.draft_cost = DraftCostLearner(DraftCost(1e-3, 2e-4, 5e-5))
+        self.cost = None
+        if cfg.policy in COSTED_POLICIES:
+            self.cost = online(startup_cost_model(self.target, cfg.target_dir, cfg.ep, cfg.threads_per_rank,
+                                                  cfg.cost_model_cache))
+        self.text_of = cfg.detokenizer()
+        self.records: list[StepRecord] = []
+        self._next_rid = 0
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def add(self, prompt: list[int], params: SamplingParams) -> int:
+        if not prompt:
+            raise ValueError("the prompt must not be empty")
+        rid = self._next_rid
+        self._next_rid += 1
+        self.scheduler.add(Sequence(rid, list(prompt), params))
+        return rid
+
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Sequence]:
+        rids = [self.add(p, s) for p, s in zip(prompts, params, strict=True)]
+        while len(self.scheduler):
+            self.step()
+        return [self.scheduler.finished.pop(r) for r in rids]
+
+    # -- one step ---------------------------------------------------------------------------------
+
+    def step(self) -> StepRecord | None:
+        batch = self.schedule()
+        if not batch:
+            return None
+        lengths = self.plan(batch)
+        drafts = self.propose(batch, lengths)
+        kept = self.prune(batch, drafts)
+        out = self.verify(batch, drafts, kept)
+        accepted, emitted = self.accept(batch, drafts, kept, out)
+        return self.postprocess(batch, drafts, kept, out, accepted, emitted)
+
+    def schedule(self) -> list[Sequence]:
+        """Admit waiting requests and prefill them (chunked); returns the running set."""
+        new = self.scheduler.admit()
+        if new:
+            self.prefill(new)
+            self.scheduler.finish_done()
+            self._release([s for s in new if s.finish_reason])
+        return list(self.scheduler.running)
+
+    def prefill(self, seqs: list[Sequence]) -> None:
+        for s in seqs:
+            self.owner[s.rid] = s.rid % max(1, len(self.replicas))
+        done = dict.fromkeys((s.rid for s in seqs), 0)
+        last_out = {}
+        while any(done[s.rid] < len(s.prompt) for s in seqs):
+            todo = [s for s in seqs if done[s.rid] < len(s.prompt)]
+            chunks = [s.prompt[done[s.rid]:done[s.rid] + self.cfg.prefill_chunk] for s in todo]
+            out = self.target.forward([s.rid for s in todo], chunks, logits="last", capture_layers=self.layers,
+                                      sampling=[(s.params.temperature, s.params.top_p) for s in todo])
+            self._commit_drafters(todo, chunks, out.captured)
+            for i, (s, c) in enumerate(zip(todo, chunks, strict=True)):
+                done[s.rid] += len(c)
+                last_out[s.rid] = (out.argmax[i], None if out.probs is None else out.probs[i])
+        for s, tok in zip(seqs, first_tokens(seqs, last_out), strict=True):
+            self.scheduler.append(s, [tok], self.eos, self.text_of)
+            self._commit_drafters([s], [[tok]], [{}])
+
+    def plan(self, batch: list[Sequence]) -> np.ndarray:
+        """Drafts to ask for per request; the `dcut` policy decides whether drafting pays at all."""
+        cap = np.array([max(0, min(self.cfg.block - 1, s.remaining - 1)) for s in batch])
+        if not self.replicas:
+            return np.zeros(len(batch), dtype=np.int64)
+        if self.cfg.policy not in GATED_POLICIES or not self.cfg.drafting_gate:
+            return cap
+        predicted = [self.tracker.predict(s.rid, int(n)) for s, n in zip(batch, cap, strict=True)]
+        context = sum(s.cached for s in batch)
+        plan = plan_drafts(predicted, self.cost.verify_curve(len(batch), context), self.draft_cost.cost,
+                           self.cfg.max_budget)
+        if not plan.drafting and len(self.records) % self.cfg.explore_every == 0:
+            return cap  # keep measuring what drafting costs and yields, now and then
+        return plan.lengths
+
+    def propose(self, batch: list[Sequence], lengths: np.ndarray) -> Drafts:
+        """Every replica drafts for its shard in parallel; gathered into one ragged batch."""
+        t0 = time.perf_counter()
+        calls = {}
+        for r in range(len(self.replicas)):
+            idx = [i for i, s in enumerate(batch) if self.owner[s.rid] == r and lengths[i] > 0]
+            if idx:
+                calls[r] = (idx, self.replicas[r].draft.remote([batch[i].rid for i in idx],
+                                                               [batch[i].last for i in idx],
+                                                               [int(lengths[i]) for i in idx]))
+        if not calls:
+            return empty_drafts(len(batch))
+        outs = {r: (idx, ray.get(ref)) for r, (idx, ref) in calls.items()}
+        drafts = merge_drafts(len(batch), outs)
+        seconds = time.perf_counter() - t0
+        self.draft_cost.observe(sum(len(i) for i, _ in outs.values()), int(drafts.cu[-1]), seconds)
+        drafts.seconds = seconds
+        return drafts
+
+    def prune(self, batch: list[Sequence], drafts: Drafts) -> np.ndarray:
+        """The policy's choice of kept drafts per request, from calibrated survivals."""
+        if drafts.cu[-1] == 0:
+            return np.zeros(len(batch), dtype=np.int64)
+        t0 = time.perf_counter()
+        pos = ragged.positions(drafts.cu)
+        p = self.calibrator.estimate(drafts.confidence, drafts.margin, pos)
+        accepted_len = self._oracle_lengths(batch, drafts) if self.cfg.policy == "oracle" else None
+        db = DraftBatch(survival(p, drafts.cu), drafts.cu, accepted_len)
+        context = sum(s.cached for s in batch)
+        curve = self.cost.verify_curve(len(batch), context) if self.cost else _flat_curve()
+        decision = self.policy.choose(db, curve)
+        drafts.survival, drafts.decision = db.survival, decision
+        drafts.decision_seconds = time.perf_counter() - t0
+        return decision.kept
+
+    def verify(self, batch: list[Sequence], drafts: Drafts, kept: np.ndarray):
+        chunks = [[s.last, *drafts.tokens[drafts.cu[i]:drafts.cu[i] + kept[i]].tolist()]
+                  for i, s in enumerate(batch)]
+        sampling = [(s.params.temperature, s.params.top_p) for s in batch]
+        return self.target.forward([s.rid for s in batch], chunks, logits="all", capture_layers=self.layers,
+                                   sampling=sampling if any(t > 0 for t, _ in sampling) else None)
+
+    def accept(self, batch: list[Sequence], drafts: Drafts, kept: np.ndarray, out):
+        return accept_tokens(batch, drafts, kept, out)
+
+    def postprocess(self, batch, drafts: Drafts, kept, out, accepted, emitted) -> StepRecord:
+        """Roll back rejected KV, learn from the outcome, commit tokens, retire finished requests."""
+        self.target.truncate({s.rid: s.cached + 1 + int(a) for s, a in zip(batch, accepted, strict=True)})
+        idx, ok = verify_outcomes(drafts.cu, kept, accepted)
+        if len(idx):
+            pos = ragged.positions(drafts.cu)[idx]
+            self.calibrator.observe(drafts.confidence[idx], drafts.margin[idx], pos, ok)
+        verify_tokens = int(len(batch) + kept.sum())
+        context = sum(s.cached for s in batch)
+        shape = StepShape(len(batch), verify_tokens, context)
+        predicted = self.cost.predict(shape) if self.cost else float("nan")
+        if self.cost:
+            self.cost.observe(shape, out.wall_s)
+        hidden, committed = [], []
+        for i, s in enumerate(batch):
+            self.tracker.observe(s.rid, int(kept[i]), int(accepted[i]))
+            s.steps += 1
+            s.drafted.append(int(drafts.cu[i + 1] - drafts.cu[i]))
+            s.kept.append(int(kept[i]))
+            s.accepted.append(int(accepted[i]))
+            committed.append(self.scheduler.append(s, emitted[i], self.eos, self.text_of))
+            hidden.append({k: h[: 1 + int(accepted[i])] for k, h in out.captured[i].items()})
+        live = [i for i, s in enumerate(batch) if s.finish_reason is None]
+        self._commit_drafters([batch[i] for i in live], [committed[i] for i in live], [hidden[i] for i in live])
+        self._release(self.scheduler.finish_done())
+        rec = StepRecord(len(batch), int(drafts.cu[-1]), int(kept.sum()), int(np.sum(accepted)), verify_tokens,
+                         predicted, out.wall_s, drafts.seconds, drafts.decision_seconds)
+        self.records.append(rec)
+        return rec
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    def _commit_drafters(self, seqs: list[Sequence], tokens: list[list[int]], hidden: list[dict]) -> None:
+        for r, replica in enumerate(self.replicas):  # ordered after earlier calls: no need to wait
+            idx = [i for i, s in enumerate(seqs) if self.owner[s.rid] == r]
+            if idx:
+                replica.commit.remote([seqs[i].rid for i in idx], [tokens[i] for i in idx], [hidden[i] for i in idx])
+
+    def _release(self, seqs: list[Sequence]) -> None:
+        if not seqs:
+            return
+        rids = [s.rid for s in seqs]
+        self.target.release(rids)
+        for r, replica in enumerate(self.replicas):
+            mine = [rid for rid in rids if self.owner.get(rid) == r]
+            if mine:
+                replica.release.remote(mine)
+        for rid in rids:
+            self.owner.pop(rid, None)
+            self.tracker.forget(rid)
+
+    def _oracle_lengths(self, batch: list[Sequence], drafts: Drafts) -> np.ndarray:
+        """True accepted lengths, learned by verifying every draft and rolling back (benchmarks only;
+        this extra pass is not counted in the step's measured time)."""
+        all_kept = np.diff(drafts.cu)
+        out = self.verify(batch, drafts, all_kept)
+        accepted, _ = accept_tokens(batch, drafts, all_kept, out, probe=True)
+        self.target.truncate({s.rid: s.cached for s in batch})
+        return np.asarray(accepted, dtype=np.int64)
+
+    def shutdown(self) -> None:
+        self.target.shutdown()
+        for r in self.replicas:
+            ray.kill(r)
+
+
+def _flat_curve():
+    from dcut_core.pruning import StepCost
+
+    return StepCost(lambda n: np.ones(len(n)), 0.0)
+
+
+@ray.remote
+class BatchCoordinator:
+    """The engine as one Ray actor: the central place where every replica's drafts meet."""
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.engine = Engine(cfg)
+
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[dict]:
+        return [
+            {"token_ids": s.output, "text": s.text, "finish_reason": s.finish_reason, "steps": s.steps,
+             "drafted": s.drafted, "kept": s.kept, "accepted": s.accepted}
+            for s in self.engine.generate(prompts, params)
+        ]
+
+    def records(self) -> list[dict]:
+        return [r.__dict__ for r in self.engine.records]
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

@@ -1,0 +1,80 @@
+"""`DrafterReplica`: one drafter for a shard of the running requests, as a Ray actor."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from dataclasses import dataclass
+
+import ray
+import torch
+from safetensors import safe_open
+
+from actors.drafter.base import DraftOutput
+from actors.drafter.block import BlockDrafter
+from actors.drafter.model import DraftModel
+from actors.drafter.ngram import NgramDrafter
+from actors.target.config import MoEConfig
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    kind: str  # "block" or "ngram"
+    target_dir: str
+    drafter_dir: str | None
+    block: int
+    threads: int = 1
+    capacity_tokens: int = 65536
+
+
+def shared_embeddings(target_dir: str) -> tuple[torch.nn.Embedding, torch.nn.Linear]:
+    """The target's token embedding and LM head, without loading the rest of the target."""
+    cfg = MoEConfig.load(target_dir)
+    index = None
+    path = pathlib.Path(target_dir)
+    if (path / "model.safetensors.index.json").exists():
+        index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+
+    def get(key: str) -> torch.Tensor:
+        f = path / (index[key] if index else "model.safetensors")
+        with safe_open(str(f), framework="pt") as h:
+            return h.get_tensor(key).float()
+
+    embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+    embed.weight = torch.nn.Parameter(get("model.embed_tokens.weight"), requires_grad=False)
+    head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+    head.weight = embed.weight if cfg.tie_word_embeddings else torch.nn.Parameter(get("lm_head.weight"),
+                                                                                    requires_grad=False)
+    return embed, head
+
+
+def build_drafter(spec: DrafterSpec):
+    if spec.kind == "ngram":
+        return NgramDrafter(block_size=spec.block)
+    if spec.kind == "block":
+        if not spec.drafter_dir:
+            raise ValueError("the block drafter needs drafter weights (drafter_dir)")
+        embed, head = shared_embeddings(spec.target_dir)
+        return BlockDrafter(DraftModel.load(spec.drafter_dir, embed, head), spec.capacity_tokens, spec.block)
+    raise ValueError(f"unknown drafter {spec.kind!r}; choose block or ngram")
+
+
+@ray.remote
+class DrafterReplica:
+    """Holds a drafter and the per-request state it needs; drafts for the requests it is given."""
+
+    def __init__(self, spec: DrafterSpec) -> None:
+        torch.set_num_threads(spec.threads)
+        self.drafter = build_drafter(spec)
+
+    def target_layers(self) -> tuple[int, ...]:
+        return getattr(self.drafter, "target_layers", ())
+
+    def commit(self, request_ids: list[int], tokens: list[list[int]], hidden: list[dict]) -> None:
+        self.drafter.commit(request_ids, tokens, hidden)
+
+    def draft(self, request_ids: list[int], last_tokens: list[int], lengths: list[int]) -> DraftOutput:
+        return self.drafter.draft(request_ids, last_tokens, lengths)
+
+    def release(self, request_ids: list[int]) -> None:
+        self.drafter.release(request_ids)

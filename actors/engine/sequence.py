@@ -1,0 +1,130 @@
+"""Requests and their lifecycle. The scheduler is the only owner of sequence state."""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """One request: its prompt, what it has committed, and its per-step record."""
+
+    rid: int
+    prompt: list[int]
+    params: SamplingParams
+    output: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    text: str = ""
+    rng: np.random.Generator = field(default=None, repr=False)
+    steps: int = 0
+    drafted: list[int] = field(default_factory=list)
+    kept: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.rng is None:
+            self.rng = np.random.default_rng(self.params.seed)
+
+    @property
+    def last(self) -> int:
+        return self.output[-1] if self.output else self.prompt[-1]
+
+    @property
+    def cached(self) -> int:
+        """Tokens in the target's KV cache: everything committed except the newest token."""
+        return len(self.prompt) + len(self.output) - 1
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_tokens - len(self.output)
+
+    @property
+    def greedy(self) -> bool:
+        return self.params.temperature == 0.0
+
+
+class Scheduler:
+    """Admits waiting requests up to `max_running`; the one place sequences change state."""
+
+    def __init__(self, max_running: int) -> None:
+        self.max_running = max_running
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.finished: dict[int, Sequence] = {}
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def admit(self) -> list[Sequence]:
+        """Move waiting requests into the running set; returns the newly admitted ones."""
+        new = []
+        while self.waiting and len(self.running) < self.max_running:
+            seq = self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            new.append(seq)
+        return new
+
+    def append(self, seq: Sequence, tokens: list[int], eos: int | None, text_of) -> list[int]:
+        """Commit tokens to seq, applying stop conditions; returns the tokens actually kept."""
+        kept: list[int] = []
+        for t in tokens:
+            if seq.remaining <= 0:
+                break
+            seq.output.append(t)
+            kept.append(t)
+            if eos is not None and t == eos and not seq.params.ignore_eos:
+                seq.finish_reason = "stop"
+                break
+        seq.text = text_of(seq.output)
+        hits = [(seq.text.find(s), s) for s in seq.params.stop if s in seq.text]
+        if hits:
+            # Keep the shortest output whose text holds the stop string: the tokens a step-by-step
+            # decoder would have produced, whatever a speculative step committed past it.
+            n = next(n for n in range(1, len(seq.output) + 1) if any(s in text_of(seq.output[:n]) for s in
+                                                                      seq.params.stop))
+            kept = kept[: max(0, len(kept) - (len(seq.output) - n))]
+            del seq.output[n:]
+            at = min(a for a, _ in hits)
+            seq.text, seq.finish_reason = seq.text[:at], "stop"
+        if seq.finish_reason is None and seq.remaining <= 0:
+            seq.finish_reason = "length"
+        return kept
+
+    def finish_done(self) -> list[Sequence]:
+        done = [s for s in self.running if s.finish_reason is not None]
+        for s in done:
+            s.status = Status.FINISHED
+            self.finished[s.rid] = s
+        self.running = [s for s in self.running if s.finish_reason is None]
+        return done
+
+    def __len__(self) -> int:
+        return len(self.waiting) + len(self.running)

@@ -1,0 +1,113 @@
+"""The drafting gate: before the drafters run, how many drafts each request should get.
+
+Drafting costs time too; on CPU with a small target a drafter pass can cost as much as the
+target's step. So the plan is made before drafting, from what the previous steps taught:
+`AcceptanceTracker` predicts each request's conditional acceptance by draft position, their
+running products are predicted survivals, and the same global-sort scan as pruning picks a
+budget m — now with the drafting cost in the denominator:
+
+    (R + S_m) / (C_verify(R + m) + [m > 0] · (d_fixed + d_request · R_d(m) + d_position · m))
+
+where R_d(m) is how many requests get at least one draft. m = 0 means no drafter call at all:
+a plain decoding step. Unlike the pruning scan this is a heuristic (the per-request term makes
+the best plan of budget m not always the global top-m), which is fine: its inputs are
+predictions, and pruning makes the exact decision once real confidences exist.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dcut_core import ragged
+from dcut_core.pruning import DraftBatch, StepCost, kept_top_m
+
+
+@dataclass(frozen=True)
+class DraftCost:
+    """Seconds one drafting pass costs: a call, each drafting request, each drafted position."""
+
+    fixed: float = 0.0
+    per_request: float = 0.0
+    per_position: float = 0.0
+
+    def seconds(self, requests: np.ndarray | int, positions: np.ndarray | int) -> np.ndarray:
+        r, p = np.asarray(requests, dtype=np.float64), np.asarray(positions, dtype=np.float64)
+        return np.where(p > 0, self.fixed + self.per_request * r + self.per_position * p, 0.0)
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    lengths: np.ndarray  # [R] drafts to ask of each request's drafter (0: none)
+    expected_tokens: float
+    predicted_seconds: float
+    ar_seconds: float  # predicted time of a plain decoding step instead
+
+    @property
+    def drafting(self) -> bool:
+        return bool(self.lengths.sum())
+
+
+def plan_drafts(predicted: list[np.ndarray], verify: StepCost, draft: DraftCost,
+                max_budget: int | None = None) -> DraftPlan:
+    """predicted[i]: conditional acceptance of request i's draft positions 0 .. n_i − 1."""
+    flat, cu = ragged.flatten(predicted)
+    batch = DraftBatch(ragged.segment_cumprod(np.clip(flat, 0.0, 1.0), cu), cu)
+    r = batch.num_requests
+    order = np.argsort(-batch.survival, kind="stable")  # [N] high to low; position order on ties
+    m_max = len(order) if max_budget is None else min(len(order), max_budget)
+    tokens = np.concatenate([[float(r)], r + np.cumsum(batch.survival[order[:m_max]])])
+    first = (ragged.positions(cu)[order[:m_max]] == 0).astype(np.int64)
+    drafting_requests = np.concatenate([[0], np.cumsum(first)])  # [M + 1]
+    m = np.arange(m_max + 1)
+    seconds = verify.seconds(r + m) + draft.seconds(drafting_requests, m)
+    best = int(np.argmax(tokens / seconds))
+    return DraftPlan(kept_top_m(batch, np.sort(batch.survival)[::-1], best), float(tokens[best]),
+                     float(seconds[best]), float(seconds[0]))
+
+
+@dataclass
+class AcceptanceTracker:
+    """Predicts a request's conditional acceptance by draft position from past verifications.
+
+    Global part: exponentially weighted accepted / judged counts per position. Request part: a
+    multiplier, the request's own recent accepted drafts over what the global rates predicted
+    (requests differ: repetitive code accepts far more than prose).
+    """
+
+    block: int
+    halflife_steps: float = 20.0
+    prior: float = 0.5
+    accepted: np.ndarray = field(init=False)
+    judged: np.ndarray = field(init=False)
+    factor: dict[int, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.accepted = np.full(self.block, self.prior)  # one pseudo-observation at the prior
+        self.judged = np.ones(self.block)
+
+    @property
+    def global_rate(self) -> np.ndarray:
+        return self.accepted / self.judged
+
+    def predict(self, rid: int, n: int) -> np.ndarray:
+        """Conditional acceptance [n] of request rid's next n draft positions."""
+        return np.clip(self.global_rate[:n] * self.factor.get(rid, 1.0), 0.0, 0.99)
+
+    def observe(self, rid: int, kept: int, accepted: int) -> None:
+        """One verification of request rid: kept drafts, of which the first `accepted` passed."""
+        if kept <= 0:
+            return
+        judged = np.arange(self.block) <= min(accepted, kept - 1)  # censoring as in acceptance.py
+        judged &= np.arange(self.block) < kept
+        decay = 0.5 ** (1.0 / self.halflife_steps)
+        hits = np.arange(self.block) < accepted
+        self.accepted[judged] = decay * self.accepted[judged] + hits[judged]
+        self.judged[judged] = decay * self.judged[judged] + 1.0
+        expected = float(np.cumprod(self.global_rate[:kept]).sum())
+        ratio = (accepted + 0.5) / (expected + 0.5)
+        self.factor[rid] = float(np.clip(0.7 * self.factor.get(rid, 1.0) + 0.3 * ratio, 0.05, 3.0))
+
+    def forget(self, rid: int) -> None:
+        self.factor.pop(rid, None)

@@ -1,0 +1,61 @@
+"""The drafting gate: plain decoding when drafting cannot pay, full drafts when it is free."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from dcut_core.drafting import AcceptanceTracker, DraftCost, plan_drafts
+from dcut_core.pruning import StepCost
+
+
+def linear(fixed, per_token):
+    return StepCost(lambda n: per_token * n.astype(np.float64), fixed)
+
+
+def test_free_drafting_and_flat_verification_draft_everything_worth_anything():
+    plan = plan_drafts([np.full(4, 0.8), np.full(4, 0.5)], linear(1.0, 0.0), DraftCost())
+    assert plan.lengths.tolist() == [4, 4] and plan.drafting
+
+
+def test_expensive_drafter_call_means_plain_decoding():
+    plan = plan_drafts([np.full(4, 0.6), np.full(4, 0.6)], linear(1.0, 0.01), DraftCost(fixed=5.0))
+    assert plan.lengths.tolist() == [0, 0] and not plan.drafting
+    assert plan.predicted_seconds == plan.ar_seconds == pytest.approx(1.02)
+
+
+def test_per_request_cost_skips_weak_requests():
+    # Drafting a request costs 0.3 s on top of a 1 s step; the 0.1-acceptance request is not worth it.
+    plan = plan_drafts([np.full(3, 0.95), np.full(3, 0.1)], linear(1.0, 0.0), DraftCost(per_request=0.3))
+    assert plan.lengths[0] == 3 and plan.lengths[1] == 0
+
+
+def test_plan_matches_brute_force_when_draft_cost_is_per_position():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        rows = [rng.uniform(0, 1, rng.integers(0, 4)) for _ in range(rng.integers(1, 4))]
+        verify = linear(rng.uniform(0.5, 2), rng.uniform(0, 0.3))
+        cost = DraftCost(fixed=rng.uniform(0, 1), per_position=rng.uniform(0, 0.2))
+        plan = plan_drafts(rows, verify, cost)
+
+        def rate(k, rows=rows, verify=verify, cost=cost):
+            tok = len(rows) + sum(float(np.cumprod(r)[:n].sum()) for r, n in zip(rows, k, strict=True))
+            sec = verify.seconds(np.array([len(rows) + sum(k)]))[0] + cost.seconds(0, sum(k))
+            return tok / float(sec)
+
+        best = max(rate(k) for k in itertools.product(*[range(len(r) + 1) for r in rows]))
+        assert rate(tuple(plan.lengths)) >= best * (1 - 1e-9)
+
+
+def test_tracker_learns_per_position_rates_and_request_factors():
+    t = AcceptanceTracker(block=4, halflife_steps=1e9)
+    rng = np.random.default_rng(1)
+    for _ in range(3000):  # request 1 accepts each draft with 0.8, request 2 with 0.2
+        for rid, p in ((1, 0.8), (2, 0.2)):
+            t.observe(rid, kept=4, accepted=int(np.argmin(np.append(rng.random(4) < p, False))))
+    assert t.global_rate[0] == pytest.approx(0.5, abs=0.03)
+    assert t.predict(1, 3).mean() > 0.6 > 0.3 > t.predict(2, 3).mean()
+    t.forget(1)
+    assert t.predict(1, 2) == pytest.approx(np.clip(t.global_rate[:2], 0, 0.99))
