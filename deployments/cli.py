@@ -20,7 +20,6 @@ NOT_YET_EXIT = 2
 # subcommand -> (issue number, what it needs) for the parts still to land.
 PENDING: dict[str, tuple[int, str]] = {
     "serve": (6, "the Ray Serve deployment"),
-    "generate": (5, "the speculative-decoding engine"),
     "bench": (7, "the benchmark harness"),
     "simulate": (7, "the cluster-scale simulator"),
 }
@@ -44,6 +43,8 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks of the target")
     p.add_argument("--drafters", type=int, default=1, help="drafter replicas")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt, in input order")
+    p.add_argument("--model-root", help="model bundle folder with target/, drafter/, tokenizer.json "
+                                        "(default: the bundled demo model)")
 
 
 def _add_bench(p: argparse.ArgumentParser) -> None:
@@ -83,7 +84,7 @@ def _lazy(module: str):
     return importlib.import_module(module)
 
 
-IMPLEMENTED = {"profile": "deployments.profile_command"}
+IMPLEMENTED = {"profile": "deployments.profile_command", "generate": "deployments.generate_command"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -39,3 +39,45 @@ def tiny_checkpoint(tmp_path_factory) -> str:
 @pytest.fixture
 def make_tiny():
     return tiny_model
+
+
+def tiny_drafter_weights(path, target: MoETransformer, block: int = 8, seed: int = 3):
+    """Random block-drafter weights for the tiny target, saved like the bundled drafter."""
+    import torch
+
+    from actors.drafter.model import DraftConfig, DraftModel
+
+    cfg = DraftConfig(target.cfg.hidden_size, (1, 3), num_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, intermediate_size=64, block_size=block, rope_theta=target.cfg.rope_theta)
+    torch.manual_seed(seed)
+    model = DraftModel(cfg, target.embed_tokens, target.lm_head)
+    with torch.no_grad():
+        model.mask_embedding.normal_()
+    model.save(path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_bundle(tmp_path_factory) -> str:
+    """A model bundle (target/, drafter/) of the tiny model, sharpened so sampling is not flat."""
+    import torch
+
+    root = tmp_path_factory.mktemp("bundle")
+    model = tiny_model()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # peaked next-token distributions: drafts get accepted
+    save_model(model, root / "target")
+    tiny_drafter_weights(root / "drafter", model)
+    tiny_tokenizer().save(str(root / "tokenizer.json"))
+    return str(root)
+
+
+def tiny_tokenizer():
+    """A word-level tokenizer over the tiny vocabulary: token i is the word "w{i}"."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<|endoftext|>": 0} | {f"w{i}": i for i in range(1, 96)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return tok

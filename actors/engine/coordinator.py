@@ -43,6 +43,7 @@ class Engine:
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
         self.policy = policy_from_name(cfg.policy, cfg.block, **cfg.dcut_options())
+        self.policy_name = cfg.policy
         self.target = EPGroup(EPConfig(cfg.target_dir, world=cfg.ep, cpus_per_rank=cfg.cpus_per_rank,
                                        threads_per_rank=cfg.threads_per_rank,
                                        kv_capacity_tokens=cfg.kv_capacity_tokens))
@@ -65,6 +66,18 @@ class Engine:
         self.text_of = cfg.detokenizer()
         self.records: list[StepRecord] = []
         self._next_rid = 0
+
+    def set_policy(self, name: str) -> None:
+        """Switch the pruning policy between runs (same engine, same drafter; benchmarks)."""
+        if len(self.scheduler):
+            raise RuntimeError("switch policies only while no request is in flight")
+        if name != "ar" and not self.replicas:
+            raise ValueError("this engine was built without drafters (policy ar)")
+        opts = self.cfg.dcut_options() if name == "dcut" else {}
+        self.policy, self.policy_name = policy_from_name(name, self.cfg.block, **opts), name
+        if self.cost is None and name in COSTED_POLICIES:
+            self.cost = online(startup_cost_model(self.target, self.cfg.target_dir, self.cfg.ep,
+                                                  self.cfg.threads_per_rank, self.cfg.cost_model_cache))
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -125,9 +138,9 @@ class Engine:
     def plan(self, batch: list[Sequence]) -> np.ndarray:
         """Drafts to ask for per request; the `dcut` policy decides whether drafting pays at all."""
         cap = np.array([max(0, min(self.cfg.block - 1, s.remaining - 1)) for s in batch])
-        if not self.replicas:
+        if not self.replicas or self.policy_name == "ar":
             return np.zeros(len(batch), dtype=np.int64)
-        if self.cfg.policy not in GATED_POLICIES or not self.cfg.drafting_gate:
+        if self.policy_name not in GATED_POLICIES or not self.cfg.drafting_gate:
             return cap
         predicted = [self.tracker.predict(s.rid, int(n)) for s, n in zip(batch, cap, strict=True)]
         context = sum(s.cached for s in batch)
@@ -163,7 +176,7 @@ class Engine:
         t0 = time.perf_counter()
         pos = ragged.positions(drafts.cu)
         p = self.calibrator.estimate(drafts.confidence, drafts.margin, pos)
-        accepted_len = self._oracle_lengths(batch, drafts) if self.cfg.policy == "oracle" else None
+        accepted_len = self._oracle_lengths(batch, drafts) if self.policy_name == "oracle" else None
         db = DraftBatch(survival(p, drafts.cu), drafts.cu, accepted_len)
         context = sum(s.cached for s in batch)
         curve = self.cost.verify_curve(len(batch), context) if self.cost else _flat_curve()
@@ -260,6 +273,9 @@ class BatchCoordinator:
 
     def __init__(self, cfg: EngineConfig) -> None:
         self.engine = Engine(cfg)
+
+    def set_policy(self, name: str) -> None:
+        self.engine.set_policy(name)
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[dict]:
         return [

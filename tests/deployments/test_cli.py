@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
 
 from dcut_core.cost_model import CostModel, StepShape
-from deployments.cli import PENDING, SUBCOMMANDS, build_parser, main
+from deployments.cli import IMPLEMENTED, PENDING, SUBCOMMANDS, build_parser, main
 
 
 def test_every_contract_subcommand_is_declared():
     assert set(SUBCOMMANDS) == {"serve", "generate", "bench", "profile", "simulate"}
+    assert set(PENDING) | set(IMPLEMENTED) == set(SUBCOMMANDS)
 
 
 def test_generate_accepts_the_contract_options():
@@ -44,3 +46,27 @@ def test_profile_writes_a_cost_model(tmp_path, tiny_checkpoint):
     model = CostModel.from_json(out.read_text())
     assert model.ep == 2 and model.source == "fitted"
     assert model.predict(StepShape(4, 16, 4 * 64)) > model.predict(StepShape(1, 1, 16)) > 0
+
+
+def test_generate_json_matches_plain_decoding(tmp_path, tiny_bundle):
+    prompts = ["w5 w6 w7 w5 w6 w7 w5", "w40 w41"]
+    args = [sys.executable, "-m", "deployments.cli", "generate", *prompts, "--model-root", tiny_bundle,
+            "--max-tokens", "8", "--json", "--block", "6"]
+    runs = {}
+    for policy, drafter in (("ar", "block"), ("dcut", "block"), ("full", "ngram")):
+        proc = subprocess.run([*args, "--policy", policy, "--drafter", drafter], capture_output=True, text=True,
+                              timeout=300, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        assert [r["prompt"] for r in lines] == prompts
+        for r in lines:
+            assert {"text", "token_ids", "steps", "accepted", "kept"} <= set(r)
+            assert len(r["token_ids"]) == 8 and len(r["accepted"]) == r["steps"] == len(r["kept"])
+        runs[policy] = [r["token_ids"] for r in lines]
+    assert runs["ar"] == runs["dcut"] == runs["full"]
+
+
+def test_generate_refuses_no_prompts(tiny_bundle):
+    proc = subprocess.run([sys.executable, "-m", "deployments.cli", "generate", "--model-root", tiny_bundle],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "no prompts" in proc.stderr
