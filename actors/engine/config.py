@@ -28,6 +28,7 @@ class EngineConfig:
     explore_every: int = 50
     guard_threshold: float = 0.02
     max_budget: int | None = None
+    step_log: str | None = None  # msgpack file of every step's drafts and decisions
 
     def dcut_options(self) -> dict:
         return {"guard_threshold": self.guard_threshold, "max_budget": self.max_budget} \

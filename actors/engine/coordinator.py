@@ -24,6 +24,7 @@ from actors.engine.stages import (
     first_tokens,
     merge_drafts,
 )
+from actors.engine.steplog import StepLog
 from actors.target.group import EPConfig, EPGroup
 from dcut_core import ragged
 from dcut_core.acceptance import Calibrator, survival, verify_outcomes
@@ -65,6 +66,7 @@ class Engine:
                                                   cfg.cost_model_cache))
         self.text_of = cfg.detokenizer()
         self.records: list[StepRecord] = []
+        self.step_log = StepLog(cfg.step_log) if cfg.step_log else None
         self._next_rid = 0
 
     def set_policy(self, name: str) -> None:
@@ -223,6 +225,9 @@ class Engine:
         rec = StepRecord(len(batch), int(drafts.cu[-1]), int(kept.sum()), int(np.sum(accepted)), verify_tokens,
                          predicted, out.wall_s, drafts.seconds, drafts.decision_seconds)
         self.records.append(rec)
+        if self.step_log is not None:
+            self.step_log.write(self.policy_name, np.diff(drafts.cu), drafts.survival, kept, accepted, context,
+                                predicted, out.wall_s, drafts.seconds)
         return rec
 
     # -- helpers ----------------------------------------------------------------------------------
@@ -256,6 +261,8 @@ class Engine:
         return np.asarray(accepted, dtype=np.int64)
 
     def shutdown(self) -> None:
+        if self.step_log is not None:
+            self.step_log.close()
         self.target.shutdown()
         for r in self.replicas:
             ray.kill(r)

@@ -12,6 +12,7 @@ from scipy.stats import chisquare
 from actors.engine.config import EngineConfig
 from actors.engine.coordinator import Engine
 from actors.engine.sequence import SamplingParams
+from actors.engine.steplog import read_steps
 from actors.ray_env import start_local_ray
 from actors.target.checkpoint import load_model
 from actors.target.decode import greedy_decode
@@ -71,6 +72,21 @@ def test_every_policy_is_lossless(tiny_bundle, reference, tmp_path, ep, replicas
         assert eng.records and all(r.measured_verify_s > 0 for r in eng.records)
     finally:
         eng.shutdown()
+
+
+def test_step_log_records_every_step(tiny_bundle, reference, tmp_path):
+    log = tmp_path / "steps.msgpack"
+    eng = engine(tiny_bundle, tmp_path, drafter="ngram", policy="dcut", step_log=str(log))
+    try:
+        out = eng.generate(PROMPTS[:5], [SamplingParams(max_tokens=MAX_TOKENS)] * 5)
+    finally:
+        eng.shutdown()
+    steps = list(read_steps(log))
+    assert len(steps) == len(eng.records) > 0
+    assert sum(sum(s["accepted"]) for s in steps) == sum(sum(s.accepted) for s in out)
+    for s in steps:
+        assert all(0 <= a <= k <= d for a, k, d in zip(s["accepted"], s["kept"], s["drafted"], strict=True))
+        assert len(s["survival"]) in (0, sum(s["drafted"]))
 
 
 def test_stop_conditions(tiny_bundle, reference, tmp_path):

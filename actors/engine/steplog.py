@@ -1,0 +1,46 @@
+"""A compact, append-only log of every decode step (msgpack), for replay and for the simulator.
+
+Each record holds what `dcut_core` saw and decided — per request drafted count, survivals,
+kept and accepted counts — and the step's predicted and measured times, so a pruning policy can
+be re-run offline on real acceptance traces (`read_steps`). msgpack keeps this small and
+streamable: one record per step, no framing of our own.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Iterator
+
+import msgpack
+import numpy as np
+
+
+class StepLog:
+    """Appends step records to a file; closed with the engine."""
+
+    def __init__(self, path: str | pathlib.Path) -> None:
+        pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(path, "ab")  # noqa: SIM115 - lives as long as the engine
+        self._pack = msgpack.Packer()
+
+    def write(self, policy: str, drafted: np.ndarray, survival: np.ndarray | None, kept: np.ndarray,
+              accepted: np.ndarray, context: int, predicted_s: float, measured_s: float, draft_s: float) -> None:
+        self._f.write(self._pack.pack({
+            "policy": policy,
+            "drafted": np.asarray(drafted, dtype=np.int32).tolist(),
+            "survival": [] if survival is None else np.asarray(survival, dtype=np.float32).tolist(),
+            "kept": np.asarray(kept, dtype=np.int32).tolist(),
+            "accepted": np.asarray(accepted, dtype=np.int32).tolist(),
+            "context": int(context),
+            "predicted_s": float(predicted_s),
+            "measured_s": float(measured_s),
+            "draft_s": float(draft_s),
+        }))
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def read_steps(path: str | pathlib.Path) -> Iterator[dict]:
+    with open(path, "rb") as f:
+        yield from msgpack.Unpacker(f, raw=False)
