@@ -19,14 +19,13 @@ NOT_YET_EXIT = 2
 
 # subcommand -> (issue number, what it needs) for the parts still to land.
 PENDING: dict[str, tuple[int, str]] = {
-    "serve": (6, "the Ray Serve deployment"),
     "bench": (7, "the benchmark harness"),
     "simulate": (7, "the cluster-scale simulator"),
 }
 
 
 def _add_serve(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="settings file (YAML or JSON)")
+    p.add_argument("--config", help="settings file (JSON object of ServeSettings fields)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
 
@@ -84,7 +83,8 @@ def _lazy(module: str):
     return importlib.import_module(module)
 
 
-IMPLEMENTED = {"profile": "deployments.profile_command", "generate": "deployments.generate_command"}
+IMPLEMENTED = {"profile": "deployments.profile_command", "generate": "deployments.generate_command",
+               "serve": "deployments.serve_command"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

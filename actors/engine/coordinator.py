@@ -15,7 +15,7 @@ import ray
 from actors.engine.config import EngineConfig
 from actors.engine.costs import DraftCostLearner, online, startup_cost_model
 from actors.engine.replica import DrafterReplica, DrafterSpec
-from actors.engine.sequence import SamplingParams, Scheduler, Sequence
+from actors.engine.sequence import SamplingParams, Scheduler, Sequence, Status
 from actors.engine.stages import (
     Drafts,
     StepRecord,
@@ -83,13 +83,25 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------------
 
+    def new_rid(self) -> int:
+        self._next_rid += 1
+        return self._next_rid - 1
+
     def add(self, prompt: list[int], params: SamplingParams) -> int:
         if not prompt:
             raise ValueError("the prompt must not be empty")
-        rid = self._next_rid
-        self._next_rid += 1
+        rid = self.new_rid()
         self.scheduler.add(Sequence(rid, list(prompt), params))
         return rid
+
+    def abort(self, rid: int) -> None:
+        """Drop a request (client gone): it leaves the batch and its KV and drafter state are freed
+        now, between steps."""
+        seq = self.scheduler.abort(rid)
+        if seq is not None and seq.status is Status.RUNNING:
+            self._release([seq])
+        if seq is not None:
+            seq.status, seq.finish_reason = Status.FINISHED, "abort"
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Sequence]:
         rids = [self.add(p, s) for p, s in zip(prompts, params, strict=True)]

@@ -126,5 +126,20 @@ class Scheduler:
         self.running = [s for s in self.running if s.finish_reason is None]
         return done
 
+    def abort(self, rid: int) -> Sequence | None:
+        """Remove a waiting or running request; returns it (status unchanged) or None."""
+        for seq in list(self.waiting):
+            if seq.rid == rid:
+                self.waiting.remove(seq)
+                return seq
+        for seq in self.running:
+            if seq.rid == rid:
+                self.running.remove(seq)
+                return seq
+        return None
+
+    def get(self, rid: int) -> Sequence | None:
+        return next((s for s in [*self.running, *self.waiting] if s.rid == rid), self.finished.get(rid))
+
     def __len__(self) -> int:
         return len(self.waiting) + len(self.running)

@@ -1,0 +1,254 @@
+"""The OpenAI-compatible ingress (FastAPI on Ray Serve) and the app builder.
+
+No `from __future__ import annotations` here: FastAPI must see real annotations on the routes.
+
+    serve run deployments.app:build_app model_root=models/demo policy=dcut
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (both stream as SSE ending with
+`data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus text format).
+"""
+
+
+import hmac
+import json
+import pathlib
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+from tokenizers import Tokenizer
+
+from deployments.bundle import Bundle
+from deployments.engine_deployment import EngineDeployment
+from deployments.metrics import Metrics
+from deployments.openai_schema import ChatRequest, CompletionRequest, chat_prompt, error_body, new_id, now
+from deployments.settings import ServeSettings
+
+api = FastAPI(title="dcut", description="OpenAI-compatible speculative decoding with D-Cut")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None, headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.code, self.param, self.headers = status, kind, code, param, headers
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(str(self), self.kind, self.code, self.param), self.status, self.headers)
+
+
+@serve.deployment(name="ingress", max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0.25})
+@serve.ingress(api)
+class Ingress:
+    def __init__(self, engine: DeploymentHandle, settings: ServeSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.tokenizer = Tokenizer.from_file(Bundle(pathlib.Path(settings.model_root)).tokenizer)
+        self.metrics = Metrics()
+
+    # -- endpoints --------------------------------------------------------------------------------
+
+    @api.get("/health")
+    async def health(self) -> dict:
+        return {"status": "ok"}
+
+    @api.get("/v1/models")
+    async def models(self, request: Request):
+        try:
+            self._authorize(request)
+        except ApiError as e:
+            return e.response()
+        return {"object": "list", "data": [{"id": self.settings.model_name, "object": "model", "created": 0,
+                                            "owned_by": "dcut"}]}
+
+    @api.get("/metrics")
+    async def metrics(self) -> Response:
+        stats = await self.engine.stats.remote()
+        return Response(self.metrics.render(stats), media_type="text/plain; version=0.0.4")
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self._serve(request, CompletionRequest, chat=False)
+
+    @api.post("/v1/chat/completions")
+    async def chat(self, request: Request):
+        return await self._serve(request, ChatRequest, chat=True)
+
+    # -- shared path ------------------------------------------------------------------------------
+
+    async def _serve(self, request: Request, schema, chat: bool):
+        endpoint = "chat" if chat else "completions"
+        try:
+            self._authorize(request)
+            body = await self._parse(request, schema)
+            prompts = [chat_prompt(body.messages)] if chat else \
+                ([body.prompt] if isinstance(body.prompt, str) else list(body.prompt))
+            ids, params = self._validate(body, prompts)
+            if body.stream:
+                if len(ids) != 1:
+                    raise ApiError(400, "streaming supports one prompt per request", param="prompt")
+                stream = self.engine.options(stream=True).generate.remote(ids[0], params)
+                first = await self._first(stream)  # errors surface as HTTP status, not mid-stream
+                self.metrics.request(endpoint, 200)
+                return StreamingResponse(self._sse(stream, first, body, chat, len(ids[0])),
+                                         media_type="text/event-stream")
+            results = [await self._collect(self.engine.options(stream=True).generate.remote(i, params))
+                       for i in ids]
+            self.metrics.request(endpoint, 200)
+            return self._full_response(body, chat, results)
+        except ApiError as e:
+            self.metrics.request(endpoint, e.status)
+            return e.response()
+
+    def _authorize(self, request: Request) -> None:
+        key = self.settings.api_key
+        if key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):  # constant time
+            raise ApiError(401, "invalid or missing API key", "authentication_error", "invalid_api_key")
+
+    async def _parse(self, request: Request, schema):
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > self.settings.max_body_bytes:
+            raise ApiError(413, f"request body larger than {self.settings.max_body_bytes} bytes")
+        raw = await request.body()
+        if len(raw) > self.settings.max_body_bytes:
+            raise ApiError(413, f"request body larger than {self.settings.max_body_bytes} bytes")
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"body is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ApiError(400, "body must be a JSON object")
+        try:
+            return schema.model_validate(data)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise ApiError(400, f"{where}: {first['msg']}", param=where) from None
+
+    def _validate(self, body, prompts: list[str]) -> tuple[list[list[int]], dict]:
+        s = self.settings
+        if body.model != s.model_name:
+            raise ApiError(404, f"model {body.model!r} does not exist; this server has {s.model_name!r}",
+                           code="model_not_found", param="model")
+        ids = [self.tokenizer.encode(p).ids for p in prompts]
+        if not prompts or any(not p.strip() or not i for p, i in zip(prompts, ids, strict=True)):
+            raise ApiError(400, "prompt must not be empty", param="prompt")
+        if max(len(i) for i in ids) > s.max_prompt_tokens:
+            raise ApiError(400, f"prompt has {max(len(i) for i in ids)} tokens; the limit is {s.max_prompt_tokens}",
+                           code="context_length_exceeded", param="prompt")
+        max_tokens = body.max_completion_tokens or body.max_tokens or min(64, s.max_tokens_limit)
+        if max_tokens > s.max_tokens_limit:
+            raise ApiError(400, f"max_tokens {max_tokens} is above the limit {s.max_tokens_limit}",
+                           param="max_tokens")
+        stops = body.stops()
+        if len(stops) > s.max_stop or any(not x for x in stops):
+            raise ApiError(400, f"at most {s.max_stop} non-empty stop strings", param="stop")
+        return ids, {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
+                     "seed": body.seed, "stop": stops}
+
+    async def _first(self, stream) -> dict:
+        try:
+            return await stream.__anext__()
+        except Exception as exc:  # raised inside the engine replica
+            raise _engine_error(exc) from None
+
+    async def _collect(self, stream) -> dict:
+        text, tokens, last = [], [], None
+        try:
+            async for d in stream:
+                text.append(d["text"])
+                tokens += d["token_ids"]
+                last = d
+        except Exception as exc:
+            raise _engine_error(exc) from None
+        return last | {"text": "".join(text), "token_ids": tokens}
+
+    def _full_response(self, body, chat: bool, results: list[dict]) -> dict:
+        usage = {"prompt_tokens": sum(r["prompt_tokens"] for r in results),
+                 "completion_tokens": sum(r["completion_tokens"] for r in results)}
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        for r in results:
+            self.metrics.tokens(r["completion_tokens"])
+        if chat:
+            r = results[0]
+            choices = [{"index": 0, "message": {"role": "assistant", "content": r["text"]},
+                        "finish_reason": r["finish_reason"], "logprobs": None}]
+            return {"id": new_id("chatcmpl"), "object": "chat.completion", "created": now(), "model": body.model,
+                    "choices": choices, "usage": usage}
+        choices = [{"index": i, "text": r["text"], "finish_reason": r["finish_reason"], "logprobs": None}
+                   for i, r in enumerate(results)]
+        return {"id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": body.model,
+                "choices": choices, "usage": usage,
+                "dcut": [{"token_ids": r["token_ids"], "steps": r["steps"], "accepted": r["accepted"]}
+                         for r in results]}
+
+    async def _sse(self, stream, first: dict, body, chat: bool, prompt_tokens: int):
+        cid, created = new_id("chatcmpl" if chat else "cmpl"), now()
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        t_start, t_prev, n_prev, last = time.perf_counter(), None, 0, first
+
+        def chunk(text: str | None, finish: str | None, role: bool = False) -> str:
+            if chat:
+                delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text else {})
+                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+            return "data: " + json.dumps({"id": cid, "object": kind, "created": created, "model": body.model,
+                                          "choices": [choice]}) + "\n\n"
+
+        if chat:
+            yield chunk(None, None, role=True)
+        delta = first
+        try:
+            while True:
+                now_t = time.perf_counter()
+                if t_prev is None:
+                    self.metrics.ttft(now_t - t_start)
+                elif delta["completion_tokens"] > n_prev:
+                    self.metrics.tpot((now_t - t_prev) / (delta["completion_tokens"] - n_prev))
+                t_prev, n_prev, last = now_t, delta["completion_tokens"], delta
+                if delta["text"] or delta["finished"]:
+                    yield chunk(delta["text"], delta["finish_reason"] if delta["finished"] else None)
+                if delta["finished"]:
+                    break
+                delta = await stream.__anext__()
+        except StopAsyncIteration:
+            pass
+        except Exception as exc:  # the engine failed mid-stream: tell the client in-band
+            err = _engine_error(exc)
+            yield "data: " + json.dumps(error_body(str(err), err.kind, err.code)) + "\n\n"
+        finally:
+            stream.cancel()  # a client that went away frees the request's KV and drafter state
+        self.metrics.tokens(last["completion_tokens"])
+        if body.stream_options and body.stream_options.include_usage:
+            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": last["completion_tokens"],
+                     "total_tokens": prompt_tokens + last["completion_tokens"]}
+            yield "data: " + json.dumps({"id": cid, "object": kind, "created": created, "model": body.model,
+                                         "choices": [], "usage": usage}) + "\n\n"
+        yield "data: [DONE]\n\n"
+
+
+def _engine_error(exc: Exception) -> ApiError:
+    name = type(exc).__name__ + " " + str(exc)
+    if "OverloadedError" in name:
+        return ApiError(429, "server is at capacity; retry shortly", "rate_limit_error", "overloaded",
+                        headers={"Retry-After": "1"})
+    if "EngineFailedError" in name or "EPGroupError" in name:
+        return ApiError(503, "the engine failed; retry the request", "server_error", "engine_unavailable",
+                        headers={"Retry-After": "2"})
+    if "ValueError" in name:
+        return ApiError(400, str(exc).splitlines()[-1])
+    return ApiError(500, f"internal error: {type(exc).__name__}", "server_error")
+
+
+def build_app(args: ServeSettings) -> serve.Application:
+    """App builder for `serve run` / `serve deploy` and `dcut serve`: typed settings in."""
+    settings = args if isinstance(args, ServeSettings) else ServeSettings(**args)
+    engine = EngineDeployment.bind(settings)
+    return Ingress.options(num_replicas=settings.ingress_replicas).bind(engine, settings)

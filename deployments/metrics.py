@@ -1,0 +1,49 @@
+"""Prometheus metrics of the served app (text format at /metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+
+
+class Metrics:
+    """One registry per ingress replica (no process-global state)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self._requests = Counter("dcut_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
+                                 registry=r)
+        self._tokens = Counter("dcut_generated_tokens", "completion tokens sent", registry=r)
+        self._ttft = Histogram("dcut_ttft_seconds", "time to first token (streams)", buckets=_LATENCY_BUCKETS,
+                               registry=r)
+        self._tpot = Histogram("dcut_tpot_seconds", "time per output token (streams)", buckets=_LATENCY_BUCKETS,
+                               registry=r)
+        self._engine = {
+            name: Gauge(f"dcut_engine_{name}", doc, registry=r) for name, doc in (
+                ("mat", "mean accepted tokens per step per request, bonus included (last 200 steps)"),
+                ("keep_ratio", "kept / drafted drafts (last 200 steps)"),
+                ("cost_model_error", "median |predicted - measured| / measured verify time"),
+                ("predicted_verify_s", "mean predicted verify time"),
+                ("measured_verify_s", "mean measured verify time"),
+                ("in_flight", "requests in the engine (running + waiting)"),
+                ("steps", "decode steps since start"),
+            )
+        }
+
+    def request(self, endpoint: str, status: int) -> None:
+        self._requests.labels(endpoint, str(status)).inc()
+
+    def tokens(self, n: int) -> None:
+        self._tokens.inc(n)
+
+    def ttft(self, seconds: float) -> None:
+        self._ttft.observe(seconds)
+
+    def tpot(self, seconds: float) -> None:
+        self._tpot.observe(seconds)
+
+    def render(self, engine_stats: dict) -> bytes:
+        for name, gauge in self._engine.items():
+            gauge.set(float(engine_stats.get(name, 0.0)))
+        return generate_latest(self.registry)

@@ -1,0 +1,74 @@
+"""Typed settings of the served app (pydantic, at the edge), and the one place that reads
+environment variables. Inside, the engine receives a plain frozen `EngineConfig`."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from deployments.bundle import BUNDLED, Bundle
+
+ENV_PREFIX = "DCUT_"
+
+
+class ServeSettings(BaseModel):
+    """Everything `dcut serve`, `serve run` and `serve deploy` can set."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_root: str = Field(str(BUNDLED), description="bundle folder: target/, drafter/, tokenizer.json")
+    model_name: str = "dcut-demo"
+    drafter: Literal["block", "ngram"] = "block"
+    policy: str = "dcut"
+    block: int = Field(16, ge=2, le=16)
+    ep: int = Field(1, ge=1)
+    drafters: int = Field(1, ge=1)
+    max_running: int = Field(64, ge=1)
+    max_waiting: int = Field(256, ge=0, description="queued requests beyond max_running before 429")
+    kv_capacity_tokens: int = Field(65536, ge=256)
+    max_prompt_tokens: int = Field(1536, ge=1)
+    max_tokens_limit: int = Field(512, ge=1)
+    max_stop: int = Field(4, ge=0)
+    max_body_bytes: int = Field(1_000_000, ge=1024)
+    api_key: str | None = Field(None, description="bearer token required on /v1/* when set")
+    guard_threshold: float = Field(0.02, ge=0)
+    max_budget: int | None = Field(None, ge=1)
+    threads_per_rank: int | None = Field(None, ge=1)
+    cost_model_cache: str = "runs/cache"
+    ingress_replicas: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> ServeSettings:
+        from dcut_core.pruning import policy_from_name
+
+        policy_from_name(self.policy, self.block)  # raises ValueError on an unknown policy
+        return self
+
+    @classmethod
+    def from_env(cls, **overrides) -> ServeSettings:
+        """DCUT_<FIELD> environment variables, then explicit overrides."""
+        env = {}
+        for name in cls.model_fields:
+            raw = os.environ.get(ENV_PREFIX + name.upper())
+            if raw is not None:
+                env[name] = raw
+        return cls(**(env | {k: v for k, v in overrides.items() if v is not None}))
+
+    def engine_config(self):
+        from actors.engine.config import EngineConfig
+        from actors.target.config import MoEConfig
+
+        bundle = Bundle(pathlib.Path(self.model_root))
+        bundle.check(need_drafter=self.drafter == "block" and self.policy != "ar")
+        cores = os.cpu_count() or 1
+        return EngineConfig(
+            bundle.target, bundle.tokenizer, self.drafter, bundle.drafter, self.block, self.policy, ep=self.ep,
+            drafters=self.drafters, max_running=self.max_running, kv_capacity_tokens=self.kv_capacity_tokens,
+            threads_per_rank=self.threads_per_rank or max(1, cores // self.ep),
+            cpus_per_rank=min(1.0, cores / self.ep), eos_token_id=MoEConfig.load(bundle.target).eos_token_id,
+            cost_model_cache=self.cost_model_cache, guard_threshold=self.guard_threshold,
+            max_budget=self.max_budget,
+        )
