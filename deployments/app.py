@@ -39,6 +39,20 @@ class ApiError(Exception):
     def response(self) -> JSONResponse:
         return JSONResponse(error_body(str(self), self.kind, self.code, self.param), self.status, self.headers)
 
+    @staticmethod
+    def from_engine(exc: Exception) -> "ApiError":
+        """Map an exception raised in the engine replica to an HTTP error."""
+        name = type(exc).__name__ + " " + str(exc)
+        if "OverloadedError" in name:
+            return ApiError(429, "server is at capacity; retry shortly", "rate_limit_error", "overloaded",
+                            headers={"Retry-After": "1"})
+        if "EngineFailedError" in name or "EPGroupError" in name:
+            return ApiError(503, "the engine failed; retry the request", "server_error", "engine_unavailable",
+                            headers={"Retry-After": "2"})
+        if "ValueError" in name:
+            return ApiError(400, str(exc).splitlines()[-1])
+        return ApiError(500, f"internal error: {type(exc).__name__}", "server_error")
+
 
 @serve.deployment(name="ingress", max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0.25})
 @serve.ingress(api)
@@ -156,7 +170,7 @@ class Ingress:
         try:
             return await stream.__anext__()
         except Exception as exc:  # raised inside the engine replica
-            raise _engine_error(exc) from None
+            raise ApiError.from_engine(exc) from None
 
     async def _collect(self, stream) -> dict:
         text, tokens, last = [], [], None
@@ -166,7 +180,7 @@ class Ingress:
                 tokens += d["token_ids"]
                 last = d
         except Exception as exc:
-            raise _engine_error(exc) from None
+            raise ApiError.from_engine(exc) from None
         return last | {"text": "".join(text), "token_ids": tokens}
 
     def _full_response(self, body, chat: bool, results: list[dict]) -> dict:
@@ -221,7 +235,7 @@ class Ingress:
         except StopAsyncIteration:
             pass
         except Exception as exc:  # the engine failed mid-stream: tell the client in-band
-            err = _engine_error(exc)
+            err = ApiError.from_engine(exc)
             yield "data: " + json.dumps(error_body(str(err), err.kind, err.code)) + "\n\n"
         finally:
             stream.cancel()  # a client that went away frees the request's KV and drafter state
@@ -232,19 +246,6 @@ class Ingress:
             yield "data: " + json.dumps({"id": cid, "object": kind, "created": created, "model": body.model,
                                          "choices": [], "usage": usage}) + "\n\n"
         yield "data: [DONE]\n\n"
-
-
-def _engine_error(exc: Exception) -> ApiError:
-    name = type(exc).__name__ + " " + str(exc)
-    if "OverloadedError" in name:
-        return ApiError(429, "server is at capacity; retry shortly", "rate_limit_error", "overloaded",
-                        headers={"Retry-After": "1"})
-    if "EngineFailedError" in name or "EPGroupError" in name:
-        return ApiError(503, "the engine failed; retry the request", "server_error", "engine_unavailable",
-                        headers={"Retry-After": "2"})
-    if "ValueError" in name:
-        return ApiError(400, str(exc).splitlines()[-1])
-    return ApiError(500, f"internal error: {type(exc).__name__}", "server_error")
 
 
 def build_app(args: ServeSettings) -> serve.Application:

@@ -1,0 +1,181 @@
+"""The served app over real HTTP with the real `openai` client, and raw httpx for SSE framing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+
+import httpx
+import openai
+import pytest
+import ray
+from ray import serve
+
+from actors.ray_env import start_local_ray
+from actors.target.checkpoint import load_model
+from actors.target.decode import greedy_decode
+from actors.target.local import LocalTarget
+from deployments.app import build_app
+from deployments.settings import ServeSettings
+
+PORT = 8127
+BASE = f"http://127.0.0.1:{PORT}"
+PROMPT = "w5 w6 w7 w5 w6 w7 w5"
+PROMPT_IDS = [5, 6, 7, 5, 6, 7, 5]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_bundle, tmp_path_factory):
+    start_local_ray(num_cpus=8)
+    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    cache = str(tmp_path_factory.mktemp("cache"))
+    common = dict(model_root=tiny_bundle, block=6, cost_model_cache=cache, max_prompt_tokens=64,
+                  max_tokens_limit=32, max_stop=2, max_body_bytes=4096)
+    serve.run(build_app(ServeSettings(**common)), name="main", route_prefix="/")
+    serve.run(build_app(ServeSettings(**common, api_key="sekret", max_running=1, max_waiting=1, drafter="ngram")),
+              name="guarded", route_prefix="/guarded")
+    yield
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{BASE}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_bundle) -> list[int]:
+    return greedy_decode(LocalTarget(load_model(f"{tiny_bundle}/target")), [0], [PROMPT_IDS], 12)[0]
+
+
+def words(ids: list[int]) -> str:
+    return " ".join(f"w{i}" for i in ids)
+
+
+def test_models(client):
+    assert [m.id for m in client.models.list().data] == ["dcut-demo"]
+
+
+def test_completion_equals_plain_greedy_decoding(client, reference):
+    out = client.completions.create(model="dcut-demo", prompt=PROMPT, max_tokens=12, temperature=0)
+    assert out.choices[0].text.strip() == words(reference)
+    assert out.choices[0].finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (7, 12)
+
+
+def test_streaming_matches_non_streaming_and_reports_usage(client, reference):
+    chunks = list(client.completions.create(model="dcut-demo", prompt=PROMPT, max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text.strip() == words(reference)
+    assert chunks[-1].usage.completion_tokens == 12 and chunks[-1].choices == []
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_chat_completion_and_chat_stream(client):
+    msgs = [{"role": "user", "content": "w9 w10 w11"}]
+    full = client.chat.completions.create(model="dcut-demo", messages=msgs, max_tokens=6, temperature=0)
+    assert full.choices[0].message.role == "assistant" and full.choices[0].message.content
+    parts = list(client.chat.completions.create(model="dcut-demo", messages=msgs, max_tokens=6, temperature=0,
+                                                stream=True))
+    assert parts[0].choices[0].delta.role == "assistant"
+    assert "".join(p.choices[0].delta.content or "" for p in parts) == full.choices[0].message.content
+
+
+def test_stop_and_seed(client, reference):
+    stop = words(reference[3:5])
+    out = client.completions.create(model="dcut-demo", prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop])
+    assert out.choices[0].finish_reason == "stop" and stop not in out.choices[0].text
+    assert out.choices[0].text.strip() == words(reference[:3])
+    a, b, c = (client.completions.create(model="dcut-demo", prompt=PROMPT, max_tokens=10, temperature=1.0, seed=s)
+               for s in (7, 7, 8))
+    assert a.choices[0].text == b.choices[0].text  # same seed, same request alone: same output
+    assert {a.choices[0].text, c.choices[0].text}  # a different seed still answers
+
+
+def test_sse_framing(server):
+    body = {"model": "dcut-demo", "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{BASE}/v1/completions", json=body, timeout=60) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = [e for e in raw.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    for e in events[:-1]:
+        assert json.loads(e[6:])["object"] == "text_completion"
+
+
+BAD = [
+    (b"{not json", 400, "not valid JSON"),
+    (json.dumps({"model": "dcut-demo", "prompt": 5}).encode(), 400, "prompt"),
+    (json.dumps({"model": "gpt-4", "prompt": "w1"}).encode(), 404, "does not exist"),
+    (json.dumps({"model": "dcut-demo", "prompt": ""}).encode(), 400, "empty"),
+    (json.dumps({"model": "dcut-demo", "prompt": "w1 " * 80}).encode(), 400, "limit is 64"),
+    (json.dumps({"model": "dcut-demo", "prompt": "w1", "max_tokens": 0}).encode(), 400, "max_tokens"),
+    (json.dumps({"model": "dcut-demo", "prompt": "w1", "max_tokens": 33}).encode(), 400, "above the limit"),
+    (json.dumps({"model": "dcut-demo", "prompt": "w1", "stop": ["a", "b", "c"]}).encode(), 400, "stop"),
+    (json.dumps({"model": "dcut-demo", "prompt": "w1 " * 2000}).encode(), 413, "larger than"),
+    (json.dumps({"model": "dcut-demo", "prompt": "w1", "temperature": "hot"}).encode(), 400, "temperature"),
+    (json.dumps([1, 2]).encode(), 400, "JSON object"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "message"), BAD)
+def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(server, client, body, status, message):
+    r = httpx.post(f"{BASE}/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert message in err["message"] and err["type"]
+    assert client.completions.create(model="dcut-demo", prompt="w1 w2", max_tokens=2, temperature=0).choices
+
+
+def test_api_key_is_required_when_configured(server):
+    url = f"{BASE}/guarded/v1"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
+    good = openai.OpenAI(base_url=url, api_key="sekret", max_retries=0)
+    assert good.completions.create(model="dcut-demo", prompt="w3 w4", max_tokens=3, temperature=0).choices
+
+
+def test_overload_gets_429_with_retry_after(server):
+    async def one(c: httpx.AsyncClient) -> int:
+        body = {"model": "dcut-demo", "prompt": "w3 w4 w3 w4", "max_tokens": 32, "temperature": 0, "stream": True}
+        async with c.stream("POST", f"{BASE}/guarded/v1/completions", json=body,
+                            headers={"authorization": "Bearer sekret"}) as r:
+            if r.status_code == 429:
+                assert r.headers["retry-after"] == "1"
+            await r.aread()
+            return r.status_code
+
+    async def many() -> list[int]:
+        async with httpx.AsyncClient(timeout=120) as c:
+            return await asyncio.gather(*(one(c) for _ in range(8)))
+
+    codes = asyncio.run(many())
+    assert 429 in codes and 200 in codes and set(codes) <= {200, 429}
+
+
+def in_flight() -> float:
+    text = httpx.get(f"{BASE}/metrics", timeout=30).text
+    return float(re.search(r"^dcut_engine_in_flight (\S+)$", text, re.M).group(1))
+
+
+def test_client_disconnect_cancels_the_request(server):
+    body = {"model": "dcut-demo", "prompt": "w3 w4", "max_tokens": 32, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{BASE}/v1/completions", json=body, timeout=60) as r:
+        next(r.iter_lines())  # one event, then hang up
+    deadline = time.time() + 20
+    while in_flight() > 0 and time.time() < deadline:
+        time.sleep(0.2)
+    assert in_flight() == 0
+
+
+def test_metrics_are_exposed(server, client):
+    client.completions.create(model="dcut-demo", prompt=PROMPT, max_tokens=4, temperature=0, stream=False)
+    text = httpx.get(f"{BASE}/metrics", timeout=30).text
+    for name in ("dcut_requests_total", "dcut_generated_tokens_total", "dcut_ttft_seconds_bucket",
+                 "dcut_engine_mat", "dcut_engine_keep_ratio", "dcut_engine_predicted_verify_s"):
+        assert name in text
