@@ -37,6 +37,7 @@ class ServeSettings(BaseModel):
     guard_threshold: float = Field(0.02, ge=0)
     max_budget: int | None = Field(None, ge=1)
     threads_per_rank: int | None = Field(None, ge=1)
+    gpus_per_rank: float = Field(0.0, ge=0, description="> 0 puts EP ranks on GPUs (nccl)")
     cost_model_cache: str = "runs/cache"
     ingress_replicas: int = Field(1, ge=1)
 
@@ -68,7 +69,8 @@ class ServeSettings(BaseModel):
             bundle.target, bundle.tokenizer, self.drafter, bundle.drafter, self.block, self.policy, ep=self.ep,
             drafters=self.drafters, max_running=self.max_running, kv_capacity_tokens=self.kv_capacity_tokens,
             threads_per_rank=self.threads_per_rank or max(1, cores // self.ep),
-            cpus_per_rank=min(1.0, cores / self.ep), eos_token_id=MoEConfig.load(bundle.target).eos_token_id,
+            cpus_per_rank=min(1.0, cores / self.ep), gpus_per_rank=self.gpus_per_rank,
+            eos_token_id=MoEConfig.load(bundle.target).eos_token_id,
             cost_model_cache=self.cost_model_cache, guard_threshold=self.guard_threshold,
             max_budget=self.max_budget,
         )

@@ -21,6 +21,7 @@ class EngineConfig:
     prefill_chunk: int = 512
     threads_per_rank: int = 1
     cpus_per_rank: float = 1.0
+    gpus_per_rank: float = 0.0  # > 0: ranks on GPUs, nccl (untested here: no GPU on this machine)
     cpus_per_drafter: float = 0.5
     eos_token_id: int | None = None
     cost_model_cache: str | None = None

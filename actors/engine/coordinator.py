@@ -46,6 +46,7 @@ class Engine:
         self.policy = policy_from_name(cfg.policy, cfg.block, **cfg.dcut_options())
         self.policy_name = cfg.policy
         self.target = EPGroup(EPConfig(cfg.target_dir, world=cfg.ep, cpus_per_rank=cfg.cpus_per_rank,
+                                       gpus_per_rank=cfg.gpus_per_rank,
                                        threads_per_rank=cfg.threads_per_rank,
                                        kv_capacity_tokens=cfg.kv_capacity_tokens))
         self.replicas = []

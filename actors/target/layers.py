@@ -77,7 +77,9 @@ def plan_attention(cache: PagedKVCache, request_ids: list[int], cu: torch.Tensor
     positions = q_pos[q_valid]  # [N] in flat order
     cos, sin = rope_cos_sin(positions, head_dim, theta)
     write_slots = torch.cat(write) if write else torch.zeros(0, dtype=torch.long)
-    return AttentionPlan(write_slots, key_slots, mask[:, None], q_index, q_valid, cos, sin)
+    dev = cache.k.device  # built on the host (small integer arithmetic), used where the cache lives
+    return AttentionPlan(write_slots.to(dev), key_slots.to(dev), mask[:, None].to(dev), q_index.to(dev),
+                         q_valid.to(dev), cos.to(dev), sin.to(dev))
 
 
 class Attention(nn.Module):

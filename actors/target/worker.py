@@ -97,8 +97,9 @@ class TargetWorker:
 
     def forward(self, rb: RankBatch) -> RankResult:
         """Run this rank's part of one step (a collective when world > 1)."""
-        batch = ForwardBatch(rb.request_ids, torch.from_numpy(rb.tokens), torch.from_numpy(rb.cu),
-                             torch.from_numpy(rb.logit_index))
+        dev = self.spec.device
+        batch = ForwardBatch(rb.request_ids, torch.from_numpy(rb.tokens).to(dev), torch.from_numpy(rb.cu),
+                             torch.from_numpy(rb.logit_index).to(dev))
         prepared, error = None, None
         if batch.request_ids:
             try:
@@ -116,12 +117,12 @@ class TargetWorker:
         top2 = torch.topk(logits, 2, dim=-1).values if logits.shape[-1] > 1 else logits.repeat(1, 2)
         probs = None
         if rb.temperature is not None and len(rb.temperature) and float(rb.temperature.max()) > 0:
-            temp = torch.from_numpy(rb.temperature).float().clamp_min(1e-6)
-            probs = target_probs(logits, temp, torch.from_numpy(rb.top_p).float()).numpy()
+            temp = torch.from_numpy(rb.temperature).float().clamp_min(1e-6).to(dev)
+            probs = target_probs(logits, temp, torch.from_numpy(rb.top_p).float().to(dev)).cpu().numpy()
         return RankResult(
-            logits.argmax(-1).numpy(), (top2[:, 0] - top2[:, 1]).numpy(),
-            logits.float().numpy() if rb.with_logits else None,
-            {k: v.float().numpy() for k, v in captured.items()}, stats, probs,
+            logits.argmax(-1).cpu().numpy(), (top2[:, 0] - top2[:, 1]).cpu().numpy(),
+            logits.float().cpu().numpy() if rb.with_logits else None,
+            {k: v.float().cpu().numpy() for k, v in captured.items()}, stats, probs,
         )
 
     def _all_agree(self, ok: bool) -> bool:
