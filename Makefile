@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 PIP := $(BIN)/python -m pip --disable-pip-version-check
 
-.PHONY: setup serve test lint bench clean
+.PHONY: setup serve test lint bench clean demo-model
 
 setup: $(STAMP)
 
@@ -33,6 +33,14 @@ test: lint
 bench: setup
 	$(BIN)/python benchmarks/decision_time.py --out runs/bench
 	$(BIN)/python benchmarks/ep_step.py --out runs/bench
+
+# Rebuild the bundled demo model from scratch (about 2 hours on 2 cores; see docs/model.md).
+demo-model: setup
+	$(BIN)/python -m actors.demo.tokenizer --out models/demo/tokenizer.json
+	OMP_NUM_THREADS=2 $(BIN)/python -m actors.demo.train_target --steps 1800 --threads 2 --out models/demo/target
+	OMP_NUM_THREADS=2 $(BIN)/python -m actors.demo.train_drafter --threads 2 --out models/demo/drafter
+	$(BIN)/python -m actors.demo.evaluate --out runs/demo/eval.json
+	cd models/demo && sha256sum tokenizer.json target/* drafter/* > SHA256SUMS
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

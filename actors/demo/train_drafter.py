@@ -47,12 +47,16 @@ def batch_loss(model: DraftModel, data: DistillSet, seqs: torch.Tensor, anchors:
     ctx_kv = [(k[owner], v[owner]) for k, v in kv]
     mask = torch.arange(t)[None, :] < p[:, None]  # [B, T]
     hidden = model.block_hidden(tokens[owner, p], p, ctx_kv, mask, block)  # [B, K, H]
-    logits = model.logits(hidden[:, 1:])  # [B, K−1, V]
-    labels = tokens[owner[:, None], p[:, None] + torch.arange(1, block)[None, :]]  # [B, K−1]
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
+    logits = model.logits(hidden[:, 1:])  # [B, K−1, N] over the head's vocabulary
+    labels = tokens[owner[:, None], p[:, None] + torch.arange(1, block)[None, :]]  # [B, K−1] token ids
+    column = torch.full((int(model.lm_head.weight.shape[0]),), -100, dtype=torch.long)
+    column[model.head_ids] = torch.arange(len(model.head_ids))
+    target = column[labels]  # tokens outside the head cannot be drafted: no loss on them
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none",
+                         ignore_index=-100)
     weights = 0.8 ** torch.arange(block - 1, dtype=torch.float32)
     loss = (ce.view(-1, block - 1) * weights).sum(1).mean() / weights.sum()
-    acc = (logits.argmax(-1) == labels).float().mean(0)
+    acc = (model.head_ids[logits.argmax(-1)] == labels).float().mean(0)
     return loss, acc
 
 
@@ -66,6 +70,7 @@ def main() -> None:
     ap.add_argument("--total-len", type=int, default=128)
     ap.add_argument("--target-layers", default="2,4,6")
     ap.add_argument("--layers", type=int, default=1)
+    ap.add_argument("--head-tokens", type=int, default=2048, help="draft only the N most frequent tokens")
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--seqs-per-step", type=int, default=16)
     ap.add_argument("--anchors", type=int, default=8)
@@ -87,10 +92,15 @@ def main() -> None:
                         args.total_len, layers, seed=args.seed)
         torch.save(data.__dict__, cache)
     cfg = DraftConfig(target.cfg.hidden_size, layers, num_layers=args.layers, block_size=max(BLOCKS),
-                      rope_theta=target.cfg.rope_theta)
+                      rope_theta=target.cfg.rope_theta, head_tokens=args.head_tokens)
     for p in target.parameters():
         p.requires_grad_(False)
     model = DraftModel(cfg, target.embed_tokens, target.lm_head)
+    generated = data.tokens[:, data.prompt_len:].reshape(-1)  # what the target itself writes
+    counts = torch.bincount(generated, minlength=target.cfg.vocab_size)
+    model.set_head_tokens(torch.argsort(counts, descending=True, stable=True)[: args.head_tokens])
+    coverage = counts[model.head_ids].sum().item() / counts.sum().item()
+    print(f"draft head: {args.head_tokens} tokens cover {100 * coverage:.1f} % of the target's continuations")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     rng = np.random.default_rng(args.seed)
     n_val = max(64, args.sequences // 16)  # the last sequences are kept for validation

@@ -90,8 +90,10 @@ class BlockDrafter:
         hidden = self.model.block_hidden(torch.tensor(last_tokens), torch.tensor(ctx), ctx_kv, mask, self.block)
         pick = torch.arange(self.block)[None, :]
         want = (pick >= 1) & (pick <= torch.tensor(lengths)[:, None])  # [B, K] rows that may be kept
-        logits = self.model.logits(hidden[want]).float()  # [N, V]
-        return sample_drafts(logits, lengths, temperature, rng)
+        logits = self.model.logits(hidden[want]).float()  # [N, head vocabulary]
+        out = sample_drafts(logits, lengths, temperature, rng)
+        ids = self.model.head_ids.numpy()
+        return DraftOutput(ids[out.tokens], out.cu, out.confidence, out.margin, out.probs)
 
 
 def sample_drafts(logits: torch.Tensor, lengths: list[int], temperature: float,

@@ -33,6 +33,7 @@ class DraftConfig:
     head_dim: int = 64
     intermediate_size: int = 768
     block_size: int = 16  # K: K − 1 drafts per pass
+    head_tokens: int | None = None  # LM head over only the N most frequent tokens (None: all)
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
 
@@ -98,6 +99,11 @@ class DraftModel(nn.Module):
         self.layers = nn.ModuleList([DraftLayer(cfg) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self._shared = (embed, lm_head)  # a tuple: not registered, not saved, not trained
+        # Frequency-ranked head (as in FR-Spec): drafting only ever proposes these tokens, and the
+        # head costs N/V of the full one. Which tokens is part of the drafter's weights.
+        n = cfg.head_tokens or lm_head.weight.shape[0]
+        self.register_buffer("head_ids", torch.arange(n, dtype=torch.long))
+        self._head_w: torch.Tensor | None = None
 
     @property
     def embed(self) -> nn.Embedding:
@@ -125,8 +131,16 @@ class DraftModel(nn.Module):
             x = layer(x, cos, sin, k, v, ctx_mask)
         return self.norm(x)
 
+    def set_head_tokens(self, ids: torch.Tensor) -> None:
+        """Choose the head's vocabulary (the N most frequent tokens of the training data)."""
+        self.head_ids = ids.to(torch.long).clone()
+        self._head_w = None
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        """Logits over the head's vocabulary: [.., N]; column c is token head_ids[c]."""
+        if self._head_w is None or self._head_w.shape[0] != len(self.head_ids):
+            self._head_w = self.lm_head.weight.detach()[self.head_ids]  # the shared head is frozen
+        return F.linear(hidden, self._head_w)
 
     def save(self, path: str | pathlib.Path, dtype: torch.dtype = torch.float16) -> None:
         from safetensors.torch import save_file
@@ -134,7 +148,8 @@ class DraftModel(nn.Module):
         path = pathlib.Path(path)
         path.mkdir(parents=True, exist_ok=True)
         (path / "drafter_config.json").write_text(self.cfg.to_json())
-        state = {k: v.detach().to(dtype).contiguous() for k, v in self.state_dict().items()}
+        state = {k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).contiguous()
+                 for k, v in self.state_dict().items()}
         save_file(state, str(path / "drafter.safetensors"), metadata={"format": "pt"})
 
     @classmethod
@@ -144,5 +159,5 @@ class DraftModel(nn.Module):
         path = pathlib.Path(path)
         model = cls(DraftConfig.load(path / "drafter_config.json"), embed, lm_head)
         state = load_file(str(path / "drafter.safetensors"))
-        model.load_state_dict({k: v.float() for k, v in state.items()})
+        model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
         return model.eval()

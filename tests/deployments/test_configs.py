@@ -64,7 +64,7 @@ def test_gpu_cluster_has_a_gpu_node_per_ep_rank():
 def test_validation_rejects_broken_configs():
     cfg = yaml.safe_load((ROOT / "cluster_configs" / "local-fake.yaml").read_text())
     bad = copy.deepcopy(cfg) | {"no_such_key": 1}
-    with pytest.raises(Exception, match="no_such_key|Additional properties"):
+    with pytest.raises(Exception, match=r"no_such_key|Additional properties"):
         validate_config(bad)
     bad = copy.deepcopy(cfg)
     bad["max_workers"] = "many"
