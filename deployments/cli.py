@@ -19,7 +19,6 @@ NOT_YET_EXIT = 2
 
 # subcommand -> (issue number, what it needs) for the parts still to land.
 PENDING: dict[str, tuple[int, str]] = {
-    "bench": (7, "the benchmark harness"),
     "simulate": (7, "the cluster-scale simulator"),
 }
 
@@ -46,16 +45,6 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
                                         "(default: the bundled demo model)")
 
 
-def _add_bench(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--concurrency", default="1,4,16,64")
-    p.add_argument("--policies", default="ar,full,dcut")
-    p.add_argument("--block", type=int, default=16)
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--out", default="runs/bench")
-    p.add_argument("--url", help="OpenAI-compatible endpoint to measure instead of the embedded engine")
-
-
 def _add_simulate(p: argparse.ArgumentParser) -> None:
     p.add_argument("rest", nargs=argparse.REMAINDER)
 
@@ -63,7 +52,8 @@ def _add_simulate(p: argparse.ArgumentParser) -> None:
 SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "serve": ("serve the bundled model over an OpenAI-compatible API", _add_serve),
     "generate": ("generate completions with one embedded engine", _add_generate),
-    "bench": ("throughput and latency sweeps; writes results.json, CSV and plots", _add_bench),
+    "bench": ("throughput and latency sweeps; writes results.json, CSV and plots",
+              lambda p: _lazy("deployments.bench_command").add_arguments(p)),
     "profile": ("profile the deployment's step cost and write the fitted cost model",
                 lambda p: _lazy("deployments.profile_command").add_arguments(p)),
     "simulate": ("cluster-scale what-if runs from the cost model", _add_simulate),
@@ -84,7 +74,7 @@ def _lazy(module: str):
 
 
 IMPLEMENTED = {"profile": "deployments.profile_command", "generate": "deployments.generate_command",
-               "serve": "deployments.serve_command"}
+               "serve": "deployments.serve_command", "bench": "deployments.bench_command"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

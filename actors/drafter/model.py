@@ -159,5 +159,8 @@ class DraftModel(nn.Module):
         path = pathlib.Path(path)
         model = cls(DraftConfig.load(path / "drafter_config.json"), embed, lm_head)
         state = load_file(str(path / "drafter.safetensors"))
-        model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
+        result = model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()},
+                                       strict=False)
+        if set(result.missing_keys) - {"head_ids"} or result.unexpected_keys:  # no head_ids: full vocabulary
+            raise ValueError(f"drafter weights in {path} do not fit the config: {result}")
         return model.eval()

@@ -191,7 +191,12 @@ class Engine:
         t0 = time.perf_counter()
         pos = ragged.positions(drafts.cu)
         p = self.calibrator.estimate(drafts.confidence, drafts.margin, pos)
-        accepted_len = self._oracle_lengths(batch, drafts) if self.policy_name == "oracle" else None
+        accepted_len = None
+        if self.policy_name == "oracle":
+            t_probe = time.perf_counter()
+            accepted_len = self._oracle_lengths(batch, drafts)
+            drafts.probe_seconds = time.perf_counter() - t_probe
+            t0 += drafts.probe_seconds
         db = DraftBatch(survival(p, drafts.cu), drafts.cu, accepted_len)
         context = sum(s.cached for s in batch)
         curve = self.cost.verify_curve(len(batch), context) if self.cost else _flat_curve()
@@ -236,7 +241,7 @@ class Engine:
         self._commit_drafters([batch[i] for i in live], [committed[i] for i in live], [hidden[i] for i in live])
         self._release(self.scheduler.finish_done())
         rec = StepRecord(len(batch), int(drafts.cu[-1]), int(kept.sum()), int(np.sum(accepted)), verify_tokens,
-                         predicted, out.wall_s, drafts.seconds, drafts.decision_seconds)
+                         predicted, out.wall_s, drafts.seconds, drafts.decision_seconds, drafts.probe_seconds)
         self.records.append(rec)
         if self.step_log is not None:
             self.step_log.write(self.policy_name, np.diff(drafts.cu), drafts.survival, kept, accepted, context,

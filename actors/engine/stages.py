@@ -24,6 +24,7 @@ class Drafts:
     decision_seconds: float = 0.0  # wall time of the pruning decision
     survival: np.ndarray | None = None
     decision: object = None
+    probe_seconds: float = 0.0  # the oracle's extra verification pass (not part of a real step)
 
 
 @dataclass
@@ -39,6 +40,7 @@ class StepRecord:
     measured_verify_s: float
     draft_s: float
     decision_s: float
+    probe_s: float = 0.0
 
 
 def empty_drafts(r: int) -> Drafts:

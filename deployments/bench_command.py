@@ -1,0 +1,196 @@
+"""`dcut bench`: closed-loop concurrency sweeps, every policy on the same prompts and drafter.
+
+Embedded (default): one engine in this process; policies are switched between runs, so the
+drafter, the target and the prompts are identical and only the pruning choice differs. Greedy
+outputs of every policy are checked against `ar` (lossless) and the check is recorded.
+With `--url`: any OpenAI-compatible server, streaming, measured from the client side.
+Writes DIR/results.json, DIR/results.csv and PNG plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import json
+import os
+import pathlib
+import sys
+import time
+
+import numpy as np
+
+from deployments.bundle import BUNDLED, Bundle
+
+ALL_POLICIES = "ar,full,fixed-4,tetris,dcut-buckets,dcut,oracle"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--concurrency", default="1,4,16,64")
+    p.add_argument("--policies", default=ALL_POLICIES)
+    p.add_argument("--block", type=int, default=16)
+    p.add_argument("--num-prompts", type=int, default=32, help="prompts per concurrency level (at least C)")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--out", default="runs/bench")
+    p.add_argument("--url", help="OpenAI-compatible endpoint to measure instead of the embedded engine")
+    p.add_argument("--model", default="dcut-demo", help="model name to ask for with --url")
+    p.add_argument("--drafter", default="block")
+    p.add_argument("--model-root", help="model bundle folder (default: the bundled demo model)")
+    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=200.0)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from actors.demo.prompts import heldout_prompts
+
+    levels = [int(c) for c in args.concurrency.split(",")]
+    policies = args.policies.split(",")
+    n_max = max(max(levels), args.num_prompts)
+    texts = heldout_prompts(n_max)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    total = len(levels) * (1 if args.url else len(policies))
+    with tqdm(total=total, desc="bench", unit="run") as bar:
+        rows = (_http(args, texts, levels, bar) if args.url else _embedded(args, texts, levels, policies, bar))
+    (out / "results.json").write_text(json.dumps(rows, indent=1))
+    with (out / "results.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=sorted({k for r in rows for k in r}))
+        w.writeheader()
+        w.writerows(rows)
+    plot(rows, out)
+    for r in rows:
+        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}))
+    lossless = all(r.get("lossless", True) for r in rows)
+    if not lossless:
+        print("LOSSLESS CHECK FAILED: some policy's greedy output differs from ar", file=sys.stderr)
+    return 0 if lossless else 1
+
+
+def _embedded(args, texts: list[str], levels: list[int], policies: list[str], bar) -> list[dict]:
+    from tokenizers import Tokenizer
+
+    from actors.engine.config import EngineConfig
+    from actors.engine.coordinator import Engine
+    from actors.engine.loadgen import closed_loop, summarize
+    from actors.ray_env import start_local_ray
+    from actors.target.config import MoEConfig
+
+    bundle = Bundle(pathlib.Path(args.model_root or BUNDLED))
+    bundle.check(need_drafter=args.drafter == "block")
+    tok = Tokenizer.from_file(bundle.tokenizer)
+    prompts = [tok.encode(t).ids for t in texts]
+    cores = os.cpu_count() or 1
+    start_local_ray(num_cpus=max(4, cores + args.ep + 1))
+    cfg = EngineConfig(bundle.target, bundle.tokenizer, args.drafter, bundle.drafter, args.block, "dcut",
+                       ep=args.ep, max_running=max(levels), threads_per_rank=max(1, cores // args.ep),
+                       cpus_per_rank=min(1.0, cores / args.ep), cost_model_cache="runs/cache",
+                       eos_token_id=MoEConfig.load(bundle.target).eos_token_id)
+    engine = Engine(cfg)
+    rows = []
+    try:
+        closed_loop(engine, prompts[:2], 2, 8)  # warm-up: first calls load and compile lazily
+        for c in levels:
+            n = max(c, args.num_prompts)
+            reference, ar_tok_s = None, None
+            for policy in (["ar"] + [p for p in policies if p != "ar"]):
+                engine.set_policy(policy)
+                result = closed_loop(engine, prompts[:n], c, args.max_tokens)
+                result.policy = policy
+                if policy == "ar":
+                    reference, ar_tok_s = result.outputs, result.output_tokens / result.wall_s
+                row = summarize(result, ar_tok_s)
+                row["lossless"] = result.outputs == reference
+                row["goodput_tok_s"] = _goodput(result, args)
+                if policy in policies:
+                    rows.append(row)
+                bar.update(1 if policy in policies else 0)
+    finally:
+        engine.shutdown()
+    return rows
+
+
+def _goodput(result, args) -> float:
+    """Output tokens per second counting only requests that met both latency limits."""
+    ok = [t <= args.slo_ttft_ms / 1e3 for t in result.ttft_s]
+    tp = [t <= args.slo_tpot_ms / 1e3 for t in result.tpot_s] + [True] * (len(ok) - len(result.tpot_s))
+    good = sum(len(o) for o, a, b in zip(result.outputs, ok, tp, strict=False) if a and b)
+    return good / result.wall_s
+
+
+def _http(args, texts: list[str], levels: list[int], bar) -> list[dict]:
+    import httpx
+
+    async def one(client, prompt):
+        body = {"model": args.model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0,
+                "stream": True}
+        t0 = time.perf_counter()
+        stamps, text = [], []
+        async with client.stream("POST", f"{args.url.rstrip('/')}/v1/completions", json=body) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunk = json.loads(line[6:])
+                    if chunk.get("choices") and chunk["choices"][0].get("text"):
+                        stamps.append(time.perf_counter())
+                        text.append(chunk["choices"][0]["text"])
+        return t0, stamps, "".join(text)
+
+    async def level(c: int) -> dict:
+        n = max(c, args.num_prompts)
+        queue = list(texts[:n])
+        done = []
+
+        async def worker(client):
+            while queue:
+                done.append(await one(client, queue.pop(0)))
+
+        t0 = time.perf_counter()
+        async with httpx.AsyncClient(timeout=600) as client:
+            await asyncio.gather(*(worker(client) for _ in range(c)))
+        wall = time.perf_counter() - t0
+        ttft = [s[0] - t for t, s, _ in done if s]
+        tpot = [(s[-1] - s[0]) / (len(s) - 1) for _, s, _ in done if len(s) > 1]
+        pct = lambda xs, q: 1e3 * float(np.percentile(xs, q)) if xs else float("nan")  # noqa: E731
+        chunks = sum(len(s) for _, s, _ in done)
+        return {"policy": "server", "concurrency": c, "requests": n, "output_chunks": chunks, "wall_s": wall,
+                "output_tok_s": chunks / wall, "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p99": pct(ttft, 99),
+                "tpot_ms_p50": pct(tpot, 50), "tpot_ms_p99": pct(tpot, 99), "mat": float("nan"),
+                "verify_tokens_per_step": float("nan"), "keep_ratio": float("nan")}
+
+    rows = []
+    for c in levels:
+        rows.append(asyncio.run(level(c)))
+        bar.update(1)
+    return rows
+
+
+def plot(rows: list[dict], out: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    policies = sorted({r["policy"] for r in rows}, key=lambda p: ALL_POLICIES.split(",").index(p)
+                      if p in ALL_POLICIES.split(",") else 99)
+    for key, name, ylabel in (("output_tok_s", "throughput.png", "output tokens/s"),
+                              ("speedup_vs_ar", "speedup.png", "speed-up over ar"),
+                              ("keep_ratio", "keep_ratio.png", "kept / drafted")):
+        if not any(key in r for r in rows):
+            continue
+        fig, ax = plt.subplots(figsize=(6.5, 4))
+        for p in policies:
+            pts = sorted((r["concurrency"], r[key]) for r in rows if r["policy"] == p and key in r)
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=p)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel(ylabel)
+        if key == "speedup_vs_ar":
+            ax.axhline(1.0, color="grey", lw=0.8)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
