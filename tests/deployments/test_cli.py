@@ -26,7 +26,7 @@ def test_generate_accepts_the_contract_options():
     assert args.prompts == ["a", "b"] and args.ep == 2 and args.json
 
 
-@pytest.mark.parametrize("command", sorted(PENDING))
+@pytest.mark.parametrize("command", sorted(PENDING) or ["simulate"])
 def test_pending_subcommands_exit_nonzero_with_the_issue(command, capsys):
     assert main([command]) == 2
     assert f"issue #{PENDING[command][0]}" in capsys.readouterr().err
@@ -70,3 +70,19 @@ def test_generate_refuses_no_prompts(tiny_bundle):
     proc = subprocess.run([sys.executable, "-m", "deployments.cli", "generate", "--model-root", tiny_bundle],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "no prompts" in proc.stderr
+
+
+def test_bench_writes_results_for_every_policy(tmp_path, tiny_bundle):
+    out = tmp_path / "bench"
+    proc = subprocess.run([sys.executable, "-m", "deployments.cli", "bench", "--model-root", tiny_bundle,
+                           "--concurrency", "1,4", "--policies", "ar,full,dcut", "--num-prompts", "4",
+                           "--max-tokens", "6", "--block", "6", "--drafter", "ngram", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((out / "results.json").read_text())
+    assert {(r["policy"], r["concurrency"]) for r in rows} == {(p, c) for p in ("ar", "full", "dcut") for c in (1, 4)}
+    for r in rows:
+        assert r["lossless"] and r["output_tok_s"] > 0
+        for key in ("mat", "verify_tokens_per_step", "keep_ratio", "tpot_ms_p50", "tpot_ms_p99", "ttft_ms_p50"):
+            assert key in r
+    assert all((out / f).exists() for f in ("results.csv", "throughput.png", "speedup.png", "keep_ratio.png"))
