@@ -251,5 +251,8 @@ class Ingress:
 def build_app(args: ServeSettings) -> serve.Application:
     """App builder for `serve run` / `serve deploy` and `dcut serve`: typed settings in."""
     settings = args if isinstance(args, ServeSettings) else ServeSettings(**args)
-    engine = EngineDeployment.bind(settings)
+    deployment = EngineDeployment
+    if settings.engine_autoscaling:
+        deployment = deployment.options(autoscaling_config=settings.engine_autoscaling, num_replicas="auto")
+    engine = deployment.bind(settings)
     return Ingress.options(num_replicas=settings.ingress_replicas).bind(engine, settings)

@@ -40,6 +40,8 @@ class ServeSettings(BaseModel):
     gpus_per_rank: float = Field(0.0, ge=0, description="> 0 puts EP ranks on GPUs (nccl)")
     cost_model_cache: str = "runs/cache"
     ingress_replicas: int = Field(1, ge=1)
+    engine_autoscaling: dict | None = Field(None, description="Serve autoscaling_config of the engine unit "
+                                                              "(a serve config YAML can set it too)")
 
     @model_validator(mode="after")
     def _check(self) -> ServeSettings:
