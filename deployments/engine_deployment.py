@@ -44,6 +44,7 @@ class EngineDeployment:
             "predicted_verify_s": float(np.mean([r.predicted_verify_s for r in recs])) if recs and errors else 0.0,
             "measured_verify_s": float(np.mean([r.measured_verify_s for r in recs])) if recs else 0.0,
             "in_flight": self.engine.load,
+            "drafter_replicas_lost": self.engine.engine.degraded["drafter_replica_lost"],
             "steps": self.engine.steps,
         }
 

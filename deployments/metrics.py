@@ -28,6 +28,7 @@ class Metrics:
                 ("measured_verify_s", "mean measured verify time"),
                 ("in_flight", "requests in the engine (running + waiting)"),
                 ("steps", "decode steps since start"),
+                ("drafter_replicas_lost", "drafter replicas that died (their requests finished without drafts)"),
             )
         }
 

@@ -34,6 +34,7 @@ from dcut_core.pruning import DraftBatch, policy_from_name
 
 log = logging.getLogger(__name__)
 
+ORPHAN = -1  # owner of requests whose drafter replica died
 GATED_POLICIES = ("dcut",)  # policies whose engine also decides whether and how far to draft
 COSTED_POLICIES = ("dcut", "dcut-buckets", "oracle")
 
@@ -50,14 +51,14 @@ class Engine:
                                        threads_per_rank=cfg.threads_per_rank,
                                        kv_capacity_tokens=cfg.kv_capacity_tokens))
         self.replicas = []
+        self.drafter_spec = DrafterSpec(cfg.drafter, cfg.target_dir, cfg.drafter_dir, cfg.block, cfg.threads_per_rank)
         if cfg.policy != "ar":
-            spec = DrafterSpec(cfg.drafter, cfg.target_dir, cfg.drafter_dir, cfg.block, cfg.threads_per_rank)
-            self.replicas = [DrafterReplica.options(num_cpus=cfg.cpus_per_drafter).remote(spec)
-                             for _ in range(cfg.drafters)]
+            self.replicas = [self._new_replica() for _ in range(cfg.drafters)]
+        self.degraded: dict[str, int] = {"drafter_replica_lost": 0}
         self.layers = ray.get(self.replicas[0].target_layers.remote()) if self.replicas else ()
         self.eos = cfg.eos_token_id
         self.scheduler = Scheduler(cfg.max_running)
-        self.owner: dict[int, int] = {}
+        self.owner: dict[int, int] = {}  # request -> drafter replica; ORPHAN: its replica died
         self.calibrator = Calibrator(block=cfg.block)
         self.tracker = AcceptanceTracker(block=cfg.block)
         self.draft_cost = DraftCostLearner(DraftCost(1e-3, 2e-4, 5e-5))
@@ -152,7 +153,8 @@ class Engine:
 
     def plan(self, batch: list[Sequence]) -> np.ndarray:
         """Drafts to ask for per request; the `dcut` policy decides whether drafting pays at all."""
-        cap = np.array([max(0, min(self.cfg.block - 1, s.remaining - 1)) for s in batch])
+        cap = np.array([0 if self.owner.get(s.rid) == ORPHAN else max(0, min(self.cfg.block - 1, s.remaining - 1))
+                        for s in batch])
         if not self.replicas or self.policy_name == "ar":
             return np.zeros(len(batch), dtype=np.int64)
         if self.policy_name not in GATED_POLICIES or not self.cfg.drafting_gate:
@@ -177,7 +179,14 @@ class Engine:
                                                                [int(lengths[i]) for i in idx]))
         if not calls:
             return empty_drafts(len(batch))
-        outs = {r: (idx, ray.get(ref)) for r, (idx, ref) in calls.items()}
+        outs = {}
+        for r, (idx, ref) in calls.items():
+            try:
+                outs[r] = (idx, ray.get(ref))
+            except ray.exceptions.RayActorError as exc:  # its requests go on without drafts
+                self._replace_replica(r, exc)
+        if not outs:
+            return empty_drafts(len(batch))
         drafts = merge_drafts(len(batch), outs)
         seconds = time.perf_counter() - t0
         self.draft_cost.observe(sum(len(i) for i, _ in outs.values()), int(drafts.cu[-1]), seconds)
@@ -249,6 +258,20 @@ class Engine:
         return rec
 
     # -- helpers ----------------------------------------------------------------------------------
+
+    def _new_replica(self):
+        return DrafterReplica.options(num_cpus=self.cfg.cpus_per_drafter).remote(self.drafter_spec)
+
+    def _replace_replica(self, r: int, exc: Exception) -> None:
+        """A drafter replica died: its requests lose their drafter state and continue as plain
+        decoding (still exact); a fresh replica takes new requests. Logged and counted."""
+        orphans = [rid for rid, owner in self.owner.items() if owner == r]
+        log.warning("drafter replica %d died (%s); %d requests continue without drafts", r,
+                    type(exc).__name__, len(orphans))
+        self.degraded["drafter_replica_lost"] += 1
+        for rid in orphans:
+            self.owner[rid] = ORPHAN
+        self.replicas[r] = self._new_replica()
 
     def _commit_drafters(self, seqs: list[Sequence], tokens: list[list[int]], hidden: list[dict]) -> None:
         for r, replica in enumerate(self.replicas):  # ordered after earlier calls: no need to wait

@@ -133,3 +133,23 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_bundle, tmp_path):
     counts = np.array([(second == t).sum() for t in big] + [(~np.isin(second, big)).sum()])
     expected = np.append(p2[big], 1 - p2[big].sum()) * n
     assert chisquare(counts, expected).pvalue > 1e-3
+
+
+def test_a_dead_drafter_replica_loses_no_request(tiny_bundle, reference, tmp_path):
+    eng = engine(tiny_bundle, tmp_path, drafter="ngram", policy="full", drafters=2)
+    try:
+        for p in PROMPTS[:8]:
+            eng.add(p, SamplingParams(max_tokens=MAX_TOKENS))
+        for _ in range(3):
+            eng.step()
+        ray.kill(eng.replicas[0])
+        while len(eng.scheduler):
+            eng.step()
+        out = [eng.scheduler.finished.pop(rid) for rid in range(8)]
+        assert [s.output for s in out] == reference[:8]
+        assert eng.degraded["drafter_replica_lost"] == 1
+        later = eng.generate(PROMPTS[:4], [SamplingParams(max_tokens=MAX_TOKENS)] * 4)  # the replacement drafts
+        assert [s.output for s in later] == reference[:4]
+        assert sum(sum(s.drafted) for s in later) > 0
+    finally:
+        eng.shutdown()
