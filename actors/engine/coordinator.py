@@ -25,7 +25,7 @@ from actors.engine.stages import (
     merge_drafts,
 )
 from actors.engine.steplog import StepLog
-from actors.target.group import EPConfig, EPGroup
+from actors.target.group import EPConfig, EPGroup, EPGroupError
 from dcut_core import ragged
 from dcut_core.acceptance import Calibrator, survival, verify_outcomes
 from dcut_core.cost_model import StepShape
@@ -46,15 +46,12 @@ class Engine:
         self.cfg = cfg
         self.policy = policy_from_name(cfg.policy, cfg.block, **cfg.dcut_options())
         self.policy_name = cfg.policy
-        self.target = EPGroup(EPConfig(cfg.target_dir, world=cfg.ep, cpus_per_rank=cfg.cpus_per_rank,
-                                       gpus_per_rank=cfg.gpus_per_rank,
-                                       threads_per_rank=cfg.threads_per_rank,
-                                       kv_capacity_tokens=cfg.kv_capacity_tokens))
+        self.target = self._new_target()
         self.replicas = []
         self.drafter_spec = DrafterSpec(cfg.drafter, cfg.target_dir, cfg.drafter_dir, cfg.block, cfg.threads_per_rank)
         if cfg.policy != "ar":
             self.replicas = [self._new_replica() for _ in range(cfg.drafters)]
-        self.degraded: dict[str, int] = {"drafter_replica_lost": 0}
+        self.degraded: dict[str, int] = {"drafter_replica_lost": 0, "ep_group_rebuilt": 0}
         self.layers = ray.get(self.replicas[0].target_layers.remote()) if self.replicas else ()
         self.eos = cfg.eos_token_id
         self.scheduler = Scheduler(cfg.max_running)
@@ -114,15 +111,46 @@ class Engine:
     # -- one step ---------------------------------------------------------------------------------
 
     def step(self) -> StepRecord | None:
-        batch = self.schedule()
-        if not batch:
+        try:
+            batch = self.schedule()
+            if not batch:
+                return None
+            lengths = self.plan(batch)
+            drafts = self.propose(batch, lengths)
+            kept = self.prune(batch, drafts)
+            out = self.verify(batch, drafts, kept)
+            accepted, emitted = self.accept(batch, drafts, kept, out)
+            return self.postprocess(batch, drafts, kept, out, accepted, emitted)
+        except EPGroupError as exc:  # nothing of this step was committed: rebuild and go on
+            self.recover_target(exc)
             return None
-        lengths = self.plan(batch)
-        drafts = self.propose(batch, lengths)
-        kept = self.prune(batch, drafts)
-        out = self.verify(batch, drafts, kept)
-        accepted, emitted = self.accept(batch, drafts, kept, out)
-        return self.postprocess(batch, drafts, kept, out, accepted, emitted)
+
+    def recover_target(self, exc: Exception) -> None:
+        """A target rank died: build a new EP group and refill every running request's KV cache
+        from its prompt and committed tokens. Requests that had not produced a token yet go back
+        to the queue. Outputs stay those of an uninterrupted run."""
+        log.warning("EP group failed (%s); rebuilding it and resuming %d requests", exc,
+                    len(self.scheduler.running))
+        self.degraded["ep_group_rebuilt"] += 1
+        self.target = self._new_target()
+        resume = [s for s in self.scheduler.running if s.output]
+        requeue = [s for s in self.scheduler.running if not s.output]
+        self.scheduler.requeue(requeue)
+        for s in requeue:
+            for r, replica in enumerate(self.replicas):
+                if self.owner.get(s.rid) == r:
+                    replica.release.remote([s.rid])
+            self.owner.pop(s.rid, None)
+        if resume:
+            chunks = [[*s.prompt, *s.output[:-1]] for s in resume]
+            done = [0] * len(resume)
+            while any(d < len(c) for d, c in zip(done, chunks, strict=True)):
+                todo = [i for i, c in enumerate(chunks) if done[i] < len(c)]
+                self.target.forward([resume[i].rid for i in todo],
+                                    [chunks[i][done[i]:done[i] + self.cfg.prefill_chunk] for i in todo],
+                                    logits="last")
+                for i in todo:
+                    done[i] = min(len(chunks[i]), done[i] + self.cfg.prefill_chunk)
 
     def schedule(self) -> list[Sequence]:
         """Admit waiting requests and prefill them (chunked); returns the running set."""
@@ -258,6 +286,11 @@ class Engine:
         return rec
 
     # -- helpers ----------------------------------------------------------------------------------
+
+    def _new_target(self) -> EPGroup:
+        c = self.cfg
+        return EPGroup(EPConfig(c.target_dir, world=c.ep, cpus_per_rank=c.cpus_per_rank, gpus_per_rank=c.gpus_per_rank,
+                                threads_per_rank=c.threads_per_rank, kv_capacity_tokens=c.kv_capacity_tokens))
 
     def _new_replica(self):
         return DrafterReplica.options(num_cpus=self.cfg.cpus_per_drafter).remote(self.drafter_spec)

@@ -126,6 +126,13 @@ class Scheduler:
         self.running = [s for s in self.running if s.finish_reason is None]
         return done
 
+    def requeue(self, seqs: list[Sequence]) -> None:
+        """Put running requests back at the front of the queue (their prefill was lost)."""
+        for seq in reversed(seqs):
+            self.running.remove(seq)
+            seq.status = Status.WAITING
+            self.waiting.appendleft(seq)
+
     def abort(self, rid: int) -> Sequence | None:
         """Remove a waiting or running request; returns it (status unchanged) or None."""
         for seq in list(self.waiting):

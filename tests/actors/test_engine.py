@@ -153,3 +153,20 @@ def test_a_dead_drafter_replica_loses_no_request(tiny_bundle, reference, tmp_pat
         assert sum(sum(s.drafted) for s in later) > 0
     finally:
         eng.shutdown()
+
+
+def test_a_dead_ep_rank_is_rebuilt_and_requests_resume_exactly(tiny_bundle, reference, tmp_path):
+    eng = engine(tiny_bundle, tmp_path, drafter="block", policy="full", ep=2)
+    try:
+        for p in PROMPTS[:6]:
+            eng.add(p, SamplingParams(max_tokens=MAX_TOKENS))
+        for _ in range(3):
+            eng.step()
+        ray.kill(eng.target.workers[1])
+        while len(eng.scheduler):
+            eng.step()
+        out = [eng.scheduler.finished.pop(rid) for rid in range(6)]
+        assert [s.output for s in out] == reference[:6]
+        assert eng.degraded["ep_group_rebuilt"] == 1 and eng.target.healthy
+    finally:
+        eng.shutdown()
