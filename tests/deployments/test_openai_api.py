@@ -11,6 +11,8 @@ import httpx
 import openai
 import pytest
 import ray
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from ray import serve
 
 from actors.ray_env import start_local_ray
@@ -179,3 +181,32 @@ def test_metrics_are_exposed(server, client):
     for name in ("dcut_requests_total", "dcut_generated_tokens_total", "dcut_ttft_seconds_bucket",
                  "dcut_engine_mat", "dcut_engine_keep_ratio", "dcut_engine_predicted_verify_s"):
         assert name in text
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=8,
+)
+FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "n",
+          "stream_options", "max_completion_tokens"]
+bodies = st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=6), json_values, max_size=6).map(
+    lambda d: d | {"model": "dcut-demo"} if d.get("model") == "keep" else d)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=bodies, chat=st.booleans(), valid_model=st.booleans())
+def test_fuzzed_bodies_never_get_a_5xx(server, body, chat, valid_model):
+    if valid_model:
+        body["model"] = "dcut-demo"
+        body["max_tokens"] = 2 if not isinstance(body.get("max_tokens"), int) else body["max_tokens"]
+    url = f"{BASE}/v1/{'chat/completions' if chat else 'completions'}"
+    r = httpx.post(url, json=body, timeout=60)
+    assert r.status_code < 500, (body, r.text[:300])
+    if r.status_code >= 400:
+        assert "error" in r.json()
+
+
+def test_server_still_serves_after_fuzzing(client, reference):
+    out = client.completions.create(model="dcut-demo", prompt=PROMPT, max_tokens=12, temperature=0)
+    assert out.choices[0].text.strip() == words(reference)
