@@ -11,6 +11,7 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions (both stream as SSE e
 
 import hmac
 import json
+import logging
 import pathlib
 import time
 
@@ -27,6 +28,7 @@ from deployments.metrics import Metrics
 from deployments.openai_schema import ChatRequest, CompletionRequest, chat_prompt, error_body, new_id, now
 from deployments.settings import ServeSettings
 
+log = logging.getLogger(__name__)
 api = FastAPI(title="dcut", description="OpenAI-compatible speculative decoding with D-Cut")
 
 
@@ -52,6 +54,13 @@ class ApiError(Exception):
         if "ValueError" in name:
             return ApiError(400, str(exc).splitlines()[-1])
         return ApiError(500, f"internal error: {type(exc).__name__}", "server_error")
+
+
+# Everything the routes use must be defined above the class: serve.ingress captures the routes
+# (and the module globals they see) when the class is created.
+def _engine_died(exc: Exception) -> bool:
+    text = type(exc).__name__ + " " + str(exc)
+    return any(k in text for k in ("ActorDiedError", "RayActorError", "ActorUnavailableError", "EngineFailedError"))
 
 
 @serve.deployment(name="ingress", max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0.25})
@@ -104,13 +113,12 @@ class Ingress:
             if body.stream:
                 if len(ids) != 1:
                     raise ApiError(400, "streaming supports one prompt per request", param="prompt")
-                stream = self.engine.options(stream=True).generate.remote(ids[0], params)
+                stream = self._deltas(ids[0], params)
                 first = await self._first(stream)  # errors surface as HTTP status, not mid-stream
                 self.metrics.request(endpoint, 200)
                 return StreamingResponse(self._sse(stream, first, body, chat, len(ids[0])),
                                          media_type="text/event-stream")
-            results = [await self._collect(self.engine.options(stream=True).generate.remote(i, params))
-                       for i in ids]
+            results = [await self._collect(self._deltas(i, params)) for i in ids]
             self.metrics.request(endpoint, 200)
             return self._full_response(body, chat, results)
         except ApiError as e:
@@ -165,6 +173,27 @@ class Ingress:
             raise ApiError(400, f"at most {s.max_stop} non-empty stop strings", param="stop")
         return ids, {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
                      "seed": body.seed, "stop": stops}
+
+    async def _deltas(self, prompt: list[int], params: dict):
+        """Deltas of one request. If the engine unit dies under it, the request is resubmitted as
+        its prompt plus the tokens already produced (at most twice): the client sees one stream."""
+        produced: list[int] = []
+        for attempt in range(3):
+            stream = self.engine.options(stream=True).generate.remote(prompt, params, produced or None)
+            try:
+                async for d in stream:
+                    produced += d["token_ids"]
+                    yield d
+                    if d["finished"]:
+                        return
+                return
+            except Exception as exc:
+                if attempt == 2 or not _engine_died(exc):
+                    raise
+                log.warning("engine unit died mid-request (%s); resubmitting with %d tokens done",
+                            type(exc).__name__, len(produced))
+            finally:
+                stream.cancel()
 
     async def _first(self, stream) -> dict:
         try:
@@ -238,7 +267,7 @@ class Ingress:
             err = ApiError.from_engine(exc)
             yield "data: " + json.dumps(error_body(str(err), err.kind, err.code)) + "\n\n"
         finally:
-            stream.cancel()  # a client that went away frees the request's KV and drafter state
+            await stream.aclose()  # a client that went away frees the request's KV and drafter state
         self.metrics.tokens(last["completion_tokens"])
         if body.stream_options and body.stream_options.include_usage:
             usage = {"prompt_tokens": prompt_tokens, "completion_tokens": last["completion_tokens"],

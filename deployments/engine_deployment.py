@@ -26,8 +26,8 @@ class EngineDeployment:
         self.settings = settings
         self.engine = AsyncEngine(settings.engine_config(), settings.max_waiting)
 
-    async def generate(self, prompt: list[int], params: dict) -> AsyncIterator[dict]:
-        async for delta in self.engine.stream(prompt, SamplingParams(**params)):
+    async def generate(self, prompt: list[int], params: dict, resume: list[int] | None = None) -> AsyncIterator[dict]:
+        async for delta in self.engine.stream(prompt, SamplingParams(**params), resume):
             yield delta.__dict__
 
     def stats(self) -> dict:

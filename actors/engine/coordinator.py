@@ -86,11 +86,13 @@ class Engine:
         self._next_rid += 1
         return self._next_rid - 1
 
-    def add(self, prompt: list[int], params: SamplingParams) -> int:
+    def add(self, prompt: list[int], params: SamplingParams, resume: list[int] | None = None) -> int:
+        """Queue a request; `resume` is output it already has (a request moved from a failed
+        engine): generation continues after it, and max_tokens counts it."""
         if not prompt:
             raise ValueError("the prompt must not be empty")
         rid = self.new_rid()
-        self.scheduler.add(Sequence(rid, list(prompt), params))
+        self.scheduler.add(Sequence(rid, list(prompt), params, output=list(resume or [])))
         return rid
 
     def abort(self, rid: int) -> None:
@@ -162,20 +164,27 @@ class Engine:
         return list(self.scheduler.running)
 
     def prefill(self, seqs: list[Sequence]) -> None:
+        """Feed each prompt (and, for a resumed request, the output it already has except the
+        newest token) in chunks; then draw the first token of requests that have none."""
         for s in seqs:
             self.owner[s.rid] = s.rid % max(1, len(self.replicas))
+        feed = {s.rid: [*s.prompt, *s.output[:-1]] for s in seqs}
         done = dict.fromkeys((s.rid for s in seqs), 0)
         last_out = {}
-        while any(done[s.rid] < len(s.prompt) for s in seqs):
-            todo = [s for s in seqs if done[s.rid] < len(s.prompt)]
-            chunks = [s.prompt[done[s.rid]:done[s.rid] + self.cfg.prefill_chunk] for s in todo]
+        while any(done[s.rid] < len(feed[s.rid]) for s in seqs):
+            todo = [s for s in seqs if done[s.rid] < len(feed[s.rid])]
+            chunks = [feed[s.rid][done[s.rid]:done[s.rid] + self.cfg.prefill_chunk] for s in todo]
             out = self.target.forward([s.rid for s in todo], chunks, logits="last", capture_layers=self.layers,
                                       sampling=[(s.params.temperature, s.params.top_p) for s in todo])
             self._commit_drafters(todo, chunks, out.captured)
             for i, (s, c) in enumerate(zip(todo, chunks, strict=True)):
                 done[s.rid] += len(c)
                 last_out[s.rid] = (out.argmax[i], None if out.probs is None else out.probs[i])
-        for s, tok in zip(seqs, first_tokens(seqs, last_out), strict=True):
+        resumed = [s for s in seqs if s.output]
+        if resumed:
+            self._commit_drafters(resumed, [[s.output[-1]] for s in resumed], [{} for _ in resumed])
+        fresh = [s for s in seqs if not s.output]
+        for s, tok in zip(fresh, first_tokens(fresh, last_out), strict=True):
             self.scheduler.append(s, [tok], self.eos, self.text_of)
             self._commit_drafters([s], [[tok]], [{}])
 

@@ -52,8 +52,10 @@ class AsyncEngine:
     def load(self) -> int:
         return len(self.engine.scheduler) + len(self._new)
 
-    async def stream(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[Delta]:
-        """Deltas of one request until it finishes; closing the iterator aborts the request."""
+    async def stream(self, prompt: list[int], params: SamplingParams,
+                     resume: list[int] | None = None) -> AsyncIterator[Delta]:
+        """Deltas of one request until it finishes; closing the iterator aborts the request.
+        `resume`: output already sent to the client by an engine that failed (not sent again)."""
         if self.load >= self.engine.cfg.max_running + self.max_waiting:
             raise OverloadedError(f"engine is full ({self.load} requests in flight)")
         if not prompt:
@@ -61,8 +63,11 @@ class AsyncEngine:
         rid = self.engine.new_rid()
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
-        self._sent[rid] = (0, 0)
-        self._new.append((rid, list(prompt), params))
+        resume = list(resume or [])
+        if len(resume) >= params.max_tokens:
+            raise ValueError("nothing left to generate: resume already holds max_tokens tokens")
+        self._sent[rid] = (len(resume), len(self.engine.text_of(resume)) if resume else 0)
+        self._new.append((rid, list(prompt), params, resume))
         self._ensure_loop()
         finished = False
         try:
@@ -105,8 +110,8 @@ class AsyncEngine:
             self._publish()
 
     def _admit_and_abort(self) -> None:
-        for rid, prompt, params in self._new:
-            self.engine.scheduler.add(_sequence(rid, prompt, params))
+        for rid, prompt, params, resume in self._new:
+            self.engine.scheduler.add(_sequence(rid, prompt, params, resume))
         self._new.clear()
         for rid in self._aborted:
             self.engine.abort(rid)
@@ -148,10 +153,10 @@ def _stable(text: str, stops: tuple[str, ...]) -> str:
     return text[: len(text) - hold]
 
 
-def _sequence(rid: int, prompt: list[int], params: SamplingParams):
+def _sequence(rid: int, prompt: list[int], params: SamplingParams, resume: list[int]):
     from actors.engine.sequence import Sequence
 
-    return Sequence(rid, prompt, params)
+    return Sequence(rid, prompt, params, output=resume)
 
 
 class OverloadedError(RuntimeError):

@@ -170,3 +170,14 @@ def test_a_dead_ep_rank_is_rebuilt_and_requests_resume_exactly(tiny_bundle, refe
         assert eng.degraded["ep_group_rebuilt"] == 1 and eng.target.healthy
     finally:
         eng.shutdown()
+
+
+def test_resumed_request_continues_exactly(tiny_bundle, reference, tmp_path):
+    eng = engine(tiny_bundle, tmp_path, drafter="ngram", policy="dcut")
+    try:
+        rids = [eng.add(PROMPTS[i], SamplingParams(max_tokens=MAX_TOKENS), resume=reference[i][:5]) for i in range(3)]
+        while len(eng.scheduler):
+            eng.step()
+        assert [eng.scheduler.finished.pop(r).output for r in rids] == reference[:3]
+    finally:
+        eng.shutdown()

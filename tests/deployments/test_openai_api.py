@@ -210,3 +210,28 @@ def test_fuzzed_bodies_never_get_a_5xx(server, body, chat, valid_model):
 def test_server_still_serves_after_fuzzing(client, reference):
     out = client.completions.create(model="dcut-demo", prompt=PROMPT, max_tokens=12, temperature=0)
     assert out.choices[0].text.strip() == words(reference)
+
+
+def test_engine_unit_death_mid_stream_is_invisible_to_the_client(server, tiny_bundle):
+    """Runs last: it kills the main app's engine replica; Serve starts a new one and the ingress
+    resubmits the request with the tokens already streamed."""
+    target = load_model(f"{tiny_bundle}/target")
+    expected = words(greedy_decode(LocalTarget(target), [0], [PROMPT_IDS], 30)[0])
+    body = {"model": "dcut-demo", "prompt": PROMPT, "max_tokens": 30, "temperature": 0, "stream": True}
+    text = []
+    with httpx.stream("POST", f"{BASE}/v1/completions", json=body, timeout=300) as r:
+        lines = r.iter_lines()
+        for line in lines:
+            if line.startswith("data: {"):
+                text.append(json.loads(line[6:])["choices"][0]["text"])
+                break
+        replicas = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                    if "dcut#engine" in a["name"] or "main#engine" in a["name"]]
+        assert len(replicas) == 1, replicas
+        ray.kill(ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"]), no_restart=True)
+        for line in lines:
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                if chunk["choices"]:
+                    text.append(chunk["choices"][0]["text"])
+    assert "".join(text).strip().split() == expected.split()
