@@ -182,6 +182,8 @@ class Ingress:
             stream = self.engine.options(stream=True).generate.remote(prompt, params, produced or None)
             try:
                 async for d in stream:
+                    if (d["finish_reason"] or "").startswith("error"):
+                        raise ApiError(400, f"request refused by the engine: {d['finish_reason'][7:]}")
                     produced += d["token_ids"]
                     yield d
                     if d["finished"]:
@@ -198,6 +200,8 @@ class Ingress:
     async def _first(self, stream) -> dict:
         try:
             return await stream.__anext__()
+        except ApiError:
+            raise
         except Exception as exc:  # raised inside the engine replica
             raise ApiError.from_engine(exc) from None
 
@@ -208,6 +212,8 @@ class Ingress:
                 text.append(d["text"])
                 tokens += d["token_ids"]
                 last = d
+        except ApiError:
+            raise
         except Exception as exc:
             raise ApiError.from_engine(exc) from None
         return last | {"text": "".join(text), "token_ids": tokens}

@@ -156,7 +156,8 @@ class Engine:
 
     def schedule(self) -> list[Sequence]:
         """Admit waiting requests and prefill them (chunked); returns the running set."""
-        new = self.scheduler.admit()
+        # Ranks fill unevenly (placement is by request count): keep a quarter of the KV in reserve.
+        new = self.scheduler.admit(int(0.75 * self.cfg.kv_capacity_tokens * self.cfg.ep), self.cfg.block)
         if new:
             self.prefill(new)
             self.scheduler.finish_done()

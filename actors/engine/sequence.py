@@ -82,15 +82,32 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def admit(self) -> list[Sequence]:
-        """Move waiting requests into the running set; returns the newly admitted ones."""
+    def admit(self, kv_budget: int | None = None, block: int = 0) -> list[Sequence]:
+        """Move waiting requests into the running set, first come first served, while the running
+        set's worst-case KV footprint (prompt + max_tokens + one block of drafts each) stays
+        within kv_budget tokens; returns the newly admitted ones. A request that could never fit
+        is finished with an error instead of blocking the queue."""
         new = []
+        used = sum(self.footprint(s, block) for s in self.running)
         while self.waiting and len(self.running) < self.max_running:
+            need = self.footprint(self.waiting[0], block)
+            if kv_budget is not None and need > kv_budget:
+                seq = self.waiting.popleft()
+                seq.finish_reason, seq.status = "error: request exceeds the KV cache", Status.FINISHED
+                self.finished[seq.rid] = seq
+                continue
+            if kv_budget is not None and used + need > kv_budget:
+                break
+            used += need
             seq = self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
             new.append(seq)
         return new
+
+    @staticmethod
+    def footprint(seq: Sequence, block: int) -> int:
+        return len(seq.prompt) + seq.params.max_tokens + block
 
     def append(self, seq: Sequence, tokens: list[int], eos: int | None, text_of) -> list[int]:
         """Commit tokens to seq, applying stop conditions; returns the tokens actually kept."""

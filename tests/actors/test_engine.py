@@ -181,3 +181,16 @@ def test_resumed_request_continues_exactly(tiny_bundle, reference, tmp_path):
         assert [eng.scheduler.finished.pop(r).output for r in rids] == reference[:3]
     finally:
         eng.shutdown()
+
+
+def test_kv_admission_queues_instead_of_overflowing(tiny_bundle, reference, tmp_path):
+    # Room for about two requests at a time: the rest wait their turn, and all finish exactly.
+    eng = engine(tiny_bundle, tmp_path, drafter="ngram", policy="full", kv_capacity_tokens=64)
+    try:
+        out = eng.generate(PROMPTS[:6], [SamplingParams(max_tokens=MAX_TOKENS)] * 6)
+        assert [s.output for s in out] == reference[:6]
+        assert max(r.requests for r in eng.records) <= 2
+        big = eng.generate([PROMPTS[0] * 20], [SamplingParams(max_tokens=MAX_TOKENS)])[0]
+        assert big.finish_reason.startswith("error") and not big.output
+    finally:
+        eng.shutdown()
