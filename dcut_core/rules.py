@@ -122,3 +122,24 @@ def speculative_rng(draft_tokens: np.ndarray, cu_kept: np.ndarray, draft_probs: 
     u_accept = rng.random(len(draft_tokens))
     u_sample = rng.random(len(cu_kept) - 1)
     return speculative(draft_tokens, cu_kept, draft_probs, target_probs, u_accept, u_sample)
+
+
+def inverse_cdf(probs: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """Token drawn from each row of probs [M, V] with its uniform u [M]: the smallest token whose
+    cumulative probability exceeds u · (row mass). Zero-probability tokens are never drawn."""
+    cdf = np.cumsum(probs, axis=1)
+    return np.minimum((cdf <= (u * cdf[:, -1])[:, None]).sum(axis=1), probs.shape[1] - 1)
+
+
+def coupled_sampling(draft_tokens: np.ndarray, cu_kept: np.ndarray, target_probs: np.ndarray,
+                     u_rows: np.ndarray) -> Accepted:
+    """Lossless sampling verification by coupling: the target's own sample at every row is fixed
+    by that row's uniform (`inverse_cdf`), and drafts are accepted while they equal it.
+
+    Each output token is exactly the target's sample, so the output distribution is the target's;
+    a deterministic draft x is accepted with probability p(x), the same as speculative sampling
+    with one-hot drafts. Because a position's uniform depends only on the position (the caller
+    keeps one stream per request), a seeded request gives the same tokens whatever was drafted,
+    kept or batched with it.
+    """
+    return greedy(draft_tokens, cu_kept, inverse_cdf(target_probs, u_rows))

@@ -47,10 +47,19 @@ class Sequence:
     drafted: list[int] = field(default_factory=list)
     kept: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
+    _uniforms: list[float] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if self.rng is None:
             self.rng = np.random.default_rng(self.params.seed)
+
+    def uniforms(self, start: int, n: int) -> np.ndarray:
+        """The sampling uniforms of output positions start .. start+n-1: drawn once per position,
+        in order, from the request's seeded stream, and kept — so position t's uniform never
+        depends on how many drafts earlier steps verified."""
+        while len(self._uniforms) < start + n:
+            self._uniforms.append(float(self.rng.random()))
+        return np.asarray(self._uniforms[start:start + n])
 
     @property
     def last(self) -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,27 +61,24 @@ def merge_drafts(r: int, outs: dict[int, tuple[list[int], DraftOutput]]) -> Draf
                   np.concatenate([c for _, c, _ in rows]), np.concatenate([m for _, _, m in rows]))
 
 
-def _draw(p: np.ndarray | None, argmax: int, u: float) -> int:
-    if p is None:
-        return int(argmax)
-    cdf = np.cumsum(p)
-    return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), len(p) - 1))
-
-
 def first_tokens(seqs: list[Sequence], last_out: dict) -> list[int]:
     """The token after each prompt: the target's argmax, or a draw from its distribution."""
     out = []
     for s in seqs:
         argmax, probs = last_out[s.rid]
-        out.append(int(argmax[-1]) if s.greedy else _draw(probs[-1], argmax[-1], s.rng.random()))
+        if s.greedy:
+            out.append(int(argmax[-1]))
+        else:
+            out.append(int(rules.inverse_cdf(np.asarray(probs[-1:], dtype=np.float64), s.uniforms(0, 1))[0]))
     return out
 
 
 def accept_tokens(batch: list[Sequence], drafts: Drafts, kept: np.ndarray, out,
                   probe: bool = False) -> tuple[list[int], list[list[int]]]:
-    """Lossless acceptance per request: greedy match at temperature 0, speculative sampling with
-    deterministic (one-hot) drafts otherwise. Each request draws its uniforms from its own
-    generator — `probe` draws from a copy, leaving the request's stream untouched."""
+    """Lossless acceptance per request: greedy match at temperature 0; otherwise coupled sampling
+    (`rules.coupled_sampling`) with the request's per-position uniforms, so a seed fixes the
+    output whatever the policy, the batch or the drafter did. (`probe`: the oracle's look-ahead;
+    uniforms are per position, so it draws nothing it would not draw anyway.)"""
     accepted, emitted = [], []
     for i, s in enumerate(batch):
         k = int(kept[i])
@@ -91,9 +87,8 @@ def accept_tokens(batch: list[Sequence], drafts: Drafts, kept: np.ndarray, out,
         if s.greedy:
             res = rules.greedy(d, cu, np.asarray(out.argmax[i]))
         else:
-            rng = copy.deepcopy(s.rng) if probe else s.rng
-            u_accept, u_sample = rng.random(k), rng.random(1)
-            res = rules.speculative(d, cu, None, np.asarray(out.probs[i], dtype=np.float64), u_accept, u_sample)
+            u = s.uniforms(len(s.output), k + 1)  # output positions this step can fill
+            res = rules.coupled_sampling(d, cu, np.asarray(out.probs[i], dtype=np.float64), u)
         accepted.append(int(res.accepted[0]))
         emitted.append(res.tokens.tolist())
     return accepted, emitted

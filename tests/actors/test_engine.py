@@ -194,3 +194,18 @@ def test_kv_admission_queues_instead_of_overflowing(tiny_bundle, reference, tmp_
         assert big.finish_reason.startswith("error") and not big.output
     finally:
         eng.shutdown()
+
+
+def test_a_seed_fixes_sampled_output_whatever_the_policy(tiny_bundle, tmp_path):
+    eng = engine(tiny_bundle, tmp_path, drafter="ngram", policy="full")
+    try:
+        params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=s) for s in range(8)]
+        runs = {}
+        for policy in ("ar", "full", "dcut", "fixed-2"):
+            eng.set_policy(policy)
+            runs[policy] = [s.output for s in eng.generate(PROMPTS[:8], params)]
+        assert runs["ar"] == runs["full"] == runs["dcut"] == runs["fixed-2"]
+        alone = [eng.generate([PROMPTS[i]], [params[i]])[0].output for i in (0, 5)]
+        assert alone == [runs["ar"][0], runs["ar"][5]]  # and whatever it was batched with
+    finally:
+        eng.shutdown()

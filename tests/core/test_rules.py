@@ -7,7 +7,7 @@ import pytest
 from scipy.stats import chisquare
 
 from dcut_core import ragged
-from dcut_core.rules import greedy, speculative, speculative_rng, target_offsets
+from dcut_core.rules import coupled_sampling, greedy, inverse_cdf, speculative, speculative_rng, target_offsets
 
 
 def test_greedy_exact_cases():
@@ -113,3 +113,26 @@ def test_two_token_joint_distribution_equals_the_target():
 def test_speculative_layout_errors():
     with pytest.raises(ValueError):
         speculative(np.array([1]), np.array([0, 1]), None, np.ones((1, 3)) / 3, np.array([0.1]), np.array([0.2]))
+
+
+def test_inverse_cdf_exact():
+    probs = np.array([[0.0, 0.5, 0.5], [0.2, 0.0, 0.8]])
+    assert inverse_cdf(probs, np.array([0.0, 0.0])).tolist() == [1, 0]
+    assert inverse_cdf(probs, np.array([0.49, 0.2])).tolist() == [1, 2]  # 0.2 is past token 0's mass
+    assert inverse_cdf(probs, np.array([0.999, 0.999])).tolist() == [2, 2]
+
+
+def test_coupled_sampling_reproduces_the_target_and_ignores_the_drafts():
+    rng = np.random.default_rng(3)
+    p = random_dist(rng, V)
+    n = N_TRIALS
+    u = rng.random(n)
+    target = np.tile(p, (2 * n, 1))
+    u_rows = np.stack([u, rng.random(n)], axis=1).reshape(-1)  # one uniform per row
+    with_drafts = coupled_sampling(rng.integers(0, V, n), np.arange(n + 1), target, u_rows)
+    without = coupled_sampling(np.zeros(0, dtype=np.int64), np.zeros(n + 1, dtype=np.int64), p[None].repeat(n, 0), u)
+    first = with_drafts.tokens[with_drafts.cu_tokens[:-1]]
+    assert (first == without.tokens).all()  # same uniforms: same tokens, drafts or not
+    assert chisquare(np.bincount(first, minlength=V), p * n).pvalue > 1e-3
+    accept_rate = with_drafts.accepted.mean()
+    assert accept_rate == pytest.approx(float((p * (1 / V)).sum()), abs=0.01)  # P(x == y) for uniform x
