@@ -66,12 +66,10 @@ class BlockDrafter:
         self.extend(request_ids, hidden)
 
     def truncate(self, lengths: dict[int, int]) -> None:
-        for rid, n in lengths.items():
-            self.cache.truncate(rid, n)
+        self.cache.truncate_all(lengths)
 
     def release(self, request_ids: list[int]) -> None:
-        for rid in request_ids:
-            self.cache.release(rid)
+        self.cache.release_all(request_ids)
 
     @torch.inference_mode()
     def draft(self, request_ids: list[int], last_tokens: list[int], lengths: list[int], temperature: float = 0.0,

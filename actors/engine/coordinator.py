@@ -340,7 +340,7 @@ class Engine:
         this extra pass is not counted in the step's measured time)."""
         all_kept = np.diff(drafts.cu)
         out = self.verify(batch, drafts, all_kept)
-        accepted, _ = accept_tokens(batch, drafts, all_kept, out, probe=True)
+        accepted, _ = accept_tokens(batch, drafts, all_kept, out)
         self.target.truncate({s.rid: s.cached for s in batch})
         return np.asarray(accepted, dtype=np.int64)
 

@@ -73,12 +73,12 @@ def first_tokens(seqs: list[Sequence], last_out: dict) -> list[int]:
     return out
 
 
-def accept_tokens(batch: list[Sequence], drafts: Drafts, kept: np.ndarray, out,
-                  probe: bool = False) -> tuple[list[int], list[list[int]]]:
+def accept_tokens(batch: list[Sequence], drafts: Drafts, kept: np.ndarray,
+                  out) -> tuple[list[int], list[list[int]]]:
     """Lossless acceptance per request: greedy match at temperature 0; otherwise coupled sampling
     (`rules.coupled_sampling`) with the request's per-position uniforms, so a seed fixes the
-    output whatever the policy, the batch or the drafter did. (`probe`: the oracle's look-ahead;
-    uniforms are per position, so it draws nothing it would not draw anyway.)"""
+    output whatever the policy, the batch or the drafter did. The oracle's
+    look-ahead may call it too: uniforms are per position, so it draws nothing extra."""
     accepted, emitted = [], []
     for i, s in enumerate(batch):
         k = int(kept[i])

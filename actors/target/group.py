@@ -192,13 +192,13 @@ class EPGroup:
         if self._broken:
             raise EPGroupError(f"EP group is down: {self._broken}")
         deadline = time.monotonic() + timeout_s
-        pending, rejected = list(refs), []
+        pending, rejected, results = list(refs), [], {}
         while pending:
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
                 self._fail(f"step exceeded {timeout_s:.0f} s (a rank hung)")
             try:
-                ray.get(ready[0])
+                results[ready[0]] = ray.get(ready[0])
             except BatchRejected as exc:
                 rejected.append(str(getattr(exc, "cause", exc)))  # the worker's message, not the traceback
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
@@ -206,7 +206,7 @@ class EPGroup:
         if rejected:
             specific = [m for m in rejected if "another rank" not in m]
             raise BatchRejected((specific or rejected)[0])
-        return ray.get(refs)
+        return [results[r] for r in refs]
 
     def _fail(self, reason: str, cause: BaseException | None = None) -> None:
         self._broken = reason

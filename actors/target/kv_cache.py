@@ -89,6 +89,15 @@ class PagedKVCache:
         self._free.extend(reversed(table[keep:]))
         del table[keep:]
 
+    def truncate_all(self, lengths: dict[int, int]) -> None:
+        """`truncate` for many requests: request -> new length."""
+        for rid, n in lengths.items():
+            self.truncate(rid, n)
+
+    def release_all(self, request_ids: list[int]) -> None:
+        for rid in request_ids:
+            self.release(rid)
+
     def release(self, rid: int) -> None:
         """Forget a finished request and free all its blocks."""
         if rid in self._tables:

@@ -55,9 +55,7 @@ class LocalTarget:
         )
 
     def truncate(self, lengths: dict[int, int]) -> None:
-        for rid, n in lengths.items():
-            self.cache.truncate(rid, n)
+        self.cache.truncate_all(lengths)
 
     def release(self, request_ids: list[int]) -> None:
-        for rid in request_ids:
-            self.cache.release(rid)
+        self.cache.release_all(request_ids)

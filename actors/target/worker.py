@@ -134,12 +134,10 @@ class TargetWorker:
 
     def truncate(self, lengths: dict[int, int]) -> None:
         """Roll back rejected tokens: request -> new length."""
-        for rid, n in lengths.items():
-            self.cache.truncate(rid, n)
+        self.cache.truncate_all(lengths)
 
     def release(self, request_ids: list[int]) -> None:
-        for rid in request_ids:
-            self.cache.release(rid)
+        self.cache.release_all(request_ids)
 
     def cache_info(self) -> dict:
         return {"free_tokens": self.cache.free_tokens, "requests": len(self.cache.requests),
