@@ -1,8 +1,7 @@
 """The `dcut` command line (contract in DESIGN.md; change it only by adding).
 
 Every subcommand of the contract is declared here with its options, so `dcut CMD --help` is
-always complete. A subcommand whose implementation has not landed says which issue brings it
-and exits with status 2.
+always complete; a subcommand's module is imported only when it runs.
 """
 
 from __future__ import annotations
@@ -14,13 +13,6 @@ from collections.abc import Callable, Sequence
 
 from actors.ray_env import set_local_env
 from dcut_core.pruning import POLICY_NAMES
-
-NOT_YET_EXIT = 2
-
-# subcommand -> (issue number, what it needs) for the parts still to land.
-PENDING: dict[str, tuple[int, str]] = {
-    "simulate": (7, "the cluster-scale simulator"),
-}
 
 
 def _add_serve(p: argparse.ArgumentParser) -> None:
@@ -45,10 +37,6 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
                                         "(default: the bundled demo model)")
 
 
-def _add_simulate(p: argparse.ArgumentParser) -> None:
-    p.add_argument("rest", nargs=argparse.REMAINDER)
-
-
 SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "serve": ("serve the bundled model over an OpenAI-compatible API", _add_serve),
     "generate": ("generate completions with one embedded engine", _add_generate),
@@ -56,7 +44,8 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = 
               lambda p: _lazy("deployments.bench_command").add_arguments(p)),
     "profile": ("profile the deployment's step cost and write the fitted cost model",
                 lambda p: _lazy("deployments.profile_command").add_arguments(p)),
-    "simulate": ("cluster-scale what-if runs from the cost model", _add_simulate),
+    "simulate": ("cluster-scale what-if runs from the cost model",
+                 lambda p: _lazy("deployments.simulate_command").add_arguments(p)),
 }
 
 
@@ -74,17 +63,14 @@ def _lazy(module: str):
 
 
 IMPLEMENTED = {"profile": "deployments.profile_command", "generate": "deployments.generate_command",
-               "serve": "deployments.serve_command", "bench": "deployments.bench_command"}
+               "serve": "deployments.serve_command", "bench": "deployments.bench_command",
+               "simulate": "deployments.simulate_command"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     set_local_env()  # before anything imports Ray
     args = build_parser().parse_args(argv)
-    if args.command in IMPLEMENTED:
-        return _lazy(IMPLEMENTED[args.command]).run(args)
-    issue, what = PENDING[args.command]
-    print(f"dcut {args.command}: not available yet; it lands with {what} (issue #{issue}).", file=sys.stderr)
-    return NOT_YET_EXIT
+    return _lazy(IMPLEMENTED[args.command]).run(args)
 
 
 if __name__ == "__main__":

@@ -68,6 +68,8 @@ def main() -> None:
     ap.add_argument("--sequences", type=int, default=3072)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--total-len", type=int, default=128)
+    ap.add_argument("--sample-fraction", type=float, default=0.4,
+                    help="share of continuations sampled at temperature 0.8 (the rest greedy)")
     ap.add_argument("--target-layers", default="2,4,6")
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--head-tokens", type=int, default=2048, help="draft only the N most frequent tokens")
@@ -84,12 +86,13 @@ def main() -> None:
     torch.manual_seed(args.seed)
     target = load_model(args.target)
     layers = tuple(int(x) for x in args.target_layers.split(","))
-    cache = pathlib.Path(f"runs/demo/distill_{args.sequences}_{args.total_len}.pt")
+    tag = "" if args.sample_fraction == 0.4 else f"_s{args.sample_fraction:g}"
+    cache = pathlib.Path(f"runs/demo/distill_{args.sequences}_{args.total_len}{tag}.pt")
     if cache.exists():
         data = DistillSet(**torch.load(cache))
     else:
         data = generate(target, token_array(args.tokenizer, "train"), args.sequences, args.prompt_len,
-                        args.total_len, layers, seed=args.seed)
+                        args.total_len, layers, sample_fraction=args.sample_fraction, seed=args.seed)
         torch.save(data.__dict__, cache)
     cfg = DraftConfig(target.cfg.hidden_size, layers, num_layers=args.layers, block_size=max(BLOCKS),
                       rope_theta=target.cfg.rope_theta, head_tokens=args.head_tokens)

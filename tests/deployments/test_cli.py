@@ -1,4 +1,4 @@
-"""The command-line contract: every subcommand exists; unfinished ones say so and fail."""
+"""The command-line contract: every subcommand exists and runs."""
 
 from __future__ import annotations
 
@@ -6,15 +6,13 @@ import json
 import subprocess
 import sys
 
-import pytest
-
 from dcut_core.cost_model import CostModel, StepShape
-from deployments.cli import IMPLEMENTED, PENDING, SUBCOMMANDS, build_parser, main
+from deployments.cli import IMPLEMENTED, SUBCOMMANDS, build_parser, main
 
 
 def test_every_contract_subcommand_is_declared():
     assert set(SUBCOMMANDS) == {"serve", "generate", "bench", "profile", "simulate"}
-    assert set(PENDING) | set(IMPLEMENTED) == set(SUBCOMMANDS)
+    assert set(IMPLEMENTED) == set(SUBCOMMANDS)
 
 
 def test_generate_accepts_the_contract_options():
@@ -26,10 +24,14 @@ def test_generate_accepts_the_contract_options():
     assert args.prompts == ["a", "b"] and args.ep == 2 and args.json
 
 
-@pytest.mark.parametrize("command", sorted(PENDING) or ["simulate"])
-def test_pending_subcommands_exit_nonzero_with_the_issue(command, capsys):
-    assert main([command]) == 2
-    assert f"issue #{PENDING[command][0]}" in capsys.readouterr().err
+def test_simulate_writes_results_and_tables(tmp_path):
+    out = tmp_path / "sim"
+    assert main(["simulate", "--model", "moe-35b-a3b", "--ep", "8", "--batch", "4,64", "--policies",
+                 "full,dcut", "--steps", "60", "--out", str(out)]) == 0
+    records = json.loads((out / "results.json").read_text())
+    assert {(r["policy"], r["batch"]) for r in records} == {("full", 4), ("full", 64), ("dcut", 4), ("dcut", 64)}
+    assert all(r["speedup"] > 0 and 0 <= r["keep_ratio"] <= 1 for r in records)
+    assert "| dcut |" in (out / "tables.md").read_text()
 
 
 def test_console_entry_point_runs():
