@@ -24,7 +24,7 @@ from dcut_core.ragged import offsets_from_lengths
 
 DEMO = ModelShape("demo-moe", 6, 256, 4, 2, 64, 4096, 0, experts=8, top_k=2,
                   expert_intermediate=512, moe_layers=6, param_bytes=4, act_bytes=4)
-SHAPES = ((64, 16), (1024, 32))
+SHAPES = ((64, 16), (1024, 32), (4096, 16))  # the last: one wide-EP unit
 
 
 def make_batch(rng: np.random.Generator, requests: int, drafts: int) -> DraftBatch:

@@ -146,7 +146,9 @@ class CostModel:
                 out += d * -np.expm1(n * log_miss)
             return out
 
-        return StepCost(curve)
+        # Every term but b·n is non-decreasing in n, so b bounds the marginal cost from below
+        # (padding makes plateaus: then no bound).
+        return StepCost(curve, 0.0, 0.0 if self.pad_tokens else b)
 
     # -- persistence ------------------------------------------------------------------------
 
@@ -250,7 +252,7 @@ class OnlineCorrection:
     def verify_curve(self, requests: int, context: int) -> StepCost:
         base = self.model.verify_curve(requests, context)
         s = self.scale
-        return StepCost(lambda tokens: s * base.verify_seconds(tokens))
+        return StepCost(lambda tokens: s * base.verify_seconds(tokens), 0.0, s * base.min_marginal)
 
     def refit(self, terms: Sequence[str] = TERMS) -> None:
         """Replace the model by a fit on the kept samples and reset the correction."""

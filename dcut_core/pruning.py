@@ -77,6 +77,9 @@ class StepCost:
 
     verify_seconds: CostCurve
     fixed_seconds: float = 0.0
+    # A lower bound on C(n + 1) − C(n) over all n (0 when unknown, e.g. padded step costs).
+    # With it, drafts too unlikely to ever be kept are dropped before the sort (see `Dcut`).
+    min_marginal: float = 0.0
 
     def seconds(self, tokens: np.ndarray) -> np.ndarray:
         out = self.fixed_seconds + np.asarray(self.verify_seconds(tokens), dtype=np.float64)
@@ -126,9 +129,13 @@ class _Scan:
         return self.tokens / self.seconds
 
 
-def _scan(batch: DraftBatch, cost: StepCost, max_budget: int | None = None) -> _Scan:
+def _scan(batch: DraftBatch, cost: StepCost, max_budget: int | None = None,
+          floor: float | None = None) -> _Scan:
+    """Objective at every budget; with `floor`, only over the drafts with survival >= floor (a
+    prefix of the sorted order — the caller guarantees the optimum lies inside it)."""
     r = batch.num_requests
-    order_desc = np.sort(batch.survival)[::-1]
+    s = batch.survival if floor is None else batch.survival[batch.survival >= floor]
+    order_desc = np.sort(s)[::-1]
     m_max = len(order_desc) if max_budget is None else min(len(order_desc), max(0, max_budget))
     tokens = np.empty(m_max + 1, dtype=np.float64)
     tokens[0] = r
@@ -255,17 +262,38 @@ class Dcut:
     name: str = "dcut"
 
     def choose(self, batch: DraftBatch, cost: StepCost) -> PruneDecision:
-        scan = _scan(batch, cost, self.max_budget)
-        m_all = len(scan.tokens) - 1
+        floor, rate_all = self._floor(batch, cost)
+        scan = _scan(batch, cost, self.max_budget, floor)
         rate = scan.rate
         m = best_budget(rate)
-        if rate[m] < rate[m_all] * (1.0 + self.guard_threshold):
+        if floor is None:
+            rate_all = rate[-1]
+        if rate[m] < rate_all * (1.0 + self.guard_threshold):
+            if floor is not None:  # no max budget on this path: keep everything
+                return _decision(batch, cost, batch.drafted.astype(np.int64), guard=m != len(batch.survival))
+            m_all = len(scan.tokens) - 1
             return _decision(batch, cost, kept_top_m(batch, scan.order_desc, m_all), guard=m != m_all)
-        if self.fill_step:
+        if self.fill_step and floor is None:  # a floor needs a strictly rising cost: nothing to fill
             paid = scan.seconds[m] * (1.0 + 1e-12)
             over = np.nonzero(scan.seconds[m:] > paid)[0]
-            m = m_all if len(over) == 0 else m + int(over[0]) - 1
+            m = len(scan.tokens) - 1 if len(over) == 0 else m + int(over[0]) - 1
         return _decision(batch, cost, kept_top_m(batch, scan.order_desc, m))
+
+    def _floor(self, batch: DraftBatch, cost: StepCost) -> tuple[float | None, float]:
+        """(survival floor, rate of keeping everything), or (None, nan) when no floor applies.
+
+        The best budget m* is the smallest argmax, so rate(m*) > rate(m* − 1), which rearranges
+        to s_(m*) > rate(m*) · (C(m*) − C(m* − 1)) ≥ rate_lb · min_marginal, where rate_lb is the
+        rate of any plan (none kept, all kept). Every kept draft has survival ≥ s_(m*): drafts
+        below the floor are never kept, and the scan can skip them (4096 × 16 drafts: the sort
+        shrinks to the few that matter).
+        """
+        if cost.min_marginal <= 0 or self.max_budget is not None:
+            return None, float("nan")
+        r, n = batch.num_requests, len(batch.survival)
+        secs = cost.seconds(np.array([r, r + n], dtype=np.int64))
+        rate_none, rate_all = r / secs[0], (r + float(batch.survival.sum())) / secs[1]
+        return max(rate_none, rate_all) * cost.min_marginal, rate_all
 
 
 @dataclass(frozen=True)

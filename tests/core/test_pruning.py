@@ -185,6 +185,30 @@ def test_dcut_reaches_the_brute_force_optimum():
         assert all(0 <= k <= len(r) for k, r in zip(kept, rows, strict=True))
 
 
+def test_the_survival_floor_changes_no_decision():
+    """Dropping drafts below rate_lb · min_marginal before the sort is exact: same kept counts,
+    guard and prediction as the full scan, on random batches (ties included) and fitted curves."""
+    from dcut_core.cost_model import preset
+    from dcut_core.hardware import MODELS
+
+    rng = np.random.default_rng(7)
+    for trial in range(400):
+        rows = random_rows(rng, int(rng.integers(1, 40)), 16)
+        if trial % 2:
+            cm = preset(MODELS["moe-35b-a3b"], "h20", ep=int(rng.choice([1, 8])))
+            with_floor = cm.verify_curve(len(rows), int(rng.integers(0, 50_000)))
+        else:
+            fixed, a = rng.uniform(0.1, 2.0), rng.uniform(0.001, 0.5)
+            with_floor = StepCost(lambda n, a=a: a * n.astype(np.float64), fixed, min_marginal=a)
+        assert with_floor.min_marginal > 0
+        without = StepCost(with_floor.verify_seconds, with_floor.fixed_seconds)
+        batch = DraftBatch.from_rows(rows)
+        for policy in (Dcut(), Dcut(guard_threshold=0.0), Dcut(guard_threshold=0.3)):
+            a, b = policy.choose(batch, with_floor), policy.choose(batch, without)
+            assert a.kept.tolist() == b.kept.tolist() and a.guard == b.guard
+            assert a.predicted_seconds == pytest.approx(b.predicted_seconds)
+
+
 def test_guarded_dcut_never_loses_more_than_the_threshold():
     rng = np.random.default_rng(1)
     for _ in range(300):
