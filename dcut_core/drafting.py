@@ -50,8 +50,13 @@ class DraftPlan:
 
 
 def plan_drafts(predicted: list[np.ndarray], verify: StepCost, draft: DraftCost,
-                max_budget: int | None = None) -> DraftPlan:
-    """predicted[i]: conditional acceptance of request i's draft positions 0 .. n_i − 1."""
+                max_budget: int | None = None, slack: int = 0) -> DraftPlan:
+    """predicted[i]: conditional acceptance of request i's draft positions 0 .. n_i − 1.
+
+    slack: extra positions drafted past the plan for each request that drafts at all (at most
+    n_i). The plan is made from predictions; pruning decides again from the drafts' own
+    confidences, and can only keep what was drafted — without slack the two cuts compound.
+    """
     flat, cu = ragged.flatten(predicted)
     batch = DraftBatch(ragged.segment_cumprod(np.clip(flat, 0.0, 1.0), cu), cu)
     r = batch.num_requests
@@ -63,8 +68,10 @@ def plan_drafts(predicted: list[np.ndarray], verify: StepCost, draft: DraftCost,
     m = np.arange(m_max + 1)
     seconds = verify.seconds(r + m) + draft.seconds(drafting_requests, m)
     best = int(np.argmax(tokens / seconds))
-    return DraftPlan(kept_top_m(batch, np.sort(batch.survival)[::-1], best), float(tokens[best]),
-                     float(seconds[best]), float(seconds[0]))
+    lengths = kept_top_m(batch, np.sort(batch.survival)[::-1], best)
+    if slack:
+        lengths = np.where(lengths > 0, np.minimum(lengths + slack, batch.drafted), 0)
+    return DraftPlan(lengths, float(tokens[best]), float(seconds[best]), float(seconds[0]))
 
 
 @dataclass

@@ -91,6 +91,7 @@ class SimConfig:
     steps: int | None = None  # default: enough for ≈ 40 000 request-steps (small B needs many)
     output_len: int = 256  # tokens a request produces before a fresh one replaces it
     draft_cost: DraftCost = DraftCost()  # noqa: RUF009 - frozen, shared safely
+    draft_slack: int = 2  # as the engine's EngineConfig.draft_slack
     seed: int = 0
 
     @property
@@ -154,7 +155,7 @@ def simulate(policy: Policy, cfg: SimConfig, trace: SyntheticTrace | RecordedTra
         lengths = np.full(cfg.batch, drafts)
         if gated:
             predicted = [tracker.predict(int(r), drafts) for r in rid]
-            lengths = plan_drafts(predicted, cost, cfg.draft_cost).lengths
+            lengths = plan_drafts(predicted, cost, cfg.draft_cost, slack=cfg.draft_slack).lengths
         # [N] flat drafts of this step, ragged by cu
         cu = np.concatenate([[0], np.cumsum(lengths)])
         pos = ragged.positions(cu)

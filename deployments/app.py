@@ -26,7 +26,7 @@ from deployments.bundle import Bundle
 from deployments.engine_deployment import EngineDeployment
 from deployments.metrics import Metrics
 from deployments.openai_schema import ChatRequest, CompletionRequest, chat_prompt, error_body, new_id, now
-from deployments.settings import ServeSettings
+from deployments.settings import ENGINE_CPUS, ServeSettings
 
 log = logging.getLogger(__name__)
 api = FastAPI(title="dcut", description="OpenAI-compatible speculative decoding with D-Cut")
@@ -285,8 +285,11 @@ class Ingress:
 
 def build_app(args: ServeSettings) -> serve.Application:
     """App builder for `serve run` / `serve deploy` and `dcut serve`: typed settings in."""
-    settings = args if isinstance(args, ServeSettings) else ServeSettings(**args)
-    deployment = EngineDeployment
+    settings = (args if isinstance(args, ServeSettings) else ServeSettings(**args)).resolved()
+    # One engine replica = one placement group holding its coordinator, EP ranks and drafters.
+    deployment = EngineDeployment.options(placement_group_bundles=settings.unit_layout().bundles(),
+                                          placement_group_strategy=settings.unit_strategy,
+                                          ray_actor_options={"num_cpus": ENGINE_CPUS})
     if settings.engine_autoscaling:
         deployment = deployment.options(autoscaling_config=settings.engine_autoscaling, num_replicas="auto")
     engine = deployment.bind(settings)

@@ -37,6 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default="block")
     p.add_argument("--model-root", help="model bundle folder (default: the bundled demo model)")
     p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--request-rate", help="open loop instead: arrival rates in requests/s, comma-separated "
+                                          "(embedded engine only)")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the gaps between arrivals: 1 = Poisson, < 1 burstier")
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=200.0)
 
@@ -46,9 +50,12 @@ def run(args: argparse.Namespace) -> int:
 
     from actors.demo.prompts import heldout_prompts
 
-    levels = [int(c) for c in args.concurrency.split(",")]
+    if args.request_rate and args.url:
+        raise SystemExit("--request-rate drives the embedded engine; use --concurrency with --url")
+    levels = [float(r) for r in args.request_rate.split(",")] if args.request_rate else \
+        [int(c) for c in args.concurrency.split(",")]
     policies = args.policies.split(",")
-    n_max = max(max(levels), args.num_prompts)
+    n_max = args.num_prompts if args.request_rate else max(max(levels), args.num_prompts)
     texts = heldout_prompts(n_max)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -74,7 +81,7 @@ def _embedded(args, texts: list[str], levels: list[int], policies: list[str], ba
 
     from actors.engine.config import EngineConfig
     from actors.engine.coordinator import Engine
-    from actors.engine.loadgen import closed_loop, summarize
+    from actors.engine.loadgen import closed_loop, gamma_arrivals, open_loop, summarize
     from actors.ray_env import start_local_ray
     from actors.target.config import MoEConfig
 
@@ -85,7 +92,8 @@ def _embedded(args, texts: list[str], levels: list[int], policies: list[str], ba
     cores = os.cpu_count() or 1
     start_local_ray(num_cpus=max(4, cores + args.ep + 1))
     cfg = EngineConfig(bundle.target, bundle.tokenizer, args.drafter, bundle.drafter, args.block, "dcut",
-                       ep=args.ep, max_running=max(levels), threads_per_rank=max(1, cores // args.ep),
+                       ep=args.ep, max_running=64 if args.request_rate else max(levels),
+                       threads_per_rank=max(1, cores // args.ep),
                        cpus_per_rank=min(1.0, cores / args.ep), cost_model_cache="runs/cache",
                        eos_token_id=MoEConfig.load(bundle.target).eos_token_id)
     engine = Engine(cfg)
@@ -93,15 +101,21 @@ def _embedded(args, texts: list[str], levels: list[int], policies: list[str], ba
     try:
         closed_loop(engine, prompts[:2], 2, 8)  # warm-up: first calls load and compile lazily
         for c in levels:
-            n = max(c, args.num_prompts)
+            n = args.num_prompts if args.request_rate else max(c, args.num_prompts)
             reference, ar_tok_s = None, None
             for policy in (["ar"] + [p for p in policies if p != "ar"]):
                 engine.set_policy(policy)
-                result = closed_loop(engine, prompts[:n], c, args.max_tokens)
+                if args.request_rate:  # the same arrival times for every policy
+                    arrivals = gamma_arrivals(n, c, args.burstiness)
+                    result = open_loop(engine, prompts[:n], arrivals, args.max_tokens)
+                else:
+                    result = closed_loop(engine, prompts[:n], c, args.max_tokens)
                 result.policy = policy
                 if policy == "ar":
                     reference, ar_tok_s = result.outputs, result.output_tokens / result.wall_s
                 row = summarize(result, ar_tok_s)
+                if args.request_rate:
+                    row |= {"request_rate": c, "burstiness": args.burstiness}
                 row["lossless"] = result.outputs == reference
                 row["goodput_tok_s"] = _goodput(result, args)
                 if policy in policies:
@@ -173,6 +187,7 @@ def plot(rows: list[dict], out: pathlib.Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if "request_rate" not in r]  # plots are against concurrency
     policies = sorted({r["policy"] for r in rows}, key=lambda p: ALL_POLICIES.split(",").index(p)
                       if p in ALL_POLICIES.split(",") else 99)
     for key, name, ylabel in (("output_tok_s", "throughput.png", "output tokens/s"),

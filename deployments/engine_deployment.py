@@ -1,8 +1,9 @@
 """The engine unit as a Ray Serve deployment: coordinator + drafter replicas + EP target group.
 
-One replica of this deployment is one whole engine (its actors are created by it and die with
-it); it scales as a unit. Requests arrive already tokenized from the ingress and leave as
-streams of deltas.
+One replica of this deployment is one whole engine: `build_app` gives it one placement group
+(actors/engine/placement.py) holding the replica (the coordinator), its EP ranks and its drafter
+replicas; the actors are created by it and die with it, and it scales as a unit. Requests
+arrive already tokenized from the ingress and leave as streams of deltas.
 """
 
 from __future__ import annotations
@@ -14,17 +15,17 @@ from ray import serve
 
 from actors.engine.sequence import SamplingParams
 from actors.engine.server import AsyncEngine
-from deployments.settings import ServeSettings
+from deployments.settings import ENGINE_CPUS, ServeSettings
 
 
 @serve.deployment(name="engine", max_ongoing_requests=4096, health_check_period_s=5, health_check_timeout_s=30,
-                  ray_actor_options={"num_cpus": 0.25})
+                  ray_actor_options={"num_cpus": ENGINE_CPUS})
 class EngineDeployment:
     """Streams completions; applies the queue limit (429) before a request enters the engine."""
 
     def __init__(self, settings: ServeSettings) -> None:
         self.settings = settings
-        self.engine = AsyncEngine(settings.engine_config(), settings.max_waiting)
+        self.engine = AsyncEngine(settings.engine_config(unit_placement=True), settings.max_waiting)
 
     async def generate(self, prompt: list[int], params: dict, resume: list[int] | None = None) -> AsyncIterator[dict]:
         async for delta in self.engine.stream(prompt, SamplingParams(**params), resume):
@@ -48,6 +49,10 @@ class EngineDeployment:
             "ep_group_rebuilds": self.engine.engine.degraded["ep_group_rebuilt"],
             "steps": self.engine.steps,
         }
+
+    def placement(self) -> dict:
+        """Node and placement group of the coordinator, each EP rank and each drafter replica."""
+        return self.engine.engine.placement()
 
     def check_health(self) -> None:
         if not self.engine.engine.target.healthy:

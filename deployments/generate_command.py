@@ -15,8 +15,8 @@ def run(args: argparse.Namespace) -> int:
     import ray
     from tokenizers import Tokenizer
 
+    from actors.engine.actor import BatchCoordinator
     from actors.engine.config import EngineConfig
-    from actors.engine.coordinator import BatchCoordinator
     from actors.engine.sequence import SamplingParams
     from actors.ray_env import start_local_ray
     from actors.target.config import MoEConfig

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from deployments.bundle import BUNDLED, Bundle
 
 ENV_PREFIX = "DCUT_"
+ENGINE_CPUS = 0.25  # the engine replica (coordinator loop); bundle 0 of the unit
 
 
 class ServeSettings(BaseModel):
@@ -36,8 +37,12 @@ class ServeSettings(BaseModel):
     api_key: str | None = Field(None, description="bearer token required on /v1/* when set")
     guard_threshold: float = Field(0.02, ge=0)
     max_budget: int | None = Field(None, ge=1)
-    threads_per_rank: int | None = Field(None, ge=1)
+    threads_per_rank: int | None = Field(None, ge=1, description="torch threads per rank (default: cores / EP)")
+    cpus_per_rank: float | None = Field(None, gt=0, description="CPUs reserved per rank (default: min(1, cores / EP))")
+    cpus_per_drafter: float = Field(0.5, gt=0)
     gpus_per_rank: float = Field(0.0, ge=0, description="> 0 puts EP ranks on GPUs (nccl)")
+    unit_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="placement strategy of the engine unit's bundles (PACK spills to more nodes)")
     cost_model_cache: str = "runs/cache"
     ingress_replicas: int = Field(1, ge=1)
     engine_autoscaling: dict | None = Field(None, description="Serve autoscaling_config of the engine unit "
@@ -60,19 +65,33 @@ class ServeSettings(BaseModel):
                 env[name] = raw
         return cls(**(env | {k: v for k, v in overrides.items() if v is not None}))
 
-    def engine_config(self):
+    def resolved(self) -> ServeSettings:
+        """Defaults that depend on the machine filled in once, where the app is built, so the
+        reserved bundles and the engine inside them agree on every node."""
+        cores = os.cpu_count() or 1
+        return self.model_copy(update={"threads_per_rank": self.threads_per_rank or max(1, cores // self.ep),
+                                       "cpus_per_rank": self.cpus_per_rank or min(1.0, cores / self.ep)})
+
+    def engine_config(self, unit_placement: bool = False):
         from actors.engine.config import EngineConfig
         from actors.target.config import MoEConfig
 
         bundle = Bundle(pathlib.Path(self.model_root))
         bundle.check(need_drafter=self.drafter == "block" and self.policy != "ar")
-        cores = os.cpu_count() or 1
+        s = self.resolved()
         return EngineConfig(
-            bundle.target, bundle.tokenizer, self.drafter, bundle.drafter, self.block, self.policy, ep=self.ep,
-            drafters=self.drafters, max_running=self.max_running, kv_capacity_tokens=self.kv_capacity_tokens,
-            threads_per_rank=self.threads_per_rank or max(1, cores // self.ep),
-            cpus_per_rank=min(1.0, cores / self.ep), gpus_per_rank=self.gpus_per_rank,
-            eos_token_id=MoEConfig.load(bundle.target).eos_token_id,
-            cost_model_cache=self.cost_model_cache, guard_threshold=self.guard_threshold,
-            max_budget=self.max_budget,
+            bundle.target, bundle.tokenizer, s.drafter, bundle.drafter, s.block, s.policy, ep=s.ep,
+            drafters=s.drafters, max_running=s.max_running, kv_capacity_tokens=s.kv_capacity_tokens,
+            threads_per_rank=s.threads_per_rank, cpus_per_rank=s.cpus_per_rank, gpus_per_rank=s.gpus_per_rank,
+            cpus_per_drafter=s.cpus_per_drafter, eos_token_id=MoEConfig.load(bundle.target).eos_token_id,
+            cost_model_cache=s.cost_model_cache, guard_threshold=s.guard_threshold, max_budget=s.max_budget,
+            unit_placement=unit_placement,
         )
+
+    def unit_layout(self):
+        """The engine unit's bundles (one placement group per engine replica)."""
+        from actors.engine.placement import UnitLayout
+
+        s = self.resolved()
+        return UnitLayout(s.ep, s.drafters if s.policy != "ar" else 0, ENGINE_CPUS, s.cpus_per_rank,
+                          s.gpus_per_rank, s.cpus_per_drafter)

@@ -17,6 +17,7 @@ class DraftOutput:
     confidence: np.ndarray  # [N] probability the drafter gave the drafted token
     margin: np.ndarray  # [N] top-1 minus top-2 probability
     probs: np.ndarray | None = None  # [N, V] the distribution each draft was drawn from (sampling only)
+    compute_s: float = 0.0  # the drafter's own time for this pass (set by the replica)
 
 
 class Drafter(Protocol):

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from actors.engine.placement import UnitLayout
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -23,13 +25,22 @@ class EngineConfig:
     cpus_per_rank: float = 1.0
     gpus_per_rank: float = 0.0  # > 0: ranks on GPUs, nccl (untested here: no GPU on this machine)
     cpus_per_drafter: float = 0.5
+    ep_placement: str = "PACK"  # the EP group's own placement group: PACK, or STRICT_SPREAD (a rank per node)
     eos_token_id: int | None = None
     cost_model_cache: str | None = None
     drafting_gate: bool = True
     explore_every: int = 50
+    draft_slack: int = 2  # positions drafted past the gate's plan, for pruning to judge
     guard_threshold: float = 0.02
     max_budget: int | None = None
     step_log: str | None = None  # msgpack file of every step's drafts and decisions
+    unit_placement: bool = False  # True: run inside the unit's placement group (Serve), ranks and
+    # drafters pinned to its bundles (actors/engine/placement.py); False: the EP group reserves its own
+    coordinator_cpus: float = 0.25
+
+    def layout(self) -> UnitLayout:
+        return UnitLayout(self.ep, self.drafters if self.policy != "ar" else 0, self.coordinator_cpus,
+                          self.cpus_per_rank, self.gpus_per_rank, self.cpus_per_drafter)
 
     def dcut_options(self) -> dict:
         return {"guard_threshold": self.guard_threshold, "max_budget": self.max_budget} \

@@ -1,4 +1,5 @@
-"""`BatchCoordinator`: continuous batching, drafting, global D-Cut pruning, lossless verification.
+"""The batch coordinator's logic (`Engine`): continuous batching, drafting, global D-Cut pruning,
+lossless verification. `actors/engine/actor.py` wraps it as the `BatchCoordinator` Ray actor.
 
 One decode step is the list in DESIGN.md, one method per stage:
 schedule → plan → propose → prune → verify → accept → postprocess.
@@ -14,6 +15,7 @@ import ray
 
 from actors.engine.config import EngineConfig
 from actors.engine.costs import DraftCostLearner, online, startup_cost_model
+from actors.engine.placement import in_bundle, unit_placement_group
 from actors.engine.replica import DrafterReplica, DrafterSpec
 from actors.engine.sequence import SamplingParams, Scheduler, Sequence, Status
 from actors.engine.stages import (
@@ -25,6 +27,7 @@ from actors.engine.stages import (
     merge_drafts,
 )
 from actors.engine.steplog import StepLog
+from actors.ray_env import whereabouts
 from actors.target.group import EPConfig, EPGroup, EPGroupError
 from dcut_core import ragged
 from dcut_core.acceptance import Calibrator, survival, verify_outcomes
@@ -46,11 +49,12 @@ class Engine:
         self.cfg = cfg
         self.policy = policy_from_name(cfg.policy, cfg.block, **cfg.dcut_options())
         self.policy_name = cfg.policy
+        self.unit_pg = unit_placement_group() if cfg.unit_placement else None
         self.target = self._new_target()
         self.replicas = []
         self.drafter_spec = DrafterSpec(cfg.drafter, cfg.target_dir, cfg.drafter_dir, cfg.block, cfg.threads_per_rank)
         if cfg.policy != "ar":
-            self.replicas = [self._new_replica() for _ in range(cfg.drafters)]
+            self.replicas = [self._new_replica(r) for r in range(cfg.drafters)]
         self.degraded: dict[str, int] = {"drafter_replica_lost": 0, "ep_group_rebuilt": 0}
         self.layers = ray.get(self.replicas[0].target_layers.remote()) if self.replicas else ()
         self.eos = cfg.eos_token_id
@@ -117,12 +121,13 @@ class Engine:
             batch = self.schedule()
             if not batch:
                 return None
+            t0 = time.perf_counter()
             lengths = self.plan(batch)
             drafts = self.propose(batch, lengths)
             kept = self.prune(batch, drafts)
             out = self.verify(batch, drafts, kept)
             accepted, emitted = self.accept(batch, drafts, kept, out)
-            return self.postprocess(batch, drafts, kept, out, accepted, emitted)
+            return self.postprocess(batch, drafts, kept, out, accepted, emitted, t0)
         except EPGroupError as exc:  # nothing of this step was committed: rebuild and go on
             self.recover_target(exc)
             return None
@@ -200,7 +205,7 @@ class Engine:
         predicted = [self.tracker.predict(s.rid, int(n)) for s, n in zip(batch, cap, strict=True)]
         context = sum(s.cached for s in batch)
         plan = plan_drafts(predicted, self.cost.verify_curve(len(batch), context), self.draft_cost.cost,
-                           self.cfg.max_budget)
+                           self.cfg.max_budget, self.cfg.draft_slack)
         if not plan.drafting and len(self.records) % self.cfg.explore_every == 0:
             return cap  # keep measuring what drafting costs and yields, now and then
         return plan.lengths
@@ -229,6 +234,7 @@ class Engine:
         seconds = time.perf_counter() - t0
         self.draft_cost.observe(sum(len(i) for i, _ in outs.values()), int(drafts.cu[-1]), seconds)
         drafts.seconds = seconds
+        drafts.compute_seconds = max(out.compute_s for _, out in outs.values())
         return drafts
 
     def prune(self, batch: list[Sequence], drafts: Drafts) -> np.ndarray:
@@ -262,7 +268,7 @@ class Engine:
     def accept(self, batch: list[Sequence], drafts: Drafts, kept: np.ndarray, out):
         return accept_tokens(batch, drafts, kept, out)
 
-    def postprocess(self, batch, drafts: Drafts, kept, out, accepted, emitted) -> StepRecord:
+    def postprocess(self, batch, drafts: Drafts, kept, out, accepted, emitted, t0: float) -> StepRecord:
         """Roll back rejected KV, learn from the outcome, commit tokens, retire finished requests."""
         self.target.truncate({s.rid: s.cached + 1 + int(a) for s, a in zip(batch, accepted, strict=True)})
         idx, ok = verify_outcomes(drafts.cu, kept, accepted)
@@ -288,7 +294,10 @@ class Engine:
         self._commit_drafters([batch[i] for i in live], [committed[i] for i in live], [hidden[i] for i in live])
         self._release(self.scheduler.finish_done())
         rec = StepRecord(len(batch), int(drafts.cu[-1]), int(kept.sum()), int(np.sum(accepted)), verify_tokens,
-                         predicted, out.wall_s, drafts.seconds, drafts.decision_seconds, drafts.probe_seconds)
+                         predicted, out.wall_s, drafts.seconds, drafts.decision_seconds, drafts.probe_seconds,
+                         step_s=time.perf_counter() - t0,
+                         target_compute_s=max((st.total_s for st in out.rank_stats), default=0.0),
+                         draft_compute_s=drafts.compute_seconds)
         self.records.append(rec)
         if self.step_log is not None:
             self.step_log.write(self.policy_name, np.diff(drafts.cu), drafts.survival, kept, accepted, context,
@@ -299,11 +308,17 @@ class Engine:
 
     def _new_target(self) -> EPGroup:
         c = self.cfg
-        return EPGroup(EPConfig(c.target_dir, world=c.ep, cpus_per_rank=c.cpus_per_rank, gpus_per_rank=c.gpus_per_rank,
-                                threads_per_rank=c.threads_per_rank, kv_capacity_tokens=c.kv_capacity_tokens))
+        return EPGroup(EPConfig(c.target_dir, world=c.ep, placement=c.ep_placement, cpus_per_rank=c.cpus_per_rank,
+                                gpus_per_rank=c.gpus_per_rank,
+                                threads_per_rank=c.threads_per_rank, kv_capacity_tokens=c.kv_capacity_tokens,
+                                placement_group=self.unit_pg,
+                                bundle_offset=c.layout().rank_bundle(0) if self.unit_pg is not None else 0))
 
-    def _new_replica(self):
-        return DrafterReplica.options(num_cpus=self.cfg.cpus_per_drafter).remote(self.drafter_spec)
+    def _new_replica(self, r: int):
+        opts = {"num_cpus": self.cfg.cpus_per_drafter}
+        if self.unit_pg is not None:
+            opts["scheduling_strategy"] = in_bundle(self.unit_pg, self.cfg.layout().drafter_bundle(r))
+        return DrafterReplica.options(**opts).remote(self.drafter_spec)
 
     def _replace_replica(self, r: int, exc: Exception) -> None:
         """A drafter replica died: its requests lose their drafter state and continue as plain
@@ -314,7 +329,7 @@ class Engine:
         self.degraded["drafter_replica_lost"] += 1
         for rid in orphans:
             self.owner[rid] = ORPHAN
-        self.replicas[r] = self._new_replica()
+        self.replicas[r] = self._new_replica(r)
 
     def _commit_drafters(self, seqs: list[Sequence], tokens: list[list[int]], hidden: list[dict]) -> None:
         for r, replica in enumerate(self.replicas):  # ordered after earlier calls: no need to wait
@@ -344,6 +359,12 @@ class Engine:
         self.target.truncate({s.rid: s.cached for s in batch})
         return np.asarray(accepted, dtype=np.int64)
 
+    def placement(self) -> dict:
+        """Where the unit's parts run (node and placement group of each): operators and tests."""
+        drafters = ray.get([r.whereabouts.remote() for r in self.replicas])
+        ranks = [{k: r[k] for k in ("node", "placement_group")} for r in self.target.ranks]
+        return {"coordinator": whereabouts(), "ranks": ranks, "drafters": drafters}
+
     def shutdown(self) -> None:
         if self.step_log is not None:
             self.step_log.close()
@@ -356,27 +377,3 @@ def _flat_curve():
     from dcut_core.pruning import StepCost
 
     return StepCost(lambda n: np.ones(len(n)), 0.0)
-
-
-@ray.remote
-class BatchCoordinator:
-    """The engine as one Ray actor: the central place where every replica's drafts meet."""
-
-    def __init__(self, cfg: EngineConfig) -> None:
-        self.engine = Engine(cfg)
-
-    def set_policy(self, name: str) -> None:
-        self.engine.set_policy(name)
-
-    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[dict]:
-        return [
-            {"token_ids": s.output, "text": s.text, "finish_reason": s.finish_reason, "steps": s.steps,
-             "drafted": s.drafted, "kept": s.kept, "accepted": s.accepted}
-            for s in self.engine.generate(prompts, params)
-        ]
-
-    def records(self) -> list[dict]:
-        return [r.__dict__ for r in self.engine.records]
-
-    def shutdown(self) -> None:
-        self.engine.shutdown()

@@ -1,4 +1,5 @@
-"""Closed-loop load on an in-process engine: keep C requests in flight, measure per request.
+"""Load on an in-process engine, measured per request: closed loop (keep C requests in flight)
+or open loop (requests arrive at a rate, Poisson or gamma-distributed gaps).
 
 Time stamps are taken between steps, so TTFT and TPOT have step granularity — which is what a
 client of this engine sees, since tokens leave the engine once per step.
@@ -28,44 +29,91 @@ class RunResult:
     records: list = field(default_factory=list)
 
 
+class _Meter:
+    """Per-request time stamps of one run, taken between steps."""
+
+    def __init__(self, engine: Engine, n: int) -> None:
+        self.engine, self.n = engine, n
+        self.first_record = len(engine.records)
+        self.started: dict[int, tuple[int, float]] = {}  # rid -> (prompt index, arrival time)
+        self.first: dict[int, float] = {}
+        self.last: dict[int, tuple[float, int]] = {}
+        self.gaps: list[float] = []
+        self.ttft: list[float] = []
+        self.tpot: list[float] = []
+        self.outputs: dict[int, list[int]] = {}
+        self.peak = 0
+
+    def start(self, rid: int, i: int, arrived: float) -> None:
+        self.started[rid] = (i, arrived)
+        self.peak = max(self.peak, len(self.started))
+
+    def after_step(self) -> None:
+        now, sched = time.perf_counter(), self.engine.scheduler
+        for seq in sched.running + [sched.finished[r] for r in list(sched.finished) if r in self.started]:
+            n = len(seq.output)
+            if n and seq.rid not in self.first:
+                self.first[seq.rid] = now
+                self.ttft.append(now - self.started[seq.rid][1])
+            if seq.rid in self.last and n > self.last[seq.rid][1]:
+                self.gaps.append((now - self.last[seq.rid][0]) / (n - self.last[seq.rid][1]))
+            if n:
+                self.last[seq.rid] = (now, n)
+        for rid in [r for r in list(sched.finished) if r in self.started]:
+            seq = sched.finished.pop(rid)
+            i, _ = self.started.pop(rid)
+            self.outputs[i] = seq.output
+            if len(seq.output) > 1:
+                self.tpot.append((self.last[rid][0] - self.first[rid]) / (len(seq.output) - 1))
+
+    def result(self, concurrency: int, wall: float) -> RunResult:
+        return RunResult("", concurrency, wall, sum(len(o) for o in self.outputs.values()), self.ttft, self.tpot,
+                         self.gaps, [self.outputs[i] for i in range(self.n)], self.engine.records[self.first_record:])
+
+
 def closed_loop(engine: Engine, prompts: list[list[int]], concurrency: int, max_tokens: int,
                 temperature: float = 0.0) -> RunResult:
     """Run every prompt, at most `concurrency` at a time, refilling as requests finish."""
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0 if temperature else None)
-    first_record = len(engine.records)
+    meter = _Meter(engine, len(prompts))
     pending = list(range(len(prompts)))
-    started: dict[int, tuple[int, float]] = {}  # rid -> (prompt index, start time)
-    first: dict[int, float] = {}
-    last: dict[int, tuple[float, int]] = {}
-    gaps: list[float] = []
-    outputs: dict[int, list[int]] = {}
-    ttft, tpot = [], []
     t0 = time.perf_counter()
-    while pending or started:
-        while pending and len(started) < concurrency:
+    while pending or meter.started:
+        while pending and len(meter.started) < concurrency:
             i = pending.pop(0)
-            started[engine.add(prompts[i], params)] = (i, time.perf_counter())
+            meter.start(engine.add(prompts[i], params), i, time.perf_counter())
         engine.step()
-        now = time.perf_counter()
-        for seq in engine.scheduler.running + [engine.scheduler.finished[r] for r in list(engine.scheduler.finished)
-                                               if r in started]:
-            n = len(seq.output)
-            if n and seq.rid not in first:
-                first[seq.rid] = now
-                ttft.append(now - started[seq.rid][1])
-            if seq.rid in last and n > last[seq.rid][1]:
-                gaps.append((now - last[seq.rid][0]) / (n - last[seq.rid][1]))
-            if n:
-                last[seq.rid] = (now, n)
-        for rid in [r for r in list(engine.scheduler.finished) if r in started]:
-            seq = engine.scheduler.finished.pop(rid)
-            i, _ = started.pop(rid)
-            outputs[i] = seq.output
-            if len(seq.output) > 1:
-                tpot.append((last[rid][0] - first[rid]) / (len(seq.output) - 1))
-    wall = time.perf_counter() - t0
-    return RunResult("", concurrency, wall, sum(len(o) for o in outputs.values()), ttft, tpot, gaps,
-                     [outputs[i] for i in range(len(prompts))], engine.records[first_record:])
+        meter.after_step()
+    return meter.result(concurrency, time.perf_counter() - t0)
+
+
+def gamma_arrivals(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> np.ndarray:
+    """Arrival times [n] (seconds from 0) at `rate` requests/s; gaps ~ Gamma(shape=burstiness)
+    with mean 1/rate: burstiness 1 is a Poisson process, below 1 burstier, above 1 more regular."""
+    if rate <= 0 or burstiness <= 0:
+        raise ValueError("request rate and burstiness must be positive")
+    gaps = np.random.default_rng(seed).gamma(burstiness, 1.0 / (rate * burstiness), n)
+    return np.cumsum(gaps) - gaps[0]
+
+
+def open_loop(engine: Engine, prompts: list[list[int]], arrivals: np.ndarray, max_tokens: int) -> RunResult:
+    """Each prompt arrives at its time whatever the engine's state (open loop); TTFT counts from
+    arrival, so queueing shows. `concurrency` of the result is the peak number in flight."""
+    params = SamplingParams(max_tokens=max_tokens)
+    meter = _Meter(engine, len(prompts))
+    nxt = 0
+    t0 = time.perf_counter()
+    while nxt < len(prompts) or meter.started:
+        now = time.perf_counter() - t0
+        while nxt < len(prompts) and arrivals[nxt] <= now:
+            meter.start(engine.add(prompts[nxt], params), nxt, t0 + arrivals[nxt])
+            nxt += 1
+        if not meter.started:
+            time.sleep(max(0.0, arrivals[nxt] - now))  # idle until the next arrival
+            continue
+        engine.step()
+        meter.after_step()
+    return meter.result(meter.peak, time.perf_counter() - t0)
 
 
 def summarize(run: RunResult, ar_tok_s: float | None = None) -> dict:
@@ -94,6 +142,13 @@ def summarize(run: RunResult, ar_tok_s: float | None = None) -> dict:
         "draft_ms_mean": 1e3 * float(np.mean([r.draft_s for r in recs])) if recs else 0.0,
         "verify_ms_mean": 1e3 * float(np.mean([r.measured_verify_s for r in recs])) if recs else 0.0,
         "cost_model_error": float(np.median(errors)) if errors else float("nan"),
+        # Share of decode-step time outside drafter and target forward passes (Ray calls, pruning,
+        # bookkeeping), and its parts: the issue's overhead budget is 15 % at concurrency 64.
+        "overhead_frac": (sum(r.overhead_s for r in recs) / sum(r.step_s - r.probe_s for r in recs)
+                          if recs and sum(r.step_s for r in recs) > 0 else float("nan")),
+        "step_ms_mean": 1e3 * float(np.mean([r.step_s - r.probe_s for r in recs])) if recs else 0.0,
+        "target_compute_ms_mean": 1e3 * float(np.mean([r.target_compute_s for r in recs])) if recs else 0.0,
+        "draft_compute_ms_mean": 1e3 * float(np.mean([r.draft_compute_s for r in recs])) if recs else 0.0,
         "steps": steps,
     }
     if ar_tok_s:

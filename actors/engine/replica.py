@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
+import time
 from dataclasses import dataclass
 
 import ray
@@ -14,6 +16,7 @@ from actors.drafter.base import DraftOutput
 from actors.drafter.block import BlockDrafter
 from actors.drafter.model import DraftModel
 from actors.drafter.ngram import NgramDrafter
+from actors.ray_env import whereabouts
 from actors.target.config import MoEConfig
 
 
@@ -74,7 +77,13 @@ class DrafterReplica:
         self.drafter.commit(request_ids, tokens, hidden)
 
     def draft(self, request_ids: list[int], last_tokens: list[int], lengths: list[int]) -> DraftOutput:
-        return self.drafter.draft(request_ids, last_tokens, lengths)
+        t0 = time.perf_counter()
+        out = self.drafter.draft(request_ids, last_tokens, lengths)
+        return dataclasses.replace(out, compute_s=time.perf_counter() - t0)
 
     def release(self, request_ids: list[int]) -> None:
         self.drafter.release(request_ids)
+
+    def whereabouts(self) -> dict[str, str | None]:
+        """Node and placement group this replica runs in."""
+        return whereabouts()

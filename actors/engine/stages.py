@@ -20,6 +20,7 @@ class Drafts:
     confidence: np.ndarray  # [N]
     margin: np.ndarray  # [N]
     seconds: float = 0.0  # wall time of the drafting stage
+    compute_seconds: float = 0.0  # the slowest replica's own drafting time inside it
     decision_seconds: float = 0.0  # wall time of the pruning decision
     survival: np.ndarray | None = None
     decision: object = None
@@ -40,6 +41,15 @@ class StepRecord:
     draft_s: float
     decision_s: float
     probe_s: float = 0.0
+    step_s: float = 0.0  # wall time of the decode step, plan to postprocess (prefill excluded)
+    target_compute_s: float = 0.0  # the slowest rank's own forward time
+    draft_compute_s: float = 0.0  # the slowest replica's own drafting time
+
+    @property
+    def overhead_s(self) -> float:
+        """Everything outside the drafter's and the target's forward passes: Ray calls, pruning,
+        bookkeeping (the probe pass of the oracle excluded)."""
+        return max(0.0, self.step_s - self.probe_s - self.target_compute_s - self.draft_compute_s)
 
 
 def empty_drafts(r: int) -> Drafts:

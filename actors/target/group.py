@@ -1,7 +1,8 @@
 """`EPGroup`: the expert-parallel target as one unit, seen from the coordinator.
 
 Creates N `TargetWorker` actors in one placement group (PACK on a node, STRICT_SPREAD across
-nodes), forms their torch.distributed group, assigns each request to one rank (data-parallel
+nodes) — its own, or bundles `bundle_offset ..` of the engine unit's group when given one
+(actors/engine/placement.py) — forms their torch.distributed group, assigns each request to one rank (data-parallel
 attention: that rank owns its KV cache) and fans every step out to all ranks.
 
 Failure model: the group is one unit. If any rank dies, or a step exceeds `step_timeout_s`, the
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.target.moe import StepStats
@@ -42,6 +43,8 @@ class EPConfig:
     step_timeout_s: float = 120.0
     group_timeout_s: float = 30.0
     start_timeout_s: float = 120.0
+    placement_group: PlacementGroup | None = None  # the engine unit's group (not owned); None: own one
+    bundle_offset: int = 0  # rank r runs in bundle bundle_offset + r of that group
 
 
 @dataclass
@@ -64,19 +67,13 @@ class EPGroup:
         self.cfg = cfg
         self._broken: str | None = None
         self._owner: dict[int, int] = {}  # request -> rank holding its KV cache
-        bundle = {"CPU": cfg.cpus_per_rank} | ({"GPU": cfg.gpus_per_rank} if cfg.gpus_per_rank else {})
-        self.pg = placement_group([dict(bundle) for _ in range(cfg.world)], strategy=cfg.placement)
-        try:
-            ray.get(self.pg.ready(), timeout=cfg.start_timeout_s)
-        except ray.exceptions.GetTimeoutError as exc:
-            remove_placement_group(self.pg)
-            raise EPGroupError(f"no room for {cfg.world} ranks ({cfg.placement}, {bundle} each) within "
-                               f"{cfg.start_timeout_s:.0f} s") from exc
+        self.pg, self._owns_pg = self._reserve(cfg)
         backend = "nccl" if cfg.gpus_per_rank else "gloo"
         self.workers = [
             TargetWorker.options(
                 num_cpus=cfg.cpus_per_rank, num_gpus=cfg.gpus_per_rank,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.pg, placement_group_bundle_index=cfg.bundle_offset + r),
             ).remote(WorkerSpec(cfg.model_dir, r, cfg.world, cfg.threads_per_rank, cfg.kv_capacity_tokens,
                                 cfg.kv_block_size, cfg.group_timeout_s, backend,
                                 "cuda" if cfg.gpus_per_rank else "cpu"))
@@ -84,6 +81,21 @@ class EPGroup:
         ]
         master = ray.get(self.workers[0].master_address.remote(), timeout=cfg.start_timeout_s)
         self.ranks = self._gather([w.setup.remote(master) for w in self.workers], cfg.start_timeout_s)
+
+    @staticmethod
+    def _reserve(cfg: EPConfig) -> tuple[PlacementGroup, bool]:
+        """(placement group, owned?): the unit's group as given, else a new one of our own."""
+        if cfg.placement_group is not None:
+            return cfg.placement_group, False
+        bundle = {"CPU": cfg.cpus_per_rank} | ({"GPU": cfg.gpus_per_rank} if cfg.gpus_per_rank else {})
+        pg = placement_group([dict(bundle) for _ in range(cfg.world)], strategy=cfg.placement)
+        try:
+            ray.get(pg.ready(), timeout=cfg.start_timeout_s)
+        except ray.exceptions.GetTimeoutError as exc:
+            remove_placement_group(pg)
+            raise EPGroupError(f"no room for {cfg.world} ranks ({cfg.placement}, {bundle} each) within "
+                               f"{cfg.start_timeout_s:.0f} s") from exc
+        return pg, True
 
     # -- request placement ----------------------------------------------------------------------
 
@@ -220,5 +232,6 @@ class EPGroup:
     def shutdown(self) -> None:
         for w in self.workers:
             ray.kill(w, no_restart=True)
-        remove_placement_group(self.pg)
+        if self._owns_pg:  # the unit's group outlives this EP group: a rebuild reuses its bundles
+            remove_placement_group(self.pg)
 

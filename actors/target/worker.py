@@ -16,6 +16,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from actors.ray_env import whereabouts
 from actors.target.checkpoint import load_model
 from actors.target.kv_cache import KVCacheFull
 from actors.target.model import ForwardBatch, Prepared
@@ -93,7 +94,7 @@ class TargetWorker:
         if s.world > 1:
             apply_expert_parallel(self.model, s.rank, s.world)
         self.cache = self.model.new_cache(s.kv_capacity_tokens, s.kv_block_size)
-        return {"rank": s.rank, "experts": (first, count), "node": ray.get_runtime_context().get_node_id()}
+        return {"rank": s.rank, "experts": (first, count)} | whereabouts()
 
     def forward(self, rb: RankBatch) -> RankResult:
         """Run this rank's part of one step (a collective when world > 1)."""

@@ -32,6 +32,16 @@ def test_per_request_cost_skips_weak_requests():
     assert plan.lengths[0] == 3 and plan.lengths[1] == 0
 
 
+def test_slack_extends_only_drafting_requests_and_never_past_their_cap():
+    rows = [np.array([0.9, 0.8, 0.1, 0.1, 0.1]), np.array([0.9, 0.1]), np.array([0.05, 0.05])]
+    verify, cost = linear(1.0, 0.2), DraftCost(per_request=0.05)
+    base = plan_drafts(rows, verify, cost)
+    assert base.lengths.tolist() == [2, 1, 0]
+    wide = plan_drafts(rows, verify, cost, slack=2)
+    assert wide.lengths.tolist() == [4, 2, 0]
+    assert wide.expected_tokens == base.expected_tokens  # the plan itself is unchanged
+
+
 def test_plan_matches_brute_force_when_draft_cost_is_per_position():
     rng = np.random.default_rng(0)
     for _ in range(200):

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from dcut_core.cost_model import CostModel, StepShape
 from deployments.cli import IMPLEMENTED, SUBCOMMANDS, build_parser, main
 
@@ -88,3 +90,28 @@ def test_bench_writes_results_for_every_policy(tmp_path, tiny_bundle):
         for key in ("mat", "verify_tokens_per_step", "keep_ratio", "tpot_ms_p50", "tpot_ms_p99", "ttft_ms_p50"):
             assert key in r
     assert all((out / f).exists() for f in ("results.csv", "throughput.png", "speedup.png", "keep_ratio.png"))
+
+
+def test_bench_open_loop_at_a_request_rate(tmp_path, tiny_bundle):
+    out = tmp_path / "bench"
+    proc = subprocess.run([sys.executable, "-m", "deployments.cli", "bench", "--model-root", tiny_bundle,
+                           "--request-rate", "20", "--burstiness", "0.5", "--policies", "ar,dcut", "--num-prompts",
+                           "6", "--max-tokens", "6", "--block", "6", "--drafter", "ngram", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((out / "results.json").read_text())
+    assert [(r["policy"], r["request_rate"], r["requests"]) for r in rows] == [("ar", 20.0, 6), ("dcut", 20.0, 6)]
+    assert all(r["lossless"] and 1 <= r["concurrency"] <= 6 and r["ttft_ms_p50"] > 0 for r in rows)
+
+
+def test_gamma_arrivals_have_the_asked_rate_and_spread():
+    import numpy as np
+
+    from actors.engine.loadgen import gamma_arrivals
+
+    poisson, bursty = gamma_arrivals(20000, 5.0, 1.0), gamma_arrivals(20000, 5.0, 0.25)
+    for t in (poisson, bursty):
+        assert t[0] == 0 and (np.diff(t) >= 0).all()
+        assert np.diff(t).mean() == pytest.approx(0.2, rel=0.05)
+    cv = lambda t: np.diff(t).std() / np.diff(t).mean()  # noqa: E731
+    assert cv(poisson) == pytest.approx(1.0, rel=0.05) and cv(bursty) == pytest.approx(2.0, rel=0.05)

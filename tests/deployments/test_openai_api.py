@@ -236,3 +236,17 @@ def test_engine_unit_death_mid_stream_is_invisible_to_the_client(server, tiny_bu
                 if chunk["choices"]:
                     text.append(chunk["choices"][0]["text"])
     assert "".join(text).strip().split() == expected.split()
+
+
+def test_each_engine_unit_is_one_placement_group(server):
+    """Coordinator (the engine replica), EP rank and drafter of an app share one placement group,
+    each app its own."""
+    groups = []
+    for app in ("main", "guarded"):
+        where = serve.get_deployment_handle("engine", app_name=app).placement.remote().result()
+        parts = [where["coordinator"], *where["ranks"], *where["drafters"]]
+        assert len(parts) == 3
+        pgs = {p["placement_group"] for p in parts}
+        assert len(pgs) == 1 and None not in pgs
+        groups.append(pgs.pop())
+    assert groups[0] != groups[1]

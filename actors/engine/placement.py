@@ -1,0 +1,55 @@
+"""One engine unit, one placement group: the bundles it reserves and who sits in which.
+
+Layout: bundle 0 holds the coordinator (under Serve: the engine replica itself), bundles
+1 .. EP hold the target's ranks, the next ones the drafter replicas. Reserving the whole unit at
+once means a unit either starts complete or not at all (no half-started engine holding ranks
+while its drafters wait for room), and scaling the engine deployment adds or removes whole units.
+Serve creates the group per replica from `bundles()` and captures the replica's child actors
+into it; the engine then pins each child to its own bundle with `strategy()`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import PlacementGroup
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+
+@dataclass(frozen=True)
+class UnitLayout:
+    """Bundles of one engine unit: [coordinator, rank × ep, drafter × drafters]."""
+
+    ep: int
+    drafters: int
+    coordinator_cpus: float = 0.25
+    cpus_per_rank: float = 1.0
+    gpus_per_rank: float = 0.0
+    cpus_per_drafter: float = 0.5
+
+    def bundles(self) -> list[dict[str, float]]:
+        rank = {"CPU": self.cpus_per_rank} | ({"GPU": self.gpus_per_rank} if self.gpus_per_rank else {})
+        return [{"CPU": self.coordinator_cpus}] + [dict(rank) for _ in range(self.ep)] + \
+            [{"CPU": self.cpus_per_drafter} for _ in range(self.drafters)]
+
+    def rank_bundle(self, rank: int) -> int:
+        return 1 + rank
+
+    def drafter_bundle(self, replica: int) -> int:
+        return 1 + self.ep + replica
+
+
+def unit_placement_group() -> PlacementGroup:
+    """The placement group this process runs in; an error outside one (no silent fallback)."""
+    pg = ray.util.get_current_placement_group()
+    if pg is None:
+        raise RuntimeError("unit placement was asked for, but this engine does not run inside a placement "
+                           "group (deploy it with UnitLayout.bundles() as the deployment's bundles)")
+    return pg
+
+
+def in_bundle(pg: PlacementGroup, index: int) -> PlacementGroupSchedulingStrategy:
+    """Schedule an actor into one bundle of the unit; its own children stay in the unit too."""
+    return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index,
+                                            placement_group_capture_child_tasks=True)

@@ -1,0 +1,96 @@
+"""Losing whole nodes of a real multi-node Ray cluster (`ray.cluster_utils.Cluster.remove_node`)
+under a running engine: nothing in flight is lost and greedy outputs stay those of plain decoding."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from actors.engine.config import EngineConfig
+from actors.engine.coordinator import Engine
+from actors.engine.sequence import SamplingParams
+from actors.target.checkpoint import load_model
+from actors.target.decode import greedy_decode
+from actors.target.local import LocalTarget
+
+PROMPTS = [[5, 6, 7, 5, 6, 7, 5], [9, 10], [40, 41, 42, 40, 41, 42], [3], [11, 12, 13, 11], [60, 61, 62, 63]]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    # The head holds no CPUs, so every actor lands on a worker node that a test can remove.
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    for _ in range(4):
+        c.add_node(num_cpus=1)
+    ray.init(address=c.address, log_to_driver=False)
+    c.wait_for_nodes()
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_bundle):
+    return greedy_decode(LocalTarget(load_model(f"{tiny_bundle}/target")), list(range(len(PROMPTS))), PROMPTS,
+                         MAX_TOKENS)
+
+
+def node_of(replica) -> str:
+    return ray.get(replica.whereabouts.remote())["node"]
+
+
+def remove(cluster: Cluster, node_id: str) -> None:
+    node = next(n for n in cluster.list_all_nodes() if n.node_id == node_id)
+    cluster.remove_node(node)
+
+
+def run_with_fault(eng: Engine, fault) -> list[list[int]]:
+    rids = [eng.add(p, SamplingParams(max_tokens=MAX_TOKENS)) for p in PROMPTS]
+    for _ in range(3):
+        eng.step()
+    assert all(eng.scheduler.running) and any(s.output for s in eng.scheduler.running)
+    fault()
+    while len(eng.scheduler):
+        eng.step()
+    return [eng.scheduler.finished.pop(rid).output for rid in rids]
+
+
+def engine(bundle: str, tmp_path, **kw) -> Engine:
+    cfg = dict(target_dir=f"{bundle}/target", drafter="ngram", policy="full", block=6, cpus_per_rank=1.0,
+               cpus_per_drafter=0.5, threads_per_rank=1, cost_model_cache=str(tmp_path))
+    return Engine(EngineConfig(**(cfg | kw)))
+
+
+def test_losing_an_ep_ranks_node_rebuilds_the_group_elsewhere_and_requests_resume(cluster, tiny_bundle, reference,
+                                                                               tmp_path):
+    eng = engine(tiny_bundle, tmp_path, ep=2, ep_placement="STRICT_SPREAD")
+    try:
+        before = [r["node"] for r in eng.target.ranks]
+        victim = before[1]
+        assert len(set(before)) == 2 and node_of(eng.replicas[0]) not in before
+        out = run_with_fault(eng, lambda: remove(cluster, victim))
+        assert out == reference
+        assert eng.degraded["ep_group_rebuilt"] == 1 and eng.target.healthy
+        after = {r["node"] for r in eng.target.ranks}
+        assert len(after) == 2 and victim not in after
+    finally:
+        eng.shutdown()
+
+
+def test_losing_a_drafter_replicas_node_loses_no_request(cluster, tiny_bundle, reference, tmp_path):
+    cluster.add_node(num_cpus=1)  # room for the replacement replica
+    cluster.wait_for_nodes()
+    eng = engine(tiny_bundle, tmp_path, ep=1)
+    try:
+        victim = node_of(eng.replicas[0])
+        assert victim not in {r["node"] for r in eng.target.ranks}
+        out = run_with_fault(eng, lambda: remove(cluster, victim))
+        assert out == reference
+        assert eng.degraded["drafter_replica_lost"] == 1
+        assert node_of(eng.replicas[0]) != victim  # the replacement runs elsewhere
+        again = eng.generate(PROMPTS[:2], [SamplingParams(max_tokens=MAX_TOKENS)] * 2)
+        assert [s.output for s in again] == reference[:2] and sum(sum(s.drafted) for s in again) > 0
+    finally:
+        eng.shutdown()
