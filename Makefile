@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 PIP := $(BIN)/python -m pip --disable-pip-version-check
 
-.PHONY: setup serve test lint bench clean demo-model
+.PHONY: setup serve test lint bench bench-full clean demo-model
 
 setup: $(STAMP)
 
@@ -30,9 +30,21 @@ lint: setup
 test: lint
 	$(BIN)/python -m pytest
 
+# The tables of docs/benchmarks.md and docs/simulate.md (about 15 minutes); bench-full is the
+# whole sweep of issue #7 (every concurrency, every fixed-K, open loop; about an hour).
+E2E_POLICIES = ar,full,fixed-2,fixed-4,fixed-8,tetris,dcut-buckets,dcut,oracle
 bench: setup
 	$(BIN)/python benchmarks/decision_time.py --out runs/bench
 	$(BIN)/python benchmarks/ep_step.py --out runs/bench
+	$(BIN)/dcut bench --ep 2 --concurrency 1,4,16,64 --policies $(E2E_POLICIES) --num-prompts 24 \
+		--max-tokens 48 --out runs/bench_e2e
+	$(BIN)/dcut simulate --out runs/simulate
+
+bench-full: setup
+	$(BIN)/dcut bench --ep 2 --concurrency 1,2,4,8,16,32,64 --num-prompts 64 --max-tokens 64 \
+		--policies ar,full,$(shell seq -s, -f 'fixed-%g' 1 15),tetris,dcut-buckets,dcut,oracle --out runs/bench_full
+	$(BIN)/dcut bench --ep 2 --request-rate 1,2,4,8 --burstiness 1 --num-prompts 64 --max-tokens 64 \
+		--policies $(E2E_POLICIES) --out runs/bench_open_loop
 
 # Rebuild the bundled demo model from scratch (about 2 hours on 2 cores; see docs/model.md).
 demo-model: setup

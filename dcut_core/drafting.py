@@ -116,5 +116,13 @@ class AcceptanceTracker:
         ratio = (accepted + 0.5) / (expected + 0.5)
         self.factor[rid] = float(np.clip(0.7 * self.factor.get(rid, 1.0) + 0.3 * ratio, 0.05, 3.0))
 
+    def skipped(self, rid: int, halflife_steps: float = 4.0) -> None:
+        """Request rid drafted nothing this step: its factor drifts back toward 1 (the global
+        rate). Without this a request whose factor fell after a few misses predicts too little
+        to ever draft again, and so is never observed again — it stays in plain decoding."""
+        if rid in self.factor:
+            keep = 0.5 ** (1.0 / halflife_steps)
+            self.factor[rid] = 1.0 + (self.factor[rid] - 1.0) * keep
+
     def forget(self, rid: int) -> None:
         self.factor.pop(rid, None)

@@ -156,6 +156,8 @@ def simulate(policy: Policy, cfg: SimConfig, trace: SyntheticTrace | RecordedTra
         if gated:
             predicted = [tracker.predict(int(r), drafts) for r in rid]
             lengths = plan_drafts(predicted, cost, cfg.draft_cost, slack=cfg.draft_slack).lengths
+            for i in np.nonzero(lengths == 0)[0]:
+                tracker.skipped(int(rid[i]))
         # [N] flat drafts of this step, ragged by cu
         cu = np.concatenate([[0], np.cumsum(lengths)])
         pos = ragged.positions(cu)

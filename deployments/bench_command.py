@@ -29,7 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", default="1,4,16,64")
     p.add_argument("--policies", default=ALL_POLICIES)
     p.add_argument("--block", type=int, default=16)
-    p.add_argument("--num-prompts", type=int, default=32, help="prompts per concurrency level (at least C)")
+    p.add_argument("--num-prompts", type=int, default=32,
+                   help="prompts per concurrency level (at least 3·C, so the closed loop reaches steady state)")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--out", default="runs/bench")
     p.add_argument("--url", help="OpenAI-compatible endpoint to measure instead of the embedded engine")
@@ -55,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     levels = [float(r) for r in args.request_rate.split(",")] if args.request_rate else \
         [int(c) for c in args.concurrency.split(",")]
     policies = args.policies.split(",")
-    n_max = args.num_prompts if args.request_rate else max(max(levels), args.num_prompts)
+    n_max = args.num_prompts if args.request_rate else max(3 * max(levels), args.num_prompts)
     texts = heldout_prompts(n_max)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -101,7 +102,7 @@ def _embedded(args, texts: list[str], levels: list[int], policies: list[str], ba
     try:
         closed_loop(engine, prompts[:2], 2, 8)  # warm-up: first calls load and compile lazily
         for c in levels:
-            n = args.num_prompts if args.request_rate else max(c, args.num_prompts)
+            n = args.num_prompts if args.request_rate else max(3 * c, args.num_prompts)
             reference, ar_tok_s = None, None
             for policy in (["ar"] + [p for p in policies if p != "ar"]):
                 engine.set_policy(policy)

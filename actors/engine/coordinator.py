@@ -208,6 +208,9 @@ class Engine:
                            self.cfg.max_budget, self.cfg.draft_slack)
         if not plan.drafting and len(self.records) % self.cfg.explore_every == 0:
             return cap  # keep measuring what drafting costs and yields, now and then
+        for s, n in zip(batch, plan.lengths, strict=True):
+            if n == 0:
+                self.tracker.skipped(s.rid)
         return plan.lengths
 
     def propose(self, batch: list[Sequence], lengths: np.ndarray) -> Drafts:

@@ -69,3 +69,18 @@ def test_tracker_learns_per_position_rates_and_request_factors():
     assert t.predict(1, 3).mean() > 0.6 > 0.3 > t.predict(2, 3).mean()
     t.forget(1)
     assert t.predict(1, 2) == pytest.approx(np.clip(t.global_rate[:2], 0, 0.99))
+
+
+def test_a_request_that_stopped_drafting_drifts_back_to_the_global_rate():
+    t = AcceptanceTracker(block=4, halflife_steps=1e9)
+    for _ in range(50):
+        t.observe(1, kept=4, accepted=3)  # the population accepts well
+    for _ in range(3):
+        t.observe(7, kept=4, accepted=0)  # request 7: three misses in a row
+    low = t.predict(7, 1)[0]
+    assert low < 0.5 * t.global_rate[0]
+    for _ in range(12):
+        t.skipped(7)
+    assert t.predict(7, 1)[0] == pytest.approx(t.global_rate[0], rel=0.15)
+    t.skipped(99)  # never seen: nothing to relax
+    assert 99 not in t.factor
