@@ -20,6 +20,10 @@ LOCAL_RAY_ENV = {
     "RAY_AUTH_MODE": "disabled",
     "RAY_USAGE_STATS_ENABLED": "0",
     "GLOO_SOCKET_IFNAME": "lo",  # gloo's EP group over loopback
+    # The GCS keeps an event record of every task for the state API, up to 100 000 by default; a
+    # serving engine makes several actor calls per step, and the soak saw the GCS grow 6 MB a
+    # minute without end in sight. 10 000 bounds it and still covers the last minute or so.
+    "RAY_task_events_max_num_task_in_gcs": "10000",
 }
 
 
