@@ -209,3 +209,9 @@ def test_a_seed_fixes_sampled_output_whatever_the_policy(tiny_bundle, tmp_path):
         assert alone == [runs["ar"][0], runs["ar"][5]]  # and whatever it was batched with
     finally:
         eng.shutdown()
+
+
+def test_local_ray_caps_the_gcs_task_event_store():
+    """Regression (soak, 2026-11-29): with Ray's default cap of 100 000 task events the GCS grew
+    6 MB a minute under serving load; local Ray must run with the lower cap."""
+    assert ray._config.task_events_max_num_task_in_gcs() == 10000

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import ray
-from ray.cluster_utils import Cluster
 
 from actors.target.checkpoint import load_model
 from actors.target.decode import greedy_decode
@@ -16,15 +14,8 @@ PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9], [10, 11, 12], [40, 41, 42, 43]]
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    for _ in range(2):
-        c.add_node(num_cpus=2)
-    ray.init(address=c.address, log_to_driver=False)
-    c.wait_for_nodes()
-    yield c
-    ray.shutdown()
-    c.shutdown()
+def cluster(multinode):
+    yield from multinode(head_cpus=1, worker_cpus=[2, 2])
 
 
 def test_ep_ranks_on_distinct_nodes_match_one_process(cluster, tiny_checkpoint):

@@ -19,16 +19,9 @@ MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(multinode):
     # The head holds no CPUs, so every actor lands on a worker node that a test can remove.
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    for _ in range(4):
-        c.add_node(num_cpus=1)
-    ray.init(address=c.address, log_to_driver=False)
-    c.wait_for_nodes()
-    yield c
-    ray.shutdown()
-    c.shutdown()
+    yield from multinode(head_cpus=0, worker_cpus=[1, 1, 1, 1])
 
 
 @pytest.fixture(scope="module")

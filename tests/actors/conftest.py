@@ -1,0 +1,28 @@
+"""Shared set-up of the actor tests: a real multi-node Ray cluster on this machine."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+
+def multinode_cluster(head_cpus: int, worker_cpus: list[int]) -> Iterator[Cluster]:
+    """Head + one node per entry of worker_cpus, the driver connected; torn down afterwards.
+    Module-scoped fixtures yield from it (a cluster takes seconds to start)."""
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": head_cpus, "include_dashboard": False})
+    for cpus in worker_cpus:
+        c.add_node(num_cpus=cpus)
+    ray.init(address=c.address, log_to_driver=False)
+    c.wait_for_nodes()
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+@pytest.fixture(scope="session")
+def multinode():
+    """`multinode_cluster`, for module fixtures: `yield from multinode(head_cpus, worker_cpus)`."""
+    return multinode_cluster
