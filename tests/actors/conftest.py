@@ -1,4 +1,5 @@
-"""Shared set-up of the actor tests: a real multi-node Ray cluster on this machine."""
+"""Shared set-up of the actor tests: a real multi-node Ray cluster on this machine, and a fault
+injected into a running engine."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from collections.abc import Iterator
 import pytest
 import ray
 from ray.cluster_utils import Cluster
+
+from actors.engine.sequence import SamplingParams
 
 
 def multinode_cluster(head_cpus: int, worker_cpus: list[int]) -> Iterator[Cluster]:
@@ -26,3 +29,22 @@ def multinode_cluster(head_cpus: int, worker_cpus: list[int]) -> Iterator[Cluste
 def multinode():
     """`multinode_cluster`, for module fixtures: `yield from multinode(head_cpus, worker_cpus)`."""
     return multinode_cluster
+
+
+def run_with_fault(eng, prompts: list[list[int]], max_tokens: int, fault) -> list[list[int]]:
+    """Start every prompt, take three steps, call `fault()` mid-stream, run to the end; the
+    outputs in prompt order."""
+    rids = [eng.add(p, SamplingParams(max_tokens=max_tokens)) for p in prompts]
+    for _ in range(3):
+        eng.step()
+    assert any(s.output for s in eng.scheduler.running)  # the fault lands mid-stream
+    fault()
+    while len(eng.scheduler):
+        eng.step()
+    return [eng.scheduler.finished.pop(rid).output for rid in rids]
+
+
+@pytest.fixture(scope="session")
+def with_fault():
+    """`run_with_fault`, for tests."""
+    return run_with_fault

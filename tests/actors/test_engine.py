@@ -135,18 +135,11 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_bundle, tmp_path):
     assert chisquare(counts, expected).pvalue > 1e-3
 
 
-def test_a_dead_drafter_replica_loses_no_request(tiny_bundle, reference, tmp_path):
+def test_a_dead_drafter_replica_loses_no_request(tiny_bundle, reference, tmp_path, with_fault):
     eng = engine(tiny_bundle, tmp_path, drafter="ngram", policy="full", drafters=2)
     try:
-        for p in PROMPTS[:8]:
-            eng.add(p, SamplingParams(max_tokens=MAX_TOKENS))
-        for _ in range(3):
-            eng.step()
-        ray.kill(eng.replicas[0])
-        while len(eng.scheduler):
-            eng.step()
-        out = [eng.scheduler.finished.pop(rid) for rid in range(8)]
-        assert [s.output for s in out] == reference[:8]
+        out = with_fault(eng, PROMPTS[:8], MAX_TOKENS, lambda: ray.kill(eng.replicas[0]))
+        assert out == reference[:8]
         assert eng.degraded["drafter_replica_lost"] == 1
         later = eng.generate(PROMPTS[:4], [SamplingParams(max_tokens=MAX_TOKENS)] * 4)  # the replacement drafts
         assert [s.output for s in later] == reference[:4]
@@ -155,18 +148,11 @@ def test_a_dead_drafter_replica_loses_no_request(tiny_bundle, reference, tmp_pat
         eng.shutdown()
 
 
-def test_a_dead_ep_rank_is_rebuilt_and_requests_resume_exactly(tiny_bundle, reference, tmp_path):
+def test_a_dead_ep_rank_is_rebuilt_and_requests_resume_exactly(tiny_bundle, reference, tmp_path, with_fault):
     eng = engine(tiny_bundle, tmp_path, drafter="block", policy="full", ep=2)
     try:
-        for p in PROMPTS[:6]:
-            eng.add(p, SamplingParams(max_tokens=MAX_TOKENS))
-        for _ in range(3):
-            eng.step()
-        ray.kill(eng.target.workers[1])
-        while len(eng.scheduler):
-            eng.step()
-        out = [eng.scheduler.finished.pop(rid) for rid in range(6)]
-        assert [s.output for s in out] == reference[:6]
+        out = with_fault(eng, PROMPTS[:6], MAX_TOKENS, lambda: ray.kill(eng.target.workers[1]))
+        assert out == reference[:6]
         assert eng.degraded["ep_group_rebuilt"] == 1 and eng.target.healthy
     finally:
         eng.shutdown()

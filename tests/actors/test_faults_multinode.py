@@ -39,17 +39,6 @@ def remove(cluster: Cluster, node_id: str) -> None:
     cluster.remove_node(node)
 
 
-def run_with_fault(eng: Engine, fault) -> list[list[int]]:
-    rids = [eng.add(p, SamplingParams(max_tokens=MAX_TOKENS)) for p in PROMPTS]
-    for _ in range(3):
-        eng.step()
-    assert all(eng.scheduler.running) and any(s.output for s in eng.scheduler.running)
-    fault()
-    while len(eng.scheduler):
-        eng.step()
-    return [eng.scheduler.finished.pop(rid).output for rid in rids]
-
-
 def engine(bundle: str, tmp_path, **kw) -> Engine:
     cfg = dict(target_dir=f"{bundle}/target", drafter="ngram", policy="full", block=6, cpus_per_rank=1.0,
                cpus_per_drafter=0.5, threads_per_rank=1, cost_model_cache=str(tmp_path))
@@ -57,13 +46,13 @@ def engine(bundle: str, tmp_path, **kw) -> Engine:
 
 
 def test_losing_an_ep_ranks_node_rebuilds_the_group_elsewhere_and_requests_resume(cluster, tiny_bundle, reference,
-                                                                               tmp_path):
+                                                                               tmp_path, with_fault):
     eng = engine(tiny_bundle, tmp_path, ep=2, ep_placement="STRICT_SPREAD")
     try:
         before = [r["node"] for r in eng.target.ranks]
         victim = before[1]
         assert len(set(before)) == 2 and node_of(eng.replicas[0]) not in before
-        out = run_with_fault(eng, lambda: remove(cluster, victim))
+        out = with_fault(eng, PROMPTS, MAX_TOKENS, lambda: remove(cluster, victim))
         assert out == reference
         assert eng.degraded["ep_group_rebuilt"] == 1 and eng.target.healthy
         after = {r["node"] for r in eng.target.ranks}
@@ -72,14 +61,14 @@ def test_losing_an_ep_ranks_node_rebuilds_the_group_elsewhere_and_requests_resum
         eng.shutdown()
 
 
-def test_losing_a_drafter_replicas_node_loses_no_request(cluster, tiny_bundle, reference, tmp_path):
+def test_losing_a_drafter_replicas_node_loses_no_request(cluster, tiny_bundle, reference, tmp_path, with_fault):
     cluster.add_node(num_cpus=1)  # room for the replacement replica
     cluster.wait_for_nodes()
     eng = engine(tiny_bundle, tmp_path, ep=1)
     try:
         victim = node_of(eng.replicas[0])
         assert victim not in {r["node"] for r in eng.target.ranks}
-        out = run_with_fault(eng, lambda: remove(cluster, victim))
+        out = with_fault(eng, PROMPTS, MAX_TOKENS, lambda: remove(cluster, victim))
         assert out == reference
         assert eng.degraded["drafter_replica_lost"] == 1
         assert node_of(eng.replicas[0]) != victim  # the replacement runs elsewhere
