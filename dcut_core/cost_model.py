@@ -235,7 +235,9 @@ class OnlineCorrection:
         predicted = self.model.predict(shape)
         if predicted <= 0 or seconds <= 0:
             return
-        alpha = 1.0 - 0.5 ** (1.0 / self.halflife_steps)
+        # A running mean over the first observations, then the half-life: a start-up profile
+        # that is off (other processes share the cores) is corrected from the first step on.
+        alpha = max(1.0 - 0.5 ** (1.0 / self.halflife_steps), 1.0 / (self.observed + 1))
         self.log_ratio += alpha * (math.log(seconds / predicted) - self.log_ratio)
         self.observed += 1
         self.samples.append((shape, seconds))

@@ -6,9 +6,11 @@ target's step. So the plan is made before drafting, from what the previous steps
 running products are predicted survivals, and the same global-sort scan as pruning picks a
 budget m — now with the drafting cost in the denominator:
 
-    (R + S_m) / (C_verify(R + m) + [m > 0] · (d_fixed + d_request · R_d(m) + d_position · m))
+    (R + S_m) / (C_verify(R + m) + [m > 0] · (d_fixed + Σ_{i drafts} (d_request + d_context · b_i) + d_position · m))
 
-where R_d(m) is how many requests get at least one draft. m = 0 means no drafter call at all:
+where the sum runs over the requests that get at least one draft, and b_i is request i's
+context its drafter has not seen yet (the engine sends it lazily, with the first draft call
+that needs it; catching up costs d_context per token). m = 0 means no drafter call at all:
 a plain decoding step. Unlike the pruning scan this is a heuristic (the per-request term makes
 the best plan of budget m not always the global top-m), which is fine: its inputs are
 predictions, and pruning makes the exact decision once real confidences exist.
@@ -31,10 +33,13 @@ class DraftCost:
     fixed: float = 0.0
     per_request: float = 0.0
     per_position: float = 0.0
+    per_context: float = 0.0  # each context token a drafter catches up on before drafting
 
-    def seconds(self, requests: np.ndarray | int, positions: np.ndarray | int) -> np.ndarray:
+    def seconds(self, requests: np.ndarray | int, positions: np.ndarray | int,
+                context: np.ndarray | int = 0) -> np.ndarray:
         r, p = np.asarray(requests, dtype=np.float64), np.asarray(positions, dtype=np.float64)
-        return np.where(p > 0, self.fixed + self.per_request * r + self.per_position * p, 0.0)
+        c = np.asarray(context, dtype=np.float64)
+        return np.where(p > 0, self.fixed + self.per_request * r + self.per_position * p + self.per_context * c, 0.0)
 
 
 @dataclass(frozen=True)
@@ -50,8 +55,12 @@ class DraftPlan:
 
 
 def plan_drafts(predicted: list[np.ndarray], verify: StepCost, draft: DraftCost,
-                max_budget: int | None = None, slack: int = 0) -> DraftPlan:
+                max_budget: int | None = None, slack: int = 0, catchup: np.ndarray | None = None) -> DraftPlan:
     """predicted[i]: conditional acceptance of request i's draft positions 0 .. n_i − 1.
+
+    catchup[i]: context tokens request i's drafter must catch up on if it drafts this step.
+    A request whose whole expected gain cannot pay for its own catch-up and drafting at the
+    plain-decoding rate is left out before the scan (the scan orders by survival alone).
 
     slack: extra positions drafted past the plan for each request that drafts at all (at most
     n_i). The plan is made from predictions; pruning decides again from the drafts' own
@@ -60,13 +69,26 @@ def plan_drafts(predicted: list[np.ndarray], verify: StepCost, draft: DraftCost,
     flat, cu = ragged.flatten(predicted)
     batch = DraftBatch(ragged.segment_cumprod(np.clip(flat, 0.0, 1.0), cu), cu)
     r = batch.num_requests
+    backlog = np.zeros(r) if catchup is None else np.asarray(catchup, dtype=np.float64)
+    if catchup is not None and r:
+        ar_rate = r / float(verify.seconds(np.array([r]))[0])
+        gain = ragged.segment_sums(batch.survival, cu)
+        cost = draft.per_request + draft.per_context * backlog + draft.per_position * batch.drafted
+        cost = cost + (verify.seconds(np.array([r + int(batch.drafted.sum())]))[0]
+                       - verify.seconds(np.array([r]))[0]) * batch.drafted / max(1, int(batch.drafted.sum()))
+        hopeless = gain < ar_rate * cost
+        if hopeless.any():
+            keep = np.repeat(~hopeless, batch.drafted)
+            batch = DraftBatch(np.where(keep, batch.survival, 0.0), cu)
     order = np.argsort(-batch.survival, kind="stable")  # [N] high to low; position order on ties
     m_max = len(order) if max_budget is None else min(len(order), max_budget)
     tokens = np.concatenate([[float(r)], r + np.cumsum(batch.survival[order[:m_max]])])
     first = (ragged.positions(cu)[order[:m_max]] == 0).astype(np.int64)
     drafting_requests = np.concatenate([[0], np.cumsum(first)])  # [M + 1]
+    row = np.repeat(np.arange(r), batch.drafted)[order[:m_max]]
+    caught_up = np.concatenate([[0.0], np.cumsum(first * backlog[row])])  # [M + 1]
     m = np.arange(m_max + 1)
-    seconds = verify.seconds(r + m) + draft.seconds(drafting_requests, m)
+    seconds = verify.seconds(r + m) + draft.seconds(drafting_requests, m, caught_up)
     best = int(np.argmax(tokens / seconds))
     lengths = kept_top_m(batch, np.sort(batch.survival)[::-1], best)
     if slack:

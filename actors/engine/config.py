@@ -20,7 +20,8 @@ class EngineConfig:
     drafters: int = 1
     max_running: int = 64
     kv_capacity_tokens: int = 65536
-    prefill_chunk: int = 512
+    prefill_chunk: int = 512  # prompt tokens per request per step
+    prefill_budget: int = 2048  # prompt tokens per step in all, riding in the step's one forward
     threads_per_rank: int = 1
     cpus_per_rank: float = 1.0
     gpus_per_rank: float = 0.0  # > 0: ranks on GPUs, nccl (untested here: no GPU on this machine)
@@ -29,7 +30,9 @@ class EngineConfig:
     eos_token_id: int | None = None
     cost_model_cache: str | None = None
     drafting_gate: bool = True
-    explore_every: int = 50
+    explore_every: int = 50  # a step in this many that the gate rates not worth drafting drafts anyway,
+    explore_requests: int = 4  # for this many requests, so the gate keeps learning
+    drafter_backlog_tokens: int = 512  # context held back per request until it drafts (lazy upkeep)
     draft_slack: int = 2  # positions drafted past the gate's plan, for pruning to judge
     guard_threshold: float = 0.02
     max_budget: int | None = None

@@ -13,21 +13,25 @@ import time
 import numpy as np
 import ray
 
+from actors.engine.backlog import Backlog
 from actors.engine.config import EngineConfig
-from actors.engine.costs import DraftCostLearner, online, startup_cost_model
+from actors.engine.costs import DraftCostLearner, online, startup_cost_model, startup_draft_cost
 from actors.engine.placement import in_bundle, unit_placement_group
 from actors.engine.replica import DrafterReplica, DrafterSpec
 from actors.engine.sequence import SamplingParams, Scheduler, Sequence, Status
 from actors.engine.stages import (
     Drafts,
+    Feed,
     StepRecord,
     accept_tokens,
+    advance_prefill,
     empty_drafts,
-    first_tokens,
+    feed_chunks,
     merge_drafts,
 )
 from actors.engine.steplog import StepLog
 from actors.ray_env import whereabouts
+from actors.target.config import MoEConfig
 from actors.target.group import EPConfig, EPGroup, EPGroupError
 from dcut_core import ragged
 from dcut_core.acceptance import Calibrator, survival, verify_outcomes
@@ -60,9 +64,13 @@ class Engine:
         self.eos = cfg.eos_token_id
         self.scheduler = Scheduler(cfg.max_running)
         self.owner: dict[int, int] = {}  # request -> drafter replica; ORPHAN: its replica died
+        self.backlog = Backlog(cfg.drafter_backlog_tokens)
         self.calibrator = Calibrator(block=cfg.block)
         self.tracker = AcceptanceTracker(block=cfg.block)
-        self.draft_cost = DraftCostLearner(DraftCost(1e-3, 2e-4, 5e-5))
+        self.draft_cost = DraftCostLearner(DraftCost(1e-3, 2e-4, 5e-5, 1e-5))
+        self.model_cfg = MoEConfig.load(cfg.target_dir)
+        self._profiled_drafter = False
+        self._profile_drafter()
         self.cost = None
         if cfg.policy in COSTED_POLICIES:
             self.cost = online(startup_cost_model(self.target, cfg.target_dir, cfg.ep, cfg.threads_per_rank,
@@ -80,6 +88,7 @@ class Engine:
             raise ValueError("this engine was built without drafters (policy ar)")
         opts = self.cfg.dcut_options() if name == "dcut" else {}
         self.policy, self.policy_name = policy_from_name(name, self.cfg.block, **opts), name
+        self._profile_drafter()
         if self.cost is None and name in COSTED_POLICIES:
             self.cost = online(startup_cost_model(self.target, self.cfg.target_dir, self.cfg.ep,
                                                   self.cfg.threads_per_rank, self.cfg.cost_model_cache))
@@ -118,84 +127,50 @@ class Engine:
 
     def step(self) -> StepRecord | None:
         try:
-            batch = self.schedule()
-            if not batch:
+            batch, feeding = self.schedule()
+            if not batch and not feeding:
                 return None
             t0 = time.perf_counter()
             lengths = self.plan(batch)
             drafts = self.propose(batch, lengths)
             kept = self.prune(batch, drafts)
-            out = self.verify(batch, drafts, kept)
+            out = self.verify(batch, drafts, kept, feeding)
             accepted, emitted = self.accept(batch, drafts, kept, out)
-            return self.postprocess(batch, drafts, kept, out, accepted, emitted, t0)
+            return self.postprocess(batch, drafts, kept, out, accepted, emitted, feeding, t0)
         except EPGroupError as exc:  # nothing of this step was committed: rebuild and go on
             self.recover_target(exc)
             return None
 
     def recover_target(self, exc: Exception) -> None:
-        """A target rank died: build a new EP group and refill every running request's KV cache
-        from its prompt and committed tokens. Requests that had not produced a token yet go back
-        to the queue. Outputs stay those of an uninterrupted run."""
+        """A target rank died: build a new EP group; every running request is fed again (prompt
+        and committed tokens) through the ordinary prefill path, and its drafter state rebuilt
+        from that. Outputs stay those of an uninterrupted run."""
         log.warning("EP group failed (%s); rebuilding it and resuming %d requests", exc,
                     len(self.scheduler.running))
         self.degraded["ep_group_rebuilt"] += 1
         self.target = self._new_target()
-        resume = [s for s in self.scheduler.running if s.output]
-        requeue = [s for s in self.scheduler.running if not s.output]
-        self.scheduler.requeue(requeue)
-        for s in requeue:
-            for r, replica in enumerate(self.replicas):
-                if self.owner.get(s.rid) == r:
-                    replica.release.remote([s.rid])
-            self.owner.pop(s.rid, None)
-        if resume:
-            chunks = [[*s.prompt, *s.output[:-1]] for s in resume]
-            done = [0] * len(resume)
-            while any(d < len(c) for d, c in zip(done, chunks, strict=True)):
-                todo = [i for i, c in enumerate(chunks) if done[i] < len(c)]
-                self.target.forward([resume[i].rid for i in todo],
-                                    [chunks[i][done[i]:done[i] + self.cfg.prefill_chunk] for i in todo],
-                                    logits="last")
-                for i in todo:
-                    done[i] = min(len(chunks[i]), done[i] + self.cfg.prefill_chunk)
+        for r, replica in enumerate(self.replicas):
+            mine = [s.rid for s in self.scheduler.running if self.owner.get(s.rid) == r]
+            if mine:
+                replica.release.remote(mine)
+        self.backlog.drop([s.rid for s in self.scheduler.running])
+        for s in self.scheduler.running:
+            s.fed, s.prefilled = 0, False
 
-    def schedule(self) -> list[Sequence]:
-        """Admit waiting requests and prefill them (chunked); returns the running set."""
+    def schedule(self) -> tuple[list[Sequence], list[Feed]]:
+        """Admit waiting requests; returns the decoding set and this step's prefill chunks."""
         # Ranks fill unevenly (placement is by request count): keep a quarter of the KV in reserve.
-        new = self.scheduler.admit(int(0.75 * self.cfg.kv_capacity_tokens * self.cfg.ep), self.cfg.block)
-        if new:
-            self.prefill(new)
-            self.scheduler.finish_done()
-            self._release([s for s in new if s.finish_reason])
-        return list(self.scheduler.running)
-
-    def prefill(self, seqs: list[Sequence]) -> None:
-        """Feed each prompt (and, for a resumed request, the output it already has except the
-        newest token) in chunks; then draw the first token of requests that have none."""
-        for s in seqs:
+        for s in self.scheduler.admit(int(0.75 * self.cfg.kv_capacity_tokens * self.cfg.ep), self.cfg.block):
             self.owner[s.rid] = s.rid % max(1, len(self.replicas))
-        feed = {s.rid: [*s.prompt, *s.output[:-1]] for s in seqs}
-        done = dict.fromkeys((s.rid for s in seqs), 0)
-        last_out = {}
-        while any(done[s.rid] < len(feed[s.rid]) for s in seqs):
-            todo = [s for s in seqs if done[s.rid] < len(feed[s.rid])]
-            chunks = [feed[s.rid][done[s.rid]:done[s.rid] + self.cfg.prefill_chunk] for s in todo]
-            out = self.target.forward([s.rid for s in todo], chunks, logits="last", capture_layers=self.layers,
-                                      sampling=[(s.params.temperature, s.params.top_p) for s in todo])
-            self._commit_drafters(todo, chunks, out.captured)
-            for i, (s, c) in enumerate(zip(todo, chunks, strict=True)):
-                done[s.rid] += len(c)
-                last_out[s.rid] = (out.argmax[i], None if out.probs is None else out.probs[i])
-        resumed = [s for s in seqs if s.output]
-        if resumed:
-            self._commit_drafters(resumed, [[s.output[-1]] for s in resumed], [{} for _ in resumed])
-        fresh = [s for s in seqs if not s.output]
-        for s, tok in zip(fresh, first_tokens(fresh, last_out), strict=True):
-            self.scheduler.append(s, [tok], self.eos, self.text_of)
-            self._commit_drafters([s], [[tok]], [{}])
+        running = self.scheduler.running
+        feeding = feed_chunks([s for s in running if not s.prefilled], self.cfg.prefill_chunk,
+                              self.cfg.prefill_budget)
+        return [s for s in running if s.prefilled], feeding
 
     def plan(self, batch: list[Sequence]) -> np.ndarray:
         """Drafts to ask for per request; the `dcut` policy decides whether drafting pays at all."""
+        if not batch:
+            return np.zeros(0, dtype=np.int64)
         cap = np.array([0 if self.owner.get(s.rid) == ORPHAN else max(0, min(self.cfg.block - 1, s.remaining - 1))
                         for s in batch])
         if not self.replicas or self.policy_name == "ar":
@@ -205,9 +180,16 @@ class Engine:
         predicted = [self.tracker.predict(s.rid, int(n)) for s, n in zip(batch, cap, strict=True)]
         context = sum(s.cached for s in batch)
         plan = plan_drafts(predicted, self.cost.verify_curve(len(batch), context), self.draft_cost.cost,
-                           self.cfg.max_budget, self.cfg.draft_slack)
+                           self.cfg.max_budget, self.cfg.draft_slack,
+                           catchup=np.array([self.backlog.size(s.rid) for s in batch]))
         if not plan.drafting and len(self.records) % self.cfg.explore_every == 0:
-            return cap  # keep measuring what drafting costs and yields, now and then
+            # Keep measuring what drafting costs and yields, now and then, on a few requests
+            # (in turn): a whole batch of full drafts would cost several steps' worth.
+            k = min(len(batch), self.cfg.explore_requests)
+            start = (len(self.records) // self.cfg.explore_every * k) % len(batch)
+            probe = np.zeros(len(batch), dtype=np.int64)
+            probe[[(start + j) % len(batch) for j in range(k)]] = 1
+            return cap * probe
         for s, n in zip(batch, plan.lengths, strict=True):
             if n == 0:
                 self.tracker.skipped(s.rid)
@@ -216,13 +198,15 @@ class Engine:
     def propose(self, batch: list[Sequence], lengths: np.ndarray) -> Drafts:
         """Every replica drafts for its shard in parallel; gathered into one ragged batch."""
         t0 = time.perf_counter()
-        calls = {}
+        calls, caught_up = {}, 0
         for r in range(len(self.replicas)):
             idx = [i for i, s in enumerate(batch) if self.owner[s.rid] == r and lengths[i] > 0]
             if idx:
-                calls[r] = (idx, self.replicas[r].draft.remote([batch[i].rid for i in idx],
-                                                               [batch[i].last for i in idx],
-                                                               [int(lengths[i]) for i in idx]))
+                rids = [batch[i].rid for i in idx]
+                catchup = self.backlog.take(rids)
+                caught_up += sum(map(len, catchup[1])) if catchup else 0
+                calls[r] = (idx, self.replicas[r].draft.remote(rids, [batch[i].last for i in idx],
+                                                               [int(lengths[i]) for i in idx], catchup))
         if not calls:
             return empty_drafts(len(batch))
         outs = {}
@@ -235,7 +219,7 @@ class Engine:
             return empty_drafts(len(batch))
         drafts = merge_drafts(len(batch), outs)
         seconds = time.perf_counter() - t0
-        self.draft_cost.observe(sum(len(i) for i, _ in outs.values()), int(drafts.cu[-1]), seconds)
+        self.draft_cost.observe(sum(len(i) for i, _ in outs.values()), int(drafts.cu[-1]), seconds, caught_up)
         drafts.seconds = seconds
         drafts.compute_seconds = max(out.compute_s for _, out in outs.values())
         return drafts
@@ -261,28 +245,38 @@ class Engine:
         drafts.decision_seconds = time.perf_counter() - t0
         return decision.kept
 
-    def verify(self, batch: list[Sequence], drafts: Drafts, kept: np.ndarray):
+    def verify(self, batch: list[Sequence], drafts: Drafts, kept: np.ndarray, feeding: list[Feed] = ()):
+        """One forward for the step: each decoding request's last token and kept drafts (every row
+        judged), then this step's prefill chunks (a row only where a fresh prompt ends)."""
         chunks = [[s.last, *drafts.tokens[drafts.cu[i]:drafts.cu[i] + kept[i]].tolist()]
                   for i, s in enumerate(batch)]
-        sampling = [(s.params.temperature, s.params.top_p) for s in batch]
-        return self.target.forward([s.rid for s in batch], chunks, logits="all", capture_layers=self.layers,
+        rows = [list(range(len(c))) for c in chunks] + [f.logit_rows for f in feeding]
+        seqs = [*batch, *(f.seq for f in feeding)]
+        sampling = [(s.params.temperature, s.params.top_p) for s in seqs]
+        return self.target.forward([s.rid for s in seqs], chunks + [f.tokens for f in feeding], logits=rows,
+                                   capture_layers=self.layers if self.policy_name != "ar" else (),
                                    sampling=sampling if any(t > 0 for t, _ in sampling) else None)
 
     def accept(self, batch: list[Sequence], drafts: Drafts, kept: np.ndarray, out):
         return accept_tokens(batch, drafts, kept, out)
 
-    def postprocess(self, batch, drafts: Drafts, kept, out, accepted, emitted, t0: float) -> StepRecord:
-        """Roll back rejected KV, learn from the outcome, commit tokens, retire finished requests."""
+    def postprocess(self, batch, drafts: Drafts, kept, out, accepted, emitted, feeding: list[Feed],
+                    t0: float) -> StepRecord:
+        """Roll back rejected KV, learn from the outcome, commit tokens (decoded, and the first
+        tokens of prompts whose prefill ended), retire finished requests."""
         self.target.truncate({s.rid: s.cached + 1 + int(a) for s, a in zip(batch, accepted, strict=True)})
+        fed = advance_prefill(feeding, out, len(batch), self.scheduler, self.eos, self.text_of)
         idx, ok = verify_outcomes(drafts.cu, kept, accepted)
         if len(idx):
             pos = ragged.positions(drafts.cu)[idx]
             self.calibrator.observe(drafts.confidence[idx], drafts.margin[idx], pos, ok)
         verify_tokens = int(len(batch) + kept.sum())
         context = sum(s.cached for s in batch)
-        shape = StepShape(len(batch), verify_tokens, context)
+        prefill_tokens = sum(len(f.tokens) for f in feeding)
+        shape = StepShape(len(batch) + len(feeding), verify_tokens + prefill_tokens,
+                          context + sum(f.start for f in feeding))
         predicted = self.cost.predict(shape) if self.cost else float("nan")
-        if self.cost:
+        if self.cost and not feeding:  # the correction learns verification steps (pruning's curve)
             self.cost.observe(shape, out.wall_s)
         hidden, committed = [], []
         for i, s in enumerate(batch):
@@ -293,14 +287,14 @@ class Engine:
             s.accepted.append(int(accepted[i]))
             committed.append(self.scheduler.append(s, emitted[i], self.eos, self.text_of))
             hidden.append({k: h[: 1 + int(accepted[i])] for k, h in out.captured[i].items()})
-        live = [i for i, s in enumerate(batch) if s.finish_reason is None]
-        self._commit_drafters([batch[i] for i in live], [committed[i] for i in live], [hidden[i] for i in live])
+        commits = [*zip(batch, committed, hidden, strict=True), *fed]
+        self._commit_drafters(*zip(*[c for c in commits if c[0].finish_reason is None], strict=True))
         self._release(self.scheduler.finish_done())
         rec = StepRecord(len(batch), int(drafts.cu[-1]), int(kept.sum()), int(np.sum(accepted)), verify_tokens,
                          predicted, out.wall_s, drafts.seconds, drafts.decision_seconds, drafts.probe_seconds,
                          step_s=time.perf_counter() - t0,
                          target_compute_s=max((st.total_s for st in out.rank_stats), default=0.0),
-                         draft_compute_s=drafts.compute_seconds)
+                         draft_compute_s=drafts.compute_seconds, prefill_tokens=prefill_tokens)
         self.records.append(rec)
         if self.step_log is not None:
             self.step_log.write(self.policy_name, np.diff(drafts.cu), drafts.survival, kept, accepted, context,
@@ -308,6 +302,15 @@ class Engine:
         return rec
 
     # -- helpers ----------------------------------------------------------------------------------
+
+    def _profile_drafter(self) -> None:
+        """Seed the drafting gate's cost learner from a start-up profile of the drafter (once)."""
+        if self._profiled_drafter or self.policy_name not in GATED_POLICIES or not self.replicas:
+            return
+        m = self.model_cfg
+        self.draft_cost = startup_draft_cost(self.replicas, m.hidden_size, self.layers, m.vocab_size,
+                                             self.cfg.max_running, self.cfg.block)
+        self._profiled_drafter = True
 
     def _new_target(self) -> EPGroup:
         c = self.cfg
@@ -332,13 +335,20 @@ class Engine:
         self.degraded["drafter_replica_lost"] += 1
         for rid in orphans:
             self.owner[rid] = ORPHAN
+        self.backlog.drop(orphans)
         self.replicas[r] = self._new_replica(r)
 
-    def _commit_drafters(self, seqs: list[Sequence], tokens: list[list[int]], hidden: list[dict]) -> None:
-        for r, replica in enumerate(self.replicas):  # ordered after earlier calls: no need to wait
-            idx = [i for i, s in enumerate(seqs) if self.owner[s.rid] == r]
-            if idx:
-                replica.commit.remote([seqs[i].rid for i in idx], [tokens[i] for i in idx], [hidden[i] for i in idx])
+    def _commit_drafters(self, seqs=(), tokens=(), hidden=()) -> None:
+        """Queue committed context for the drafters (`Backlog`): it travels with the request's
+        next draft call, or now if the backlog grew past its limit. Plain decoding keeps none."""
+        if self.policy_name == "ar":
+            return
+        over = [s for s, t, h in zip(seqs, tokens, hidden, strict=True)
+                if self.owner[s.rid] != ORPHAN and self.backlog.add(s.rid, t, h)]
+        for r, replica in enumerate(self.replicas):  # ordered before later draft calls: no need to wait
+            mine = self.backlog.take([s.rid for s in over if self.owner[s.rid] == r])
+            if mine is not None:
+                replica.commit.remote(*mine)
 
     def _release(self, seqs: list[Sequence]) -> None:
         if not seqs:
@@ -352,6 +362,7 @@ class Engine:
         for rid in rids:
             self.owner.pop(rid, None)
             self.tracker.forget(rid)
+        self.backlog.drop(rids)
 
     def _oracle_lengths(self, batch: list[Sequence], drafts: Drafts) -> np.ndarray:
         """True accepted lengths, learned by verifying every draft and rolling back (benchmarks only;

@@ -8,8 +8,10 @@ import hashlib
 import json
 import logging
 import pathlib
+import time
 
 import numpy as np
+import ray
 
 from actors.target.config import MoEConfig
 from actors.target.profile import ProfileGrid, fit_profile, run_profile
@@ -49,23 +51,67 @@ def startup_cost_model(target, target_dir: str, ep: int, threads: int, cache_dir
 
 
 class DraftCostLearner:
-    """Fits DraftCost (call, per request, per position) to measured drafting passes."""
+    """Fits DraftCost (call, per request, per position, per context token caught up) to
+    measured drafting calls (wall time at the coordinator)."""
 
     def __init__(self, initial: DraftCost, refit_every: int = 16, keep: int = 512) -> None:
         self.cost = initial
         self.refit_every, self.keep = refit_every, keep
-        self._x: list[tuple[float, float, float]] = []
+        self._x: list[tuple[float, float, float, float]] = []
         self._y: list[float] = []
 
-    def observe(self, requests: int, positions: int, seconds: float) -> None:
+    def observe(self, requests: int, positions: int, seconds: float, catchup: int = 0) -> None:
         if positions <= 0:
             return
-        self._x.append((1.0, float(requests), float(positions)))
+        self._x.append((1.0, float(requests), float(positions), float(catchup)))
         self._y.append(seconds)
         del self._x[: -self.keep], self._y[: -self.keep]
-        if len(self._y) % self.refit_every == 0 and len(set(self._x)) >= 3:
-            c = nnls(np.array(self._x) / np.array(self._y)[:, None], np.ones(len(self._y)))
-            self.cost = DraftCost(*map(float, c))
+        if len(self._y) % self.refit_every == 0 and len(set(self._x)) >= 4:
+            self.refit()
+
+    def refit(self) -> None:
+        # Relative errors (rows scaled by 1 / measured): small calls count as much as large ones.
+        c = nnls(np.array(self._x) / np.array(self._y)[:, None], np.ones(len(self._y)))
+        self.cost = DraftCost(*map(float, c))
+
+
+def profile_drafter(replica, hidden_size: int, layers: tuple[int, ...], vocab_size: int, max_requests: int,
+                    block: int, context: int = 48, seed: int = 0) -> list[tuple[int, int, int, float]]:
+    """Time drafting calls on synthetic requests at start-up: (requests, positions, context tokens
+    caught up, seconds) per call, measured at the coordinator as the engine will. Each shape
+    runs twice: first with its requests' context sent along (catch-up), then without."""
+    rng = np.random.default_rng(seed)
+    shapes = sorted({1, min(16, max_requests), max_requests})
+    samples = []
+    for r in shapes:
+        for n in sorted({1, block - 1}):
+            rids = [-(1 + i) for i in range(r)]  # never a real request id
+            history = [rng.integers(0, vocab_size, context).tolist() for _ in rids]
+            last = [h[-1] for h in history]  # a request's newest token ends its history
+            catchup = (rids, history,
+                       [{k: rng.standard_normal((context, hidden_size)).astype(np.float16) for k in layers}
+                        for _ in rids])
+            for sent in (catchup, None):
+                t0 = time.perf_counter()
+                ray.get(replica.draft.remote(rids, last, [n] * r, sent))
+                samples.append((r, n * r, context * r if sent else 0, time.perf_counter() - t0))
+            ray.get(replica.release.remote(rids))
+    return samples
+
+
+def startup_draft_cost(replicas, hidden_size: int, layers: tuple[int, ...], vocab_size: int, max_requests: int,
+                       block: int) -> DraftCostLearner:
+    """A drafting-cost learner seeded by profiling the first replica (about a second), so the
+    drafting gate starts from measured costs instead of a guess."""
+    learner = DraftCostLearner(DraftCost(1e-3, 2e-4, 5e-5, 1e-5))
+    warm = ([-1], [[0] * 8], [{k: np.zeros((8, hidden_size), np.float16) for k in layers}])
+    ray.get(replicas[0].draft.remote([-1], [0], [1], warm))  # first call: lazy set-up, not timed
+    ray.get(replicas[0].release.remote([-1]))
+    for r, p, c, sec in profile_drafter(replicas[0], hidden_size, layers, vocab_size, max_requests, block):
+        learner.observe(r, p, sec, c)
+    learner.refit()
+    log.info("profiled the drafter at start-up: %s", learner.cost)
+    return learner
 
 
 def online(model: CostModel) -> OnlineCorrection:

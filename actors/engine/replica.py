@@ -76,10 +76,16 @@ class DrafterReplica:
     def commit(self, request_ids: list[int], tokens: list[list[int]], hidden: list[dict]) -> None:
         self.drafter.commit(request_ids, tokens, hidden)
 
-    def draft(self, request_ids: list[int], last_tokens: list[int], lengths: list[int]) -> DraftOutput:
+    def draft(self, request_ids: list[int], last_tokens: list[int], lengths: list[int],
+              catchup: tuple[list[int], list[list[int]], list[dict]] | None = None) -> DraftOutput:
+        """Drafts for these requests; `catchup` is context committed since their last draft (the
+        engine's backlog), committed first."""
         t0 = time.perf_counter()
+        if catchup is not None:
+            self.drafter.commit(*catchup)
+        t1 = time.perf_counter()
         out = self.drafter.draft(request_ids, last_tokens, lengths)
-        return dataclasses.replace(out, compute_s=time.perf_counter() - t0)
+        return dataclasses.replace(out, compute_s=time.perf_counter() - t0, catchup_s=t1 - t0)
 
     def release(self, request_ids: list[int]) -> None:
         self.drafter.release(request_ids)

@@ -47,6 +47,8 @@ class Sequence:
     drafted: list[int] = field(default_factory=list)
     kept: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
+    fed: int = 0  # tokens of `feed` already in the target's KV cache (while prefilling)
+    prefilled: bool = False  # its feed is in the KV cache: it decodes from now on
     _uniforms: list[float] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -64,6 +66,12 @@ class Sequence:
     @property
     def last(self) -> int:
         return self.output[-1] if self.output else self.prompt[-1]
+
+    @property
+    def feed(self) -> list[int]:
+        """What prefill puts in the KV cache: the prompt and, for a resumed request, the output
+        it already has except the newest token (which its first decode step appends)."""
+        return [*self.prompt, *self.output[:-1]]
 
     @property
     def cached(self) -> int:
@@ -151,13 +159,6 @@ class Scheduler:
             self.finished[s.rid] = s
         self.running = [s for s in self.running if s.finish_reason is None]
         return done
-
-    def requeue(self, seqs: list[Sequence]) -> None:
-        """Put running requests back at the front of the queue (their prefill was lost)."""
-        for seq in reversed(seqs):
-            self.running.remove(seq)
-            seq.status = Status.WAITING
-            self.waiting.appendleft(seq)
 
     def abort(self, rid: int) -> Sequence | None:
         """Remove a waiting or running request; returns it (status unchanged) or None."""

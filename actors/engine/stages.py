@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from actors.drafter.base import DraftOutput
-from actors.engine.sequence import Sequence
+from actors.engine.sequence import Scheduler, Sequence
 from dcut_core import rules
 
 
@@ -41,15 +41,68 @@ class StepRecord:
     draft_s: float
     decision_s: float
     probe_s: float = 0.0
-    step_s: float = 0.0  # wall time of the decode step, plan to postprocess (prefill excluded)
+    step_s: float = 0.0  # wall time of the step, plan to postprocess (its prefill chunks included)
     target_compute_s: float = 0.0  # the slowest rank's own forward time
     draft_compute_s: float = 0.0  # the slowest replica's own drafting time
+    prefill_tokens: int = 0  # prompt tokens fed in the same forward (chunked prefill)
 
     @property
     def overhead_s(self) -> float:
         """Everything outside the drafter's and the target's forward passes: Ray calls, pruning,
         bookkeeping (the probe pass of the oracle excluded)."""
         return max(0.0, self.step_s - self.probe_s - self.target_compute_s - self.draft_compute_s)
+
+
+@dataclass(frozen=True)
+class Feed:
+    """One prefill chunk of a step: `tokens` = seq.feed[start:start + len(tokens)]."""
+
+    seq: Sequence
+    start: int
+    tokens: list[int]
+
+    @property
+    def logit_rows(self) -> list[int]:
+        """The target's row is needed only where a fresh prompt ends (its first token)."""
+        ends = self.start + len(self.tokens) == len(self.seq.feed)
+        return [len(self.tokens) - 1] if ends and not self.seq.output else []
+
+
+def feed_chunks(seqs: list[Sequence], chunk: int, budget: int) -> list[Feed]:
+    """This step's prefill: first come first served, at most `chunk` tokens per request and
+    `budget` in all (the first request always gets some, so prefill always moves)."""
+    out = []
+    for s in seqs:
+        feed = s.feed
+        n = min(chunk, len(feed) - s.fed, budget)
+        if n <= 0:
+            break
+        out.append(Feed(s, s.fed, feed[s.fed:s.fed + n]))
+        budget -= n
+    return out
+
+
+def advance_prefill(feeding: list[Feed], out, offset: int, scheduler: Scheduler, eos: int | None,
+                    text_of) -> list[tuple[Sequence, list[int], dict]]:
+    """Advance prefill by this step's chunks (rows offset.. of the target's output `out`): a
+    fresh prompt fed to its end draws its first token. Returns what the drafters must commit:
+    (request, tokens, features of the tokens the target processed)."""
+    commits, fresh, rows = [], [], {}
+    for j, f in enumerate(feeding):
+        s, tokens = f.seq, list(f.tokens)
+        s.fed += len(tokens)
+        if s.fed == len(s.feed):
+            s.prefilled = True
+            if s.output:  # resumed: its newest token is appended by its first decode step
+                tokens.append(s.output[-1])
+            else:
+                fresh.append(s)
+                rows[s.rid] = (out.argmax[offset + j], None if out.probs is None else out.probs[offset + j])
+        commits.append((s, tokens, out.captured[offset + j]))
+    for s, tok in zip(fresh, first_tokens(fresh, rows), strict=True):
+        scheduler.append(s, [tok], eos, text_of)
+    first = {s.rid: s.output[-1] for s in fresh}
+    return [(s, [*t, first[s.rid]] if s.rid in first else t, h) for s, t, h in commits]
 
 
 def empty_drafts(r: int) -> Drafts:
@@ -85,20 +138,31 @@ def first_tokens(seqs: list[Sequence], last_out: dict) -> list[int]:
 
 def accept_tokens(batch: list[Sequence], drafts: Drafts, kept: np.ndarray,
                   out) -> tuple[list[int], list[list[int]]]:
-    """Lossless acceptance per request: greedy match at temperature 0; otherwise coupled sampling
-    (`rules.coupled_sampling`) with the request's per-position uniforms, so a seed fixes the
-    output whatever the policy, the batch or the drafter did. The oracle's
-    look-ahead may call it too: uniforms are per position, so it draws nothing extra."""
-    accepted, emitted = [], []
+    """Lossless acceptance per request: greedy match at temperature 0 (one vectorized call for
+    every greedy request of the batch); otherwise coupled sampling (`rules.coupled_sampling`)
+    with the request's per-position uniforms, so a seed fixes the output whatever the policy,
+    the batch or the drafter did. The oracle's look-ahead may call it too: uniforms are per
+    position, so it draws nothing extra."""
+    accepted: list[int] = [0] * len(batch)
+    emitted: list[list[int]] = [[] for _ in batch]
+    greedy = [i for i, s in enumerate(batch) if s.greedy]
+    if greedy:
+        k = np.asarray(kept, dtype=np.int64)[greedy]
+        cu = np.zeros(len(greedy) + 1, dtype=np.int64)
+        np.cumsum(k, out=cu[1:])
+        d = np.concatenate([drafts.tokens[drafts.cu[i]:drafts.cu[i] + kept[i]] for i in greedy])
+        res = rules.greedy(d.astype(np.int64), cu, np.concatenate([np.asarray(out.argmax[i]) for i in greedy]))
+        toks = res.tokens.tolist()
+        for j, i in enumerate(greedy):
+            accepted[i] = int(res.accepted[j])
+            emitted[i] = toks[res.cu_tokens[j]:res.cu_tokens[j + 1]]
     for i, s in enumerate(batch):
+        if s.greedy:
+            continue
         k = int(kept[i])
         d = drafts.tokens[drafts.cu[i]:drafts.cu[i] + k]
-        cu = np.array([0, k])
-        if s.greedy:
-            res = rules.greedy(d, cu, np.asarray(out.argmax[i]))
-        else:
-            u = s.uniforms(len(s.output), k + 1)  # output positions this step can fill
-            res = rules.coupled_sampling(d, cu, np.asarray(out.probs[i], dtype=np.float64), u)
-        accepted.append(int(res.accepted[0]))
-        emitted.append(res.tokens.tolist())
+        u = s.uniforms(len(s.output), k + 1)  # output positions this step can fill
+        res = rules.coupled_sampling(d, np.array([0, k]), np.asarray(out.probs[i], dtype=np.float64), u)
+        accepted[i] = int(res.accepted[0])
+        emitted[i] = res.tokens.tolist()
     return accepted, emitted

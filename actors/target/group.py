@@ -67,6 +67,7 @@ class EPGroup:
         self.cfg = cfg
         self._broken: str | None = None
         self._owner: dict[int, int] = {}  # request -> rank holding its KV cache
+        self._truncate: list[dict[int, int]] = [{} for _ in range(cfg.world)]  # per rank, sent with the next call
         self.pg, self._owns_pg = self._reserve(cfg)
         backend = "nccl" if cfg.gpus_per_rank else "gloo"
         self.workers = [
@@ -129,8 +130,10 @@ class EPGroup:
             rows = [1] * len(chunks)
         else:
             rows = [len(p) for p in logits]
-        batches = [self._rank_batch(idx, request_ids, chunks, logits, with_logits, capture_layers, rows, sampling)
-                   for idx in per_rank]
+        batches = [self._rank_batch(idx, request_ids, chunks, logits, with_logits, capture_layers, rows, sampling,
+                                    truncate)
+                   for idx, truncate in zip(per_rank, self._truncate, strict=True)]
+        self._truncate = [{} for _ in range(self.cfg.world)]  # applied by every rank first, even on rejection
         try:
             results = self._gather([w.forward.remote(b) for w, b in zip(self.workers, batches, strict=True)],
                                    self.cfg.step_timeout_s)
@@ -159,7 +162,7 @@ class EPGroup:
 
     @staticmethod
     def _rank_batch(idx: list[int], request_ids, chunks, logits, with_logits, capture_layers, rows,
-                    sampling) -> RankBatch:
+                    sampling, truncate: dict[int, int]) -> RankBatch:
         lengths = [len(chunks[i]) for i in idx]
         cu = np.zeros(len(idx) + 1, dtype=np.int64)
         np.cumsum(lengths, out=cu[1:])
@@ -174,27 +177,35 @@ class EPGroup:
         if sampling is not None:
             temp = np.repeat([sampling[i][0] for i in idx], [rows[i] for i in idx]).astype(np.float32)
             top_p = np.repeat([sampling[i][1] for i in idx], [rows[i] for i in idx]).astype(np.float32)
-        return RankBatch([request_ids[i] for i in idx], tokens, cu, index, with_logits, capture_layers, temp, top_p)
+        return RankBatch([request_ids[i] for i in idx], tokens, cu, index, with_logits, capture_layers, temp, top_p,
+                         truncate or None)
 
     # -- cache management -----------------------------------------------------------------------
 
     def truncate(self, lengths: dict[int, int]) -> None:
-        """Roll back rejected drafts: request -> new cached length."""
-        per_rank: list[dict[int, int]] = [{} for _ in range(self.cfg.world)]
+        """Roll back rejected drafts: request -> new cached length. Sent with the next forward
+        (each rank applies it before that step), saving a round trip per step."""
         for rid, n in lengths.items():
-            per_rank[self._owner[rid]][rid] = n
-        self._gather([w.truncate.remote(p) for w, p in zip(self.workers, per_rank, strict=True) if p],
+            self._truncate[self._owner[rid]][rid] = n
+
+    def flush(self) -> None:
+        """Apply pending roll-backs now (before reading cache state)."""
+        pending, self._truncate = self._truncate, [{} for _ in range(self.cfg.world)]
+        self._gather([w.truncate.remote(p) for w, p in zip(self.workers, pending, strict=True) if p],
                      self.cfg.step_timeout_s)
 
     def release(self, request_ids: list[int]) -> None:
         per_rank: list[list[int]] = [[] for _ in range(self.cfg.world)]
         for rid in request_ids:
             if rid in self._owner:
-                per_rank[self._owner.pop(rid)].append(rid)
+                r = self._owner.pop(rid)
+                per_rank[r].append(rid)
+                self._truncate[r].pop(rid, None)  # nothing to roll back in a freed cache
         self._gather([w.release.remote(p) for w, p in zip(self.workers, per_rank, strict=True) if p],
                      self.cfg.step_timeout_s)
 
     def cache_info(self) -> list[dict]:
+        self.flush()
         return self._gather([w.cache_info.remote() for w in self.workers], self.cfg.step_timeout_s)
 
     # -- failure handling -----------------------------------------------------------------------

@@ -54,6 +54,7 @@ class RankBatch:
     capture_layers: tuple[int, ...] = ()
     temperature: np.ndarray | None = None  # [M] per logit row; rows > 0 get sampling probabilities
     top_p: np.ndarray | None = None  # [M]
+    truncate: dict[int, int] | None = None  # roll-backs of the last step (request -> length), applied first
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ class RankResult:
     argmax: np.ndarray  # [M] the target's greedy token at each asked-for row
     top2_gap: np.ndarray  # [M] logit gap between the best and second-best token (near-tie check)
     logits: np.ndarray | None  # [M, V] float32 when asked for
-    captured: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> [N, H]
+    captured: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> [N, H] float16 (drafter features)
     stats: StepStats = field(default_factory=StepStats)
     probs: np.ndarray | None = None  # [M, V] the target's sampling distribution, when any row samples
 
@@ -98,6 +99,8 @@ class TargetWorker:
 
     def forward(self, rb: RankBatch) -> RankResult:
         """Run this rank's part of one step (a collective when world > 1)."""
+        if rb.truncate:  # committed decisions of the previous step: applied whatever this batch does
+            self.cache.truncate_all(rb.truncate)
         dev = self.spec.device
         batch = ForwardBatch(rb.request_ids, torch.from_numpy(rb.tokens).to(dev), torch.from_numpy(rb.cu),
                              torch.from_numpy(rb.logit_index).to(dev))
@@ -123,7 +126,9 @@ class TargetWorker:
         return RankResult(
             logits.argmax(-1).cpu().numpy(), (top2[:, 0] - top2[:, 1]).cpu().numpy(),
             logits.float().cpu().numpy() if rb.with_logits else None,
-            {k: v.float().cpu().numpy() for k, v in captured.items()}, stats, probs,
+            # float16: the drafter was trained on features of that precision, and half the bytes
+            # keep a decode step's result under Ray's inline size at concurrency 64.
+            {k: v.half().cpu().numpy() for k, v in captured.items()}, stats, probs,
         )
 
     def _all_agree(self, ok: bool) -> bool:

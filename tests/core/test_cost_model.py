@@ -140,3 +140,18 @@ def test_the_closed_form_curve_equals_the_feature_sum():
         tokens = np.arange(1, 300)
         f = cm.features(np.full(len(tokens), 7), tokens, np.full(len(tokens), 7 * 333))
         np.testing.assert_allclose(cm.verify_curve(7, 7 * 333).seconds(tokens), f @ cm.coef_vector(), rtol=1e-12)
+
+
+def test_online_correction_trusts_its_first_measurements_fully():
+    # A deployment 1.4× slower than its profile: the first step already corrects the whole
+    # gap (a running mean until the half-life takes over), instead of 1/72 of it per step.
+    truth = preset(TINY_MOE, "cpu", ep=2)
+    online = OnlineCorrection(truth, halflife_steps=50)
+    s = StepShape(8, 40, 8 * 300)
+    online.observe(s, 1.4 * truth.predict(s))
+    assert online.scale == pytest.approx(1.4)
+    online.observe(s, 1.0 * truth.predict(s))  # the mean of two log-ratios
+    assert online.scale == pytest.approx(np.sqrt(1.4))
+    for _ in range(500):
+        online.observe(s, 2.0 * truth.predict(s))
+    assert online.scale == pytest.approx(2.0, rel=1e-3)

@@ -1,0 +1,150 @@
+"""How the engine's step is put together, on a real local Ray: prefill rides in the step's one
+forward, the drafters' context travels lazily, plain decoding keeps no drafter state, and the
+drafting gate starts from a measured drafter profile."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import ray
+
+from actors.engine.backlog import Backlog
+from actors.engine.config import EngineConfig
+from actors.engine.coordinator import Engine
+from actors.engine.sequence import SamplingParams
+from actors.ray_env import start_local_ray
+from actors.target.checkpoint import load_model
+from actors.target.decode import greedy_decode
+from actors.target.local import LocalTarget
+from dcut_core.drafting import DraftCost
+
+MAX_TOKENS = 10
+UNPROFILED = DraftCost(1e-3, 2e-4, 5e-5, 1e-5)  # the engine's prior before the start-up profile
+RNG = np.random.default_rng(11)
+PROMPTS = [(RNG.integers(1, 96, 4).tolist() * 16)[: 5 + 7 * i] for i in range(8)]  # 5 .. 54 tokens
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    start_local_ray(num_cpus=8)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_bundle):
+    return greedy_decode(LocalTarget(load_model(f"{tiny_bundle}/target")), list(range(len(PROMPTS))), PROMPTS,
+                         MAX_TOKENS)
+
+
+def engine(bundle: str, tmp_path, **kw) -> Engine:
+    cfg = dict(target_dir=f"{bundle}/target", drafter_dir=f"{bundle}/drafter", block=6, policy="fixed-4",
+               cost_model_cache=str(tmp_path), max_running=8, cpus_per_drafter=0.5)
+    return Engine(EngineConfig(**(cfg | kw)))
+
+
+def count_forwards(eng: Engine) -> list[int]:
+    calls = [0]
+    inner = eng.target.forward
+
+    def forward(*a, **k):
+        calls[0] += 1
+        return inner(*a, **k)
+
+    eng.target.forward = forward
+    return calls
+
+
+def test_prefill_rides_in_the_decode_step_and_long_prompts_span_steps(tiny_bundle, reference, tmp_path):
+    eng = engine(tiny_bundle, tmp_path, prefill_chunk=8, prefill_budget=12)
+    try:
+        calls = count_forwards(eng)
+        params = SamplingParams(max_tokens=MAX_TOKENS)
+        first = eng.add(PROMPTS[0], params)  # 5 tokens: fed and first token drawn in one step
+        rec = eng.step()
+        assert rec.prefill_tokens == 5 and rec.requests == 0 and calls[0] == 1
+        late = eng.add(PROMPTS[7], params)  # 54 tokens: at most 8 a step (the chunk), 12 in all
+        steps_fed = 0
+        while not eng.scheduler.get(late).prefilled:
+            calls[0] = 0
+            rec = eng.step()
+            steps_fed += 1
+            assert calls[0] == 1  # one forward: decode and prefill together
+            assert rec.prefill_tokens == min(8, 54 - 8 * (steps_fed - 1))
+            assert rec.requests == (1 if eng.scheduler.get(first).finish_reason is None else 0)
+        assert steps_fed == 7  # ceil(54 / 8)
+        while len(eng.scheduler):
+            eng.step()
+        assert eng.scheduler.finished[first].output == reference[0]
+        assert eng.scheduler.finished[late].output == reference[7]
+    finally:
+        eng.shutdown()
+
+
+def test_lazy_drafter_context_drafts_what_eager_context_drafts(tiny_bundle, reference, tmp_path):
+    """The gate runs plain decoding for a few steps, then drafts: the drafter catches up on the
+    context it missed and drafts exactly what a drafter fed every step drafts."""
+    runs = {}
+    for limit in (0, 512):  # 0: every commit sent at once (eager); 512: held until a draft needs it
+        eng = engine(tiny_bundle, tmp_path, drafter_backlog_tokens=limit)
+        try:
+            plan = eng.plan
+            eng.plan = lambda batch, plan=plan, eng=eng: plan(batch) * (len(eng.records) >= 4)
+            rids = [eng.add(p, SamplingParams(max_tokens=MAX_TOKENS)) for p in PROMPTS]
+            for _ in range(4):
+                eng.step()
+            held = eng.backlog.tokens()
+            while len(eng.scheduler):
+                eng.step()
+            out = [eng.scheduler.finished.pop(r) for r in rids]
+            assert [s.output for s in out] == reference
+            runs[limit] = (held, [s.accepted for s in out], [s.drafted for s in out])
+        finally:
+            eng.shutdown()
+    assert runs[0][0] == 0 and runs[512][0] >= sum(map(len, PROMPTS))  # prompts and 3 steps, held back
+    assert runs[512][2] == runs[0][2]
+    assert runs[512][1] == runs[0][1]  # the same drafts were accepted
+    assert sum(map(sum, runs[512][1])) > 0
+
+
+def test_plain_decoding_keeps_no_drafter_state(tiny_bundle, reference, tmp_path):
+    eng = engine(tiny_bundle, tmp_path, policy="dcut")
+    try:
+        eng.set_policy("ar")
+        calls = []
+        forward = eng.target.forward
+        eng.target.forward = lambda *a, **k: calls.append(k.get("capture_layers")) or forward(*a, **k)
+        out = eng.generate(PROMPTS, [SamplingParams(max_tokens=MAX_TOKENS)] * len(PROMPTS))
+        assert [s.output for s in out] == reference
+        assert calls and all(c == () for c in calls)  # no hidden states captured
+        assert eng.backlog.tokens() == 0
+    finally:
+        eng.shutdown()
+
+
+def test_the_drafting_gate_starts_from_a_measured_drafter_profile(tiny_bundle, reference, tmp_path):
+    eng = engine(tiny_bundle, tmp_path, policy="dcut")
+    try:
+        cost = eng.draft_cost.cost
+        assert cost != UNPROFILED and cost.fixed + cost.per_request > 0
+        assert len(eng.draft_cost._y) >= 8  # every profiled shape was timed, with and without catch-up
+        out = eng.generate(PROMPTS, [SamplingParams(max_tokens=MAX_TOKENS)] * len(PROMPTS))
+        assert [s.output for s in out] == reference
+    finally:
+        eng.shutdown()
+
+
+def test_backlog_holds_commits_in_order_and_sends_past_its_limit():
+    b = Backlog(limit=4)
+    h = {3: np.arange(6, dtype=np.float32).reshape(3, 2)}
+    assert not b.add(7, [1, 2], {3: h[3][:2]})
+    assert b.add(7, [3, 4, 5], {3: h[3][2:]})  # 5 tokens > 4: send now
+    assert b.size(7) == 5 and b.tokens() == 5
+    rids, tokens, hidden = b.take([7, 8])
+    assert rids == [7] and tokens == [[1, 2, 3, 4, 5]]
+    assert hidden[0][3].dtype == np.float16 and hidden[0][3].tolist() == h[3].tolist()
+    assert b.take([7]) is None and b.tokens() == 0
+    src = np.ones((2, 2), dtype=np.float16)
+    b.add(9, [1], {3: src})
+    src[:] = 5  # the backlog holds a copy, not a view of the target's result buffer
+    assert b.take([9])[2][0][3].tolist() == [[1, 1], [1, 1]]
