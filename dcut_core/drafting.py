@@ -55,7 +55,8 @@ class DraftPlan:
 
 
 def plan_drafts(predicted: list[np.ndarray], verify: StepCost, draft: DraftCost,
-                max_budget: int | None = None, slack: int = 0, catchup: np.ndarray | None = None) -> DraftPlan:
+                max_budget: int | None = None, slack: int = 0, catchup: np.ndarray | None = None,
+                extend: bool = False) -> DraftPlan:
     """predicted[i]: conditional acceptance of request i's draft positions 0 .. n_i − 1.
 
     catchup[i]: context tokens request i's drafter must catch up on if it drafts this step.
@@ -65,6 +66,10 @@ def plan_drafts(predicted: list[np.ndarray], verify: StepCost, draft: DraftCost,
     slack: extra positions drafted past the plan for each request that drafts at all (at most
     n_i). The plan is made from predictions; pruning decides again from the drafts' own
     confidences, and can only keep what was drafted — without slack the two cuts compound.
+    extend: also draft, for each request that drafts at all, every further position whose
+    predicted survival pays for drafting it alone (survival ≥ plan rate × per-position cost).
+    The plan's verify budget is a guess from predictions; what is verified is pruning's call,
+    and drafting a position costs far less than verifying it (one more row of the same pass).
     """
     flat, cu = ragged.flatten(predicted)
     batch = DraftBatch(ragged.segment_cumprod(np.clip(flat, 0.0, 1.0), cu), cu)
@@ -93,6 +98,10 @@ def plan_drafts(predicted: list[np.ndarray], verify: StepCost, draft: DraftCost,
     lengths = kept_top_m(batch, np.sort(batch.survival)[::-1], best)
     if slack:
         lengths = np.where(lengths > 0, np.minimum(lengths + slack, batch.drafted), 0)
+    if extend and best > 0:
+        worth = batch.survival >= tokens[best] / seconds[best] * draft.per_position
+        pays = ragged.segment_sums(ragged.segment_cumprod(worth.astype(np.float64), cu), cu).astype(np.int64)
+        lengths = np.where(lengths > 0, np.maximum(lengths, pays), 0)
     return DraftPlan(lengths, float(tokens[best]), float(seconds[best]), float(seconds[0]))
 
 
@@ -111,6 +120,8 @@ class AcceptanceTracker:
     accepted: np.ndarray = field(init=False)
     judged: np.ndarray = field(init=False)
     factor: dict[int, float] = field(default_factory=dict)
+    observations: int = 0  # verifications seen (requests × steps with kept drafts)
+    _sums: dict[int, tuple[float, float]] = field(default_factory=dict, repr=False)  # decayed accepted, expected
 
     def __post_init__(self) -> None:
         self.accepted = np.full(self.block, self.prior)  # one pseudo-observation at the prior
@@ -121,13 +132,23 @@ class AcceptanceTracker:
         return self.accepted / self.judged
 
     def predict(self, rid: int, n: int) -> np.ndarray:
-        """Conditional acceptance [n] of request rid's next n draft positions."""
-        return np.clip(self.global_rate[:n] * self.factor.get(rid, 1.0), 0.0, 0.99)
+        """Conditional acceptance [n] of request rid's next n draft positions.
+
+        The request's factor is its accepted drafts over what the global rates expected, so it
+        scales the expected number accepted — the survivals — not every conditional rate (which
+        compounds: a factor of 0.7 on each of 15 positions predicts a third as many, not 70 %).
+        Scaling the survivals by f is scaling the first position's rate; where that would pass
+        0.99 it stops there (an underestimate for the best requests, which draft anyway)."""
+        rate = np.clip(self.global_rate[:n], 0.0, 0.99)
+        if n:
+            rate[0] = min(0.99, rate[0] * self.factor.get(rid, 1.0))
+        return rate
 
     def observe(self, rid: int, kept: int, accepted: int) -> None:
         """One verification of request rid: kept drafts, of which the first `accepted` passed."""
         if kept <= 0:
             return
+        self.observations += 1
         judged = np.arange(self.block) <= min(accepted, kept - 1)  # censoring as in acceptance.py
         judged &= np.arange(self.block) < kept
         decay = 0.5 ** (1.0 / self.halflife_steps)
@@ -135,16 +156,26 @@ class AcceptanceTracker:
         self.accepted[judged] = decay * self.accepted[judged] + hits[judged]
         self.judged[judged] = decay * self.judged[judged] + 1.0
         expected = float(np.cumprod(self.global_rate[:kept]).sum())
-        ratio = (accepted + 0.5) / (expected + 0.5)
-        self.factor[rid] = float(np.clip(0.7 * self.factor.get(rid, 1.0) + 0.3 * ratio, 0.05, 3.0))
+        # Decayed sums, then their ratio: an average of per-step ratios would be pulled to 1
+        # by the smoothing every single step needs.
+        a, e = self._sums.get(rid, (0.0, 0.0))
+        self._sums[rid] = (0.7 * a + accepted, 0.7 * e + expected)
+        self._set_factor(rid)
 
     def skipped(self, rid: int, halflife_steps: float = 4.0) -> None:
         """Request rid drafted nothing this step: its factor drifts back toward 1 (the global
         rate). Without this a request whose factor fell after a few misses predicts too little
         to ever draft again, and so is never observed again — it stays in plain decoding."""
-        if rid in self.factor:
+        if rid in self._sums:
             keep = 0.5 ** (1.0 / halflife_steps)
-            self.factor[rid] = 1.0 + (self.factor[rid] - 1.0) * keep
+            a, e = self._sums[rid]
+            self._sums[rid] = (e + (a - e) * keep, e)
+            self._set_factor(rid)
+
+    def _set_factor(self, rid: int) -> None:
+        a, e = self._sums[rid]
+        self.factor[rid] = float(np.clip((a + 0.5) / (e + 0.5), 0.05, 3.0))
 
     def forget(self, rid: int) -> None:
+        self._sums.pop(rid, None)
         self.factor.pop(rid, None)

@@ -92,6 +92,7 @@ class SimConfig:
     output_len: int = 256  # tokens a request produces before a fresh one replaces it
     draft_cost: DraftCost = DraftCost()  # noqa: RUF009 - frozen, shared safely
     draft_slack: int = 2  # as the engine's EngineConfig.draft_slack
+    draft_extend: bool = True  # as the engine's EngineConfig.draft_extend
     seed: int = 0
 
     @property
@@ -155,7 +156,8 @@ def simulate(policy: Policy, cfg: SimConfig, trace: SyntheticTrace | RecordedTra
         lengths = np.full(cfg.batch, drafts)
         if gated:
             predicted = [tracker.predict(int(r), drafts) for r in rid]
-            lengths = plan_drafts(predicted, cost, cfg.draft_cost, slack=cfg.draft_slack).lengths
+            lengths = plan_drafts(predicted, cost, cfg.draft_cost, slack=cfg.draft_slack,
+                                  extend=cfg.draft_extend).lengths
             for i in np.nonzero(lengths == 0)[0]:
                 tracker.skipped(int(rid[i]))
         # [N] flat drafts of this step, ragged by cu

@@ -31,9 +31,11 @@ class EngineConfig:
     cost_model_cache: str | None = None
     drafting_gate: bool = True
     explore_every: int = 50  # a step in this many that the gate rates not worth drafting drafts anyway,
-    explore_requests: int = 4  # for this many requests, so the gate keeps learning
+    explore_requests: int = 4  # for this many requests, so the gate keeps learning;
+    explore_warmup: int = 64  # and every such step until this many verifications were observed
     drafter_backlog_tokens: int = 512  # context held back per request until it drafts (lazy upkeep)
     draft_slack: int = 2  # positions drafted past the gate's plan, for pruning to judge
+    draft_extend: bool = True  # and every further position that pays for its own drafting (pruning judges)
     guard_threshold: float = 0.02
     max_budget: int | None = None
     step_log: str | None = None  # msgpack file of every step's drafts and decisions

@@ -180,9 +180,10 @@ class Engine:
         predicted = [self.tracker.predict(s.rid, int(n)) for s, n in zip(batch, cap, strict=True)]
         context = sum(s.cached for s in batch)
         plan = plan_drafts(predicted, self.cost.verify_curve(len(batch), context), self.draft_cost.cost,
-                           self.cfg.max_budget, self.cfg.draft_slack,
-                           catchup=np.array([self.backlog.size(s.rid) for s in batch]))
-        if not plan.drafting and len(self.records) % self.cfg.explore_every == 0:
+                           self.cfg.max_budget, self.cfg.draft_slack, self._catchup_share(batch, predicted),
+                           extend=self.cfg.draft_extend)
+        warming = self.tracker.observations < self.cfg.explore_warmup  # priors only: learn fast
+        if not plan.drafting and (warming or len(self.records) % self.cfg.explore_every == 0):
             # Keep measuring what drafting costs and yields, now and then, on a few requests
             # (in turn): a whole batch of full drafts would cost several steps' worth.
             k = min(len(batch), self.cfg.explore_requests)
@@ -194,6 +195,16 @@ class Engine:
             if n == 0:
                 self.tracker.skipped(s.rid)
         return plan.lengths
+
+    def _catchup_share(self, batch: list[Sequence], predicted: list[np.ndarray]) -> np.ndarray:
+        """Context tokens each request's drafter would catch up on, charged to this step only
+        in proportion to the share of the request's remaining output it may commit now: the
+        catch-up is paid once and serves every later drafting step of the request. (Charged in
+        full, it grows each step a request does not draft, and keeps it from ever drafting.)"""
+        backlog = np.array([self.backlog.size(s.rid) for s in batch], dtype=np.float64)
+        expected = np.array([1.0 + float(np.cumprod(p).sum()) for p in predicted])
+        remaining = np.array([max(1, s.remaining) for s in batch], dtype=np.float64)
+        return backlog * np.minimum(1.0, expected / remaining)
 
     def propose(self, batch: list[Sequence], lengths: np.ndarray) -> Drafts:
         """Every replica drafts for its shard in parallel; gathered into one ragged batch."""
