@@ -144,6 +144,15 @@ class AcceptanceTracker:
             rate[0] = min(0.99, rate[0] * self.factor.get(rid, 1.0))
         return rate
 
+    def predict_batch(self, rids: list[int], lengths: np.ndarray) -> list[np.ndarray]:
+        """`predict` for many requests at once: [predict(rid, n) for rid, n in zip(rids, lengths)]."""
+        n_max = int(max(lengths, default=0))
+        rates = np.tile(np.clip(self.global_rate[:n_max], 0.0, 0.99), (len(rids), 1))
+        if n_max:
+            f = np.array([self.factor.get(rid, 1.0) for rid in rids])
+            rates[:, 0] = np.minimum(0.99, rates[:, 0] * f)
+        return [rates[i, :n] for i, n in enumerate(np.asarray(lengths, dtype=np.int64))]
+
     def observe(self, rid: int, kept: int, accepted: int) -> None:
         """One verification of request rid: kept drafts, of which the first `accepted` passed."""
         if kept <= 0:

@@ -177,7 +177,7 @@ class Engine:
             return np.zeros(len(batch), dtype=np.int64)
         if self.policy_name not in GATED_POLICIES or not self.cfg.drafting_gate:
             return cap
-        predicted = [self.tracker.predict(s.rid, int(n)) for s, n in zip(batch, cap, strict=True)]
+        predicted = self.tracker.predict_batch([s.rid for s in batch], cap)
         context = sum(s.cached for s in batch)
         plan = plan_drafts(predicted, self.cost.verify_curve(len(batch), context), self.draft_cost.cost,
                            self.cfg.max_budget, self.cfg.draft_slack, self._catchup_share(batch, predicted),

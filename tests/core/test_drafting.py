@@ -150,3 +150,14 @@ def test_extend_drafts_every_position_that_pays_for_its_own_drafting():
     surv = np.cumprod(rows[0])
     assert dear.lengths[0] == max(2, int((surv >= rate * 0.1).sum()))
     assert dear.lengths[2] == 0
+
+
+def test_predict_batch_is_predict_for_each_request():
+    t = AcceptanceTracker(block=6)
+    for rid, acc in ((1, 5), (2, 0), (3, 2), (1, 4), (2, 1)):
+        t.observe(rid, kept=5, accepted=acc)
+    rids, lengths = [1, 2, 3, 9, 2], np.array([5, 0, 3, 2, 6])
+    got = t.predict_batch(rids, lengths)
+    for rid, n, g in zip(rids, lengths, got, strict=True):
+        assert g.tolist() == t.predict(rid, int(n)).tolist()
+    assert t.predict_batch([], np.zeros(0)) == []

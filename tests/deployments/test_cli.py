@@ -115,3 +115,21 @@ def test_gamma_arrivals_have_the_asked_rate_and_spread():
         assert np.diff(t).mean() == pytest.approx(0.2, rel=0.05)
     cv = lambda t: np.diff(t).std() / np.diff(t).mean()  # noqa: E731
     assert cv(poisson) == pytest.approx(1.0, rel=0.05) and cv(bursty) == pytest.approx(2.0, rel=0.05)
+
+
+def test_repeated_bench_rounds_report_medians_of_ratios():
+    from deployments.bench_command import median_rows
+
+    def row(policy, rep, tok_s, speedup, lossless=True):
+        return {"policy": policy, "concurrency": 64, "repeat": rep, "output_tok_s": tok_s,
+                "speedup_vs_ar": speedup, "lossless": lossless, "mat": tok_s / 100}
+
+    runs = [row("ar", 0, 900, 1.0), row("dcut", 0, 890, 0.99),
+            row("ar", 1, 1000, 1.0), row("dcut", 1, 1050, 1.05, lossless=False),
+            row("ar", 2, 800, 1.0), row("dcut", 2, 840, 1.05)]
+    rows = {r["policy"]: r for r in median_rows(runs)}
+    assert rows["ar"]["output_tok_s"] == 900 and rows["ar"]["speedup_vs_ar"] == 1.0
+    d = rows["dcut"]
+    assert d["output_tok_s"] == 890 and d["mat"] == 8.9  # the median round, whole
+    assert d["speedup_vs_ar"] == 1.05 and d["speedup_vs_ar_runs"] == [0.99, 1.05, 1.05]  # median of ratios
+    assert d["repeats"] == 3 and d["lossless"] is False  # one round differed: the row says so
