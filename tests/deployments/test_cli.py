@@ -49,7 +49,9 @@ def test_profile_writes_a_cost_model(tmp_path, tiny_checkpoint):
     assert "held-out shapes" in proc.stdout
     model = CostModel.from_json(out.read_text())
     assert model.ep == 2 and model.source == "fitted"
-    assert model.predict(StepShape(4, 16, 4 * 64)) > model.predict(StepShape(1, 1, 16)) > 0
+    # Non-negative terms: a bigger step is never predicted cheaper. (Strictly more is not a given: the
+    # tiny model's steps are nearly flat, and on a busy machine the fit may keep only the fixed term.)
+    assert model.predict(StepShape(4, 16, 4 * 64)) >= model.predict(StepShape(1, 1, 16)) > 0
 
 
 def test_generate_json_matches_plain_decoding(tmp_path, tiny_bundle):
