@@ -85,6 +85,29 @@ def test_rejected_batch_leaves_the_group_serving(tiny_checkpoint):
         group.shutdown()
 
 
+def test_roll_backs_ride_on_the_next_forward_and_equal_one_process(tiny_checkpoint, reference):
+    """`truncate` sends nothing by itself: each rank applies it first thing in its next call
+    (a forward, or `flush` before reading cache state). Logits after a roll-back equal a
+    process that never saw the rolled-back tokens."""
+    group = EPGroup(EPConfig(tiny_checkpoint, world=2))
+    try:
+        group.forward(list(range(5)), PROMPTS)
+        group.forward(list(range(5)), [[50, 51, 52]] * 5)  # drafts, all rejected
+        group.truncate({i: len(p) for i, p in enumerate(PROMPTS)})
+        lengths = {rid: n for i in group.cache_info() for rid, n in i["lengths"].items()}
+        assert lengths == {i: len(p) for i, p in enumerate(PROMPTS)}
+        group.forward(list(range(5)), [[50, 51, 52]] * 5)
+        group.truncate({i: len(p) for i, p in enumerate(PROMPTS)})  # queued, then applied by the forward
+        out = group.forward(list(range(5)), [[3, 4], [5], [6, 7, 8], [9], [10, 11]], with_logits=True)
+        for got, want in zip(out.logits, reference[1].logits, strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        group.truncate({0: 3})
+        group.release([0])  # a freed request's pending roll-back is dropped, not sent
+        assert all(0 not in i["lengths"] for i in group.cache_info())
+    finally:
+        group.shutdown()
+
+
 def test_dead_rank_fails_the_step_quickly_and_the_group_stays_down(tiny_checkpoint):
     group = EPGroup(EPConfig(tiny_checkpoint, world=2, step_timeout_s=60, group_timeout_s=20))
     group.forward([1, 2], [[1, 2], [3, 4]])
