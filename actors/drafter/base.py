@@ -18,7 +18,6 @@ class DraftOutput:
     margin: np.ndarray  # [N] top-1 minus top-2 probability
     probs: np.ndarray | None = None  # [N, V] the distribution each draft was drawn from (sampling only)
     compute_s: float = 0.0  # the drafter's own time for this pass (set by the replica)
-    catchup_s: float = 0.0  # of which: committing the context sent with the call (set by the replica)
 
 
 class Drafter(Protocol):

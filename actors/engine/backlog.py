@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dcut_core import ragged
+
 
 @dataclass
 class Pending:
@@ -56,6 +58,17 @@ class Backlog:
             out[2].append({layer: np.concatenate(blocks) for layer, blocks in p.hidden.items()})
         return out if out[0] else None
 
+    def charged(self, rids: list[int], predicted: list[np.ndarray], remaining: np.ndarray) -> np.ndarray:
+        """Tokens each request's drafter would catch up on, charged to this step only in
+        proportion to the share of its remaining output the step may commit (1 + Σ predicted
+        survival over `remaining`): catching up is paid once and serves every later drafting
+        step. (Charged in full, it grows each step a request does not draft, and keeps it from
+        ever drafting.)"""
+        flat, cu = ragged.flatten(predicted)
+        expected = 1.0 + ragged.segment_sums(ragged.segment_cumprod(flat, cu), cu)
+        backlog = np.array([self.size(rid) for rid in rids], dtype=np.float64)
+        return backlog * np.minimum(1.0, expected / np.maximum(1.0, remaining))
+
     def size(self, rid: int) -> int:
         """Tokens request rid's drafter has yet to receive."""
         p = self._pending.get(rid)
@@ -68,6 +81,3 @@ class Backlog:
     def tokens(self) -> int:
         """Tokens held in all (for metrics and tests)."""
         return sum(p.size for p in self._pending.values())
-
-    def __contains__(self, rid: int) -> bool:
-        return rid in self._pending

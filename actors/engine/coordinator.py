@@ -15,7 +15,7 @@ import ray
 
 from actors.engine.backlog import Backlog
 from actors.engine.config import EngineConfig
-from actors.engine.costs import DraftCostLearner, online, startup_cost_model, startup_draft_cost
+from actors.engine.costs import PRIOR_DRAFT_COST, DraftCostLearner, online, startup_cost_model, startup_draft_cost
 from actors.engine.placement import in_bundle, unit_placement_group
 from actors.engine.replica import DrafterReplica, DrafterSpec
 from actors.engine.sequence import SamplingParams, Scheduler, Sequence, Status
@@ -36,7 +36,7 @@ from actors.target.group import EPConfig, EPGroup, EPGroupError
 from dcut_core import ragged
 from dcut_core.acceptance import Calibrator, survival, verify_outcomes
 from dcut_core.cost_model import StepShape
-from dcut_core.drafting import AcceptanceTracker, DraftCost, plan_drafts
+from dcut_core.drafting import AcceptanceTracker, plan_drafts
 from dcut_core.pruning import DraftBatch, policy_from_name
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ class Engine:
         self.backlog = Backlog(cfg.drafter_backlog_tokens)
         self.calibrator = Calibrator(block=cfg.block)
         self.tracker = AcceptanceTracker(block=cfg.block)
-        self.draft_cost = DraftCostLearner(DraftCost(1e-3, 2e-4, 5e-5, 1e-5))
+        self.draft_cost = DraftCostLearner(PRIOR_DRAFT_COST)
         self.model_cfg = MoEConfig.load(cfg.target_dir)
         self._profiled_drafter = False
         self._profile_drafter()
@@ -179,9 +179,9 @@ class Engine:
             return cap
         predicted = self.tracker.predict_batch([s.rid for s in batch], cap)
         context = sum(s.cached for s in batch)
+        catchup = self.backlog.charged([s.rid for s in batch], predicted, np.array([s.remaining for s in batch]))
         plan = plan_drafts(predicted, self.cost.verify_curve(len(batch), context), self.draft_cost.cost,
-                           self.cfg.max_budget, self.cfg.draft_slack, self._catchup_share(batch, predicted),
-                           extend=self.cfg.draft_extend)
+                           self.cfg.max_budget, self.cfg.draft_slack, catchup, extend=self.cfg.draft_extend)
         warming = self.tracker.observations < self.cfg.explore_warmup  # priors only: learn fast
         if not plan.drafting and (warming or len(self.records) % self.cfg.explore_every == 0):
             # Keep measuring what drafting costs and yields, now and then, on a few requests
@@ -195,16 +195,6 @@ class Engine:
             if n == 0:
                 self.tracker.skipped(s.rid)
         return plan.lengths
-
-    def _catchup_share(self, batch: list[Sequence], predicted: list[np.ndarray]) -> np.ndarray:
-        """Context tokens each request's drafter would catch up on, charged to this step only
-        in proportion to the share of the request's remaining output it may commit now: the
-        catch-up is paid once and serves every later drafting step of the request. (Charged in
-        full, it grows each step a request does not draft, and keeps it from ever drafting.)"""
-        backlog = np.array([self.backlog.size(s.rid) for s in batch], dtype=np.float64)
-        expected = np.array([1.0 + float(np.cumprod(p).sum()) for p in predicted])
-        remaining = np.array([max(1, s.remaining) for s in batch], dtype=np.float64)
-        return backlog * np.minimum(1.0, expected / remaining)
 
     def propose(self, batch: list[Sequence], lengths: np.ndarray) -> Drafts:
         """Every replica drafts for its shard in parallel; gathered into one ragged batch."""
@@ -298,8 +288,9 @@ class Engine:
             s.accepted.append(int(accepted[i]))
             committed.append(self.scheduler.append(s, emitted[i], self.eos, self.text_of))
             hidden.append({k: h[: 1 + int(accepted[i])] for k, h in out.captured[i].items()})
-        commits = [*zip(batch, committed, hidden, strict=True), *fed]
-        self._commit_drafters(*zip(*[c for c in commits if c[0].finish_reason is None], strict=True))
+        live = [c for c in [*zip(batch, committed, hidden, strict=True), *fed] if c[0].finish_reason is None]
+        if live:
+            self._commit_drafters(*map(list, zip(*live, strict=True)))
         self._release(self.scheduler.finish_done())
         rec = StepRecord(len(batch), int(drafts.cu[-1]), int(kept.sum()), int(np.sum(accepted)), verify_tokens,
                          predicted, out.wall_s, drafts.seconds, drafts.decision_seconds, drafts.probe_seconds,
@@ -349,13 +340,15 @@ class Engine:
         self.backlog.drop(orphans)
         self.replicas[r] = self._new_replica(r)
 
-    def _commit_drafters(self, seqs=(), tokens=(), hidden=()) -> None:
+    def _commit_drafters(self, seqs: list[Sequence], tokens: list[list[int]], hidden: list[dict]) -> None:
         """Queue committed context for the drafters (`Backlog`): it travels with the request's
         next draft call, or now if the backlog grew past its limit. Plain decoding keeps none."""
         if self.policy_name == "ar":
             return
         over = [s for s, t, h in zip(seqs, tokens, hidden, strict=True)
                 if self.owner[s.rid] != ORPHAN and self.backlog.add(s.rid, t, h)]
+        if not over:
+            return
         for r, replica in enumerate(self.replicas):  # ordered before later draft calls: no need to wait
             mine = self.backlog.take([s.rid for s in over if self.owner[s.rid] == r])
             if mine is not None:

@@ -50,6 +50,11 @@ def startup_cost_model(target, target_dir: str, ep: int, threads: int, cache_dir
     return model
 
 
+# What the gate assumes of the drafter before any measurement (seconds: call, request, position,
+# context token caught up); the start-up profile replaces it.
+PRIOR_DRAFT_COST = DraftCost(1e-3, 2e-4, 5e-5, 1e-5)
+
+
 class DraftCostLearner:
     """Fits DraftCost (call, per request, per position, per context token caught up) to
     measured drafting calls (wall time at the coordinator)."""
@@ -103,7 +108,7 @@ def startup_draft_cost(replicas, hidden_size: int, layers: tuple[int, ...], voca
                        block: int) -> DraftCostLearner:
     """A drafting-cost learner seeded by profiling the first replica (about a second), so the
     drafting gate starts from measured costs instead of a guess."""
-    learner = DraftCostLearner(DraftCost(1e-3, 2e-4, 5e-5, 1e-5))
+    learner = DraftCostLearner(PRIOR_DRAFT_COST)
     warm = ([-1], [[0] * 8], [{k: np.zeros((8, hidden_size), np.float16) for k in layers}])
     ray.get(replicas[0].draft.remote([-1], [0], [1], warm))  # first call: lazy set-up, not timed
     ray.get(replicas[0].release.remote([-1]))

@@ -74,6 +74,11 @@ class Sequence:
         return [*self.prompt, *self.output[:-1]]
 
     @property
+    def feed_len(self) -> int:
+        """len(feed), without building it."""
+        return len(self.prompt) + max(0, len(self.output) - 1)
+
+    @property
     def cached(self) -> int:
         """Tokens in the target's KV cache: everything committed except the newest token."""
         return len(self.prompt) + len(self.output) - 1

@@ -64,7 +64,7 @@ class Feed:
     @property
     def logit_rows(self) -> list[int]:
         """The target's row is needed only where a fresh prompt ends (its first token)."""
-        ends = self.start + len(self.tokens) == len(self.seq.feed)
+        ends = self.start + len(self.tokens) == self.seq.feed_len
         return [len(self.tokens) - 1] if ends and not self.seq.output else []
 
 
@@ -73,11 +73,10 @@ def feed_chunks(seqs: list[Sequence], chunk: int, budget: int) -> list[Feed]:
     `budget` in all (the first request always gets some, so prefill always moves)."""
     out = []
     for s in seqs:
-        feed = s.feed
-        n = min(chunk, len(feed) - s.fed, budget)
+        n = min(chunk, s.feed_len - s.fed, budget)
         if n <= 0:
             break
-        out.append(Feed(s, s.fed, feed[s.fed:s.fed + n]))
+        out.append(Feed(s, s.fed, s.feed[s.fed:s.fed + n]))
         budget -= n
     return out
 
@@ -91,7 +90,7 @@ def advance_prefill(feeding: list[Feed], out, offset: int, scheduler: Scheduler,
     for j, f in enumerate(feeding):
         s, tokens = f.seq, list(f.tokens)
         s.fed += len(tokens)
-        if s.fed == len(s.feed):
+        if s.fed == s.feed_len:
             s.prefilled = True
             if s.output:  # resumed: its newest token is appended by its first decode step
                 tokens.append(s.output[-1])

@@ -10,6 +10,16 @@ import ray
 from ray.cluster_utils import Cluster
 
 from actors.engine.sequence import SamplingParams
+from actors.ray_env import start_local_ray
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray for one test module (modules opt in with `pytest.mark.usefixtures`); modules
+    on a multi-node cluster use `multinode` instead."""
+    start_local_ray(num_cpus=8)
+    yield
+    ray.shutdown()
 
 
 def multinode_cluster(head_cpus: int, worker_cpus: list[int]) -> Iterator[Cluster]:

@@ -13,7 +13,6 @@ from actors.engine.config import EngineConfig
 from actors.engine.coordinator import Engine
 from actors.engine.sequence import SamplingParams
 from actors.engine.steplog import read_steps
-from actors.ray_env import start_local_ray
 from actors.target.checkpoint import load_model
 from actors.target.decode import greedy_decode
 from actors.target.local import LocalTarget
@@ -36,11 +35,7 @@ def make_prompts(n: int) -> list[list[int]]:
 PROMPTS = make_prompts(64)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    start_local_ray(num_cpus=8)
-    yield
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("local_ray")  # tests/actors/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -6,29 +6,23 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import ray
 
 from actors.engine.backlog import Backlog
 from actors.engine.config import EngineConfig
 from actors.engine.coordinator import Engine
+from actors.engine.costs import PRIOR_DRAFT_COST
 from actors.engine.sequence import SamplingParams
-from actors.ray_env import start_local_ray
 from actors.target.checkpoint import load_model
 from actors.target.decode import greedy_decode
 from actors.target.local import LocalTarget
-from dcut_core.drafting import DraftCost
 
 MAX_TOKENS = 10
-UNPROFILED = DraftCost(1e-3, 2e-4, 5e-5, 1e-5)  # the engine's prior before the start-up profile
+UNPROFILED = PRIOR_DRAFT_COST  # the engine's prior before the start-up profile
 RNG = np.random.default_rng(11)
 PROMPTS = [(RNG.integers(1, 96, 4).tolist() * 16)[: 5 + 7 * i] for i in range(8)]  # 5 .. 54 tokens
 
 
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    start_local_ray(num_cpus=8)
-    yield
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("local_ray")  # tests/actors/conftest.py
 
 
 @pytest.fixture(scope="module")

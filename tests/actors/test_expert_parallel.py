@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import ray
 
-from actors.ray_env import start_local_ray
 from actors.target.checkpoint import load_model
 from actors.target.decode import greedy_decode
 from actors.target.group import EPConfig, EPGroup, EPGroupError
@@ -19,11 +18,7 @@ from actors.target.worker import BatchRejected
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9], [10, 11, 12], [40, 41, 42, 43], [77, 5]]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    start_local_ray(num_cpus=8)
-    yield
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("local_ray")  # tests/actors/conftest.py
 
 
 @pytest.fixture(scope="module")
