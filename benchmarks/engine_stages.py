@@ -18,7 +18,7 @@ import pathlib
 import pstats
 import time
 
-STAGES = ("schedule", "plan", "propose", "prune", "verify", "accept", "postprocess", "_commit_drafters", "_release")
+STAGES = ("schedule", "plan", "propose", "prune", "verify", "accept", "postprocess", "_release")
 
 
 def main() -> None:

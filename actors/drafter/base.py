@@ -18,6 +18,7 @@ class DraftOutput:
     margin: np.ndarray  # [N] top-1 minus top-2 probability
     probs: np.ndarray | None = None  # [N, V] the distribution each draft was drawn from (sampling only)
     compute_s: float = 0.0  # the drafter's own time for this pass (set by the replica)
+    lost: tuple[int, ...] = ()  # requests given no drafts: their context could not be fetched (replica)
 
 
 class Drafter(Protocol):

@@ -11,13 +11,11 @@ import logging
 import time
 
 import numpy as np
-import ray
 
-from actors.engine.backlog import Backlog
 from actors.engine.config import EngineConfig
 from actors.engine.costs import PRIOR_DRAFT_COST, DraftCostLearner, online, startup_cost_model, startup_draft_cost
-from actors.engine.placement import in_bundle, unit_placement_group
-from actors.engine.replica import DrafterReplica, DrafterSpec
+from actors.engine.drafters import DrafterPool
+from actors.engine.placement import unit_placement_group
 from actors.engine.sequence import SamplingParams, Scheduler, Sequence, Status
 from actors.engine.stages import (
     Drafts,
@@ -41,7 +39,6 @@ from dcut_core.pruning import DraftBatch, policy_from_name
 
 log = logging.getLogger(__name__)
 
-ORPHAN = -1  # owner of requests whose drafter replica died
 GATED_POLICIES = ("dcut",)  # policies whose engine also decides whether and how far to draft
 COSTED_POLICIES = ("dcut", "dcut-buckets", "oracle")
 
@@ -55,16 +52,10 @@ class Engine:
         self.policy_name = cfg.policy
         self.unit_pg = unit_placement_group() if cfg.unit_placement else None
         self.target = self._new_target()
-        self.replicas = []
-        self.drafter_spec = DrafterSpec(cfg.drafter, cfg.target_dir, cfg.drafter_dir, cfg.block, cfg.threads_per_rank)
-        if cfg.policy != "ar":
-            self.replicas = [self._new_replica(r) for r in range(cfg.drafters)]
-        self.degraded: dict[str, int] = {"drafter_replica_lost": 0, "ep_group_rebuilt": 0}
-        self.layers = ray.get(self.replicas[0].target_layers.remote()) if self.replicas else ()
+        self.drafters = DrafterPool(cfg, self.unit_pg)
+        self.rebuilt = 0  # EP groups rebuilt after a failure
         self.eos = cfg.eos_token_id
         self.scheduler = Scheduler(cfg.max_running)
-        self.owner: dict[int, int] = {}  # request -> drafter replica; ORPHAN: its replica died
-        self.backlog = Backlog(cfg.drafter_backlog_tokens)
         self.calibrator = Calibrator(block=cfg.block)
         self.tracker = AcceptanceTracker(block=cfg.block)
         self.draft_cost = DraftCostLearner(PRIOR_DRAFT_COST)
@@ -84,7 +75,7 @@ class Engine:
         """Switch the pruning policy between runs (same engine, same drafter; benchmarks)."""
         if len(self.scheduler):
             raise RuntimeError("switch policies only while no request is in flight")
-        if name != "ar" and not self.replicas:
+        if name != "ar" and not self.drafters:
             raise ValueError("this engine was built without drafters (policy ar)")
         opts = self.cfg.dcut_options() if name == "dcut" else {}
         self.policy, self.policy_name = policy_from_name(name, self.cfg.block, **opts), name
@@ -92,6 +83,15 @@ class Engine:
         if self.cost is None and name in COSTED_POLICIES:
             self.cost = online(startup_cost_model(self.target, self.cfg.target_dir, self.cfg.ep,
                                                   self.cfg.threads_per_rank, self.cfg.cost_model_cache))
+
+    @property
+    def degraded(self) -> dict[str, int]:
+        """Failures survived, by kind (logged as they happen; metrics)."""
+        return self.drafters.lost | {"ep_group_rebuilt": self.rebuilt}
+
+    @property
+    def replicas(self) -> list:
+        return self.drafters.replicas
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -144,16 +144,13 @@ class Engine:
     def recover_target(self, exc: Exception) -> None:
         """A target rank died: build a new EP group; every running request is fed again (prompt
         and committed tokens) through the ordinary prefill path, and its drafter state rebuilt
-        from that. Outputs stay those of an uninterrupted run."""
-        log.warning("EP group failed (%s); rebuilding it and resuming %d requests", exc,
-                    len(self.scheduler.running))
-        self.degraded["ep_group_rebuilt"] += 1
+        from that — even a request that had lost it (orphaned). Outputs stay those of an
+        uninterrupted run."""
+        running = [s.rid for s in self.scheduler.running]
+        log.warning("EP group failed (%s); rebuilding it and resuming %d requests", exc, len(running))
+        self.rebuilt += 1
         self.target = self._new_target()
-        for r, replica in enumerate(self.replicas):
-            mine = [s.rid for s in self.scheduler.running if self.owner.get(s.rid) == r]
-            if mine:
-                replica.release.remote(mine)
-        self.backlog.drop([s.rid for s in self.scheduler.running])
+        self.drafters.reset(running)
         for s in self.scheduler.running:
             s.fed, s.prefilled = 0, False
 
@@ -161,7 +158,7 @@ class Engine:
         """Admit waiting requests; returns the decoding set and this step's prefill chunks."""
         # Ranks fill unevenly (placement is by request count): keep a quarter of the KV in reserve.
         for s in self.scheduler.admit(int(0.75 * self.cfg.kv_capacity_tokens * self.cfg.ep), self.cfg.block):
-            self.owner[s.rid] = s.rid % max(1, len(self.replicas))
+            self.drafters.admit(s.rid)
         running = self.scheduler.running
         feeding = feed_chunks([s for s in running if not s.prefilled], self.cfg.prefill_chunk,
                               self.cfg.prefill_budget)
@@ -171,15 +168,16 @@ class Engine:
         """Drafts to ask for per request; the `dcut` policy decides whether drafting pays at all."""
         if not batch:
             return np.zeros(0, dtype=np.int64)
-        cap = np.array([0 if self.owner.get(s.rid) == ORPHAN else max(0, min(self.cfg.block - 1, s.remaining - 1))
+        cap = np.array([max(0, min(self.cfg.block - 1, s.remaining - 1)) if self.drafters.drafting(s.rid) else 0
                         for s in batch])
-        if not self.replicas or self.policy_name == "ar":
+        if not self.drafters or self.policy_name == "ar":
             return np.zeros(len(batch), dtype=np.int64)
         if self.policy_name not in GATED_POLICIES or not self.cfg.drafting_gate:
             return cap
         predicted = self.tracker.predict_batch([s.rid for s in batch], cap)
         context = sum(s.cached for s in batch)
-        catchup = self.backlog.charged([s.rid for s in batch], predicted, np.array([s.remaining for s in batch]))
+        catchup = self.drafters.backlog.charged([s.rid for s in batch], predicted,
+                                                np.array([s.remaining for s in batch]))
         plan = plan_drafts(predicted, self.cost.verify_curve(len(batch), context), self.draft_cost.cost,
                            self.cfg.max_budget, self.cfg.draft_slack, catchup, extend=self.cfg.draft_extend)
         warming = self.tracker.observations < self.cfg.explore_warmup  # priors only: learn fast
@@ -199,23 +197,7 @@ class Engine:
     def propose(self, batch: list[Sequence], lengths: np.ndarray) -> Drafts:
         """Every replica drafts for its shard in parallel; gathered into one ragged batch."""
         t0 = time.perf_counter()
-        calls, caught_up = {}, 0
-        for r in range(len(self.replicas)):
-            idx = [i for i, s in enumerate(batch) if self.owner[s.rid] == r and lengths[i] > 0]
-            if idx:
-                rids = [batch[i].rid for i in idx]
-                catchup = self.backlog.take(rids)
-                caught_up += sum(map(len, catchup[1])) if catchup else 0
-                calls[r] = (idx, self.replicas[r].draft.remote(rids, [batch[i].last for i in idx],
-                                                               [int(lengths[i]) for i in idx], catchup))
-        if not calls:
-            return empty_drafts(len(batch))
-        outs = {}
-        for r, (idx, ref) in calls.items():
-            try:
-                outs[r] = (idx, ray.get(ref))
-            except ray.exceptions.RayActorError as exc:  # its requests go on without drafts
-                self._replace_replica(r, exc)
+        outs, caught_up = self.drafters.draft(batch, lengths, self.target)
         if not outs:
             return empty_drafts(len(batch))
         drafts = merge_drafts(len(batch), outs)
@@ -254,9 +236,11 @@ class Engine:
         rows = [list(range(len(c))) for c in chunks] + [f.logit_rows for f in feeding]
         seqs = [*batch, *(f.seq for f in feeding)]
         sampling = [(s.params.temperature, s.params.top_p) for s in seqs]
+        capture = self.drafters.layers if self.policy_name != "ar" else ()
         return self.target.forward([s.rid for s in seqs], chunks + [f.tokens for f in feeding], logits=rows,
-                                   capture_layers=self.layers if self.policy_name != "ar" else (),
-                                   sampling=sampling if any(t > 0 for t, _ in sampling) else None)
+                                   capture_layers=capture,
+                                   sampling=sampling if any(t > 0 for t, _ in sampling) else None,
+                                   keep_features=[self.drafters.drafting(s.rid) for s in seqs] if capture else None)
 
     def accept(self, batch: list[Sequence], drafts: Drafts, kept: np.ndarray, out):
         return accept_tokens(batch, drafts, kept, out)
@@ -279,7 +263,7 @@ class Engine:
         predicted = self.cost.predict(shape) if self.cost else float("nan")
         if self.cost and not feeding:  # the correction learns verification steps (pruning's curve)
             self.cost.observe(shape, out.wall_s)
-        hidden, committed = [], []
+        committed, held = [], []
         for i, s in enumerate(batch):
             self.tracker.observe(s.rid, int(kept[i]), int(accepted[i]))
             s.steps += 1
@@ -287,10 +271,10 @@ class Engine:
             s.kept.append(int(kept[i]))
             s.accepted.append(int(accepted[i]))
             committed.append(self.scheduler.append(s, emitted[i], self.eos, self.text_of))
-            hidden.append({k: h[: 1 + int(accepted[i])] for k, h in out.captured[i].items()})
-        live = [c for c in [*zip(batch, committed, hidden, strict=True), *fed] if c[0].finish_reason is None]
-        if live:
-            self._commit_drafters(*map(list, zip(*live, strict=True)))
+            held.append(s.cached)  # the ranks hold its features up to here
+        live = [c for c in [*zip(batch, committed, held, strict=True), *fed] if c[0].finish_reason is None]
+        if live and self.policy_name != "ar":  # plain decoding keeps no drafter state
+            self.drafters.commit(*map(list, zip(*live, strict=True)), self.target)
         self._release(self.scheduler.finish_done())
         rec = StepRecord(len(batch), int(drafts.cu[-1]), int(kept.sum()), int(np.sum(accepted)), verify_tokens,
                          predicted, out.wall_s, drafts.seconds, drafts.decision_seconds, drafts.probe_seconds,
@@ -307,10 +291,10 @@ class Engine:
 
     def _profile_drafter(self) -> None:
         """Seed the drafting gate's cost learner from a start-up profile of the drafter (once)."""
-        if self._profiled_drafter or self.policy_name not in GATED_POLICIES or not self.replicas:
+        if self._profiled_drafter or self.policy_name not in GATED_POLICIES or not self.drafters:
             return
         m = self.model_cfg
-        self.draft_cost = startup_draft_cost(self.replicas, m.hidden_size, self.layers, m.vocab_size,
+        self.draft_cost = startup_draft_cost(self.replicas, m.hidden_size, self.drafters.layers, m.vocab_size,
                                              self.cfg.max_running, self.cfg.block)
         self._profiled_drafter = True
 
@@ -322,51 +306,14 @@ class Engine:
                                 placement_group=self.unit_pg,
                                 bundle_offset=c.layout().rank_bundle(0) if self.unit_pg is not None else 0))
 
-    def _new_replica(self, r: int):
-        opts = {"num_cpus": self.cfg.cpus_per_drafter}
-        if self.unit_pg is not None:
-            opts["scheduling_strategy"] = in_bundle(self.unit_pg, self.cfg.layout().drafter_bundle(r))
-        return DrafterReplica.options(**opts).remote(self.drafter_spec)
-
-    def _replace_replica(self, r: int, exc: Exception) -> None:
-        """A drafter replica died: its requests lose their drafter state and continue as plain
-        decoding (still exact); a fresh replica takes new requests. Logged and counted."""
-        orphans = [rid for rid, owner in self.owner.items() if owner == r]
-        log.warning("drafter replica %d died (%s); %d requests continue without drafts", r,
-                    type(exc).__name__, len(orphans))
-        self.degraded["drafter_replica_lost"] += 1
-        for rid in orphans:
-            self.owner[rid] = ORPHAN
-        self.backlog.drop(orphans)
-        self.replicas[r] = self._new_replica(r)
-
-    def _commit_drafters(self, seqs: list[Sequence], tokens: list[list[int]], hidden: list[dict]) -> None:
-        """Queue committed context for the drafters (`Backlog`): it travels with the request's
-        next draft call, or now if the backlog grew past its limit. Plain decoding keeps none."""
-        if self.policy_name == "ar":
-            return
-        over = [s for s, t, h in zip(seqs, tokens, hidden, strict=True)
-                if self.owner[s.rid] != ORPHAN and self.backlog.add(s.rid, t, h)]
-        if not over:
-            return
-        for r, replica in enumerate(self.replicas):  # ordered before later draft calls: no need to wait
-            mine = self.backlog.take([s.rid for s in over if self.owner[s.rid] == r])
-            if mine is not None:
-                replica.commit.remote(*mine)
-
     def _release(self, seqs: list[Sequence]) -> None:
         if not seqs:
             return
         rids = [s.rid for s in seqs]
         self.target.release(rids)
-        for r, replica in enumerate(self.replicas):
-            mine = [rid for rid in rids if self.owner.get(rid) == r]
-            if mine:
-                replica.release.remote(mine)
+        self.drafters.release(rids)
         for rid in rids:
-            self.owner.pop(rid, None)
             self.tracker.forget(rid)
-        self.backlog.drop(rids)
 
     def _oracle_lengths(self, batch: list[Sequence], drafts: Drafts) -> np.ndarray:
         """True accepted lengths, learned by verifying every draft and rolling back (benchmarks only;
@@ -379,7 +326,7 @@ class Engine:
 
     def placement(self) -> dict:
         """Where the unit's parts run (node and placement group of each): operators and tests."""
-        drafters = ray.get([r.whereabouts.remote() for r in self.replicas])
+        drafters = self.drafters.whereabouts()
         ranks = [{k: r[k] for k in ("node", "placement_group")} for r in self.target.ranks]
         return {"coordinator": whereabouts(), "ranks": ranks, "drafters": drafters}
 
@@ -387,8 +334,7 @@ class Engine:
         if self.step_log is not None:
             self.step_log.close()
         self.target.shutdown()
-        for r in self.replicas:
-            ray.kill(r)
+        self.drafters.shutdown()
 
 
 def _flat_curve():

@@ -13,6 +13,7 @@ import time
 import numpy as np
 import ray
 
+from actors.engine.backlog import CatchUp
 from actors.target.config import MoEConfig
 from actors.target.profile import ProfileGrid, fit_profile, run_profile
 from dcut_core.cost_model import CostModel, OnlineCorrection
@@ -93,9 +94,8 @@ def profile_drafter(replica, hidden_size: int, layers: tuple[int, ...], vocab_si
             rids = [-(1 + i) for i in range(r)]  # never a real request id
             history = [rng.integers(0, vocab_size, context).tolist() for _ in rids]
             last = [h[-1] for h in history]  # a request's newest token ends its history
-            catchup = (rids, history,
-                       [{k: rng.standard_normal((context, hidden_size)).astype(np.float16) for k in layers}
-                        for _ in rids])
+            catchup = CatchUp(rids, history, [{k: rng.standard_normal((context, hidden_size)).astype(np.float16)
+                                               for k in layers} for _ in rids])
             for sent in (catchup, None):
                 t0 = time.perf_counter()
                 ray.get(replica.draft.remote(rids, last, [n] * r, sent))
@@ -109,7 +109,7 @@ def startup_draft_cost(replicas, hidden_size: int, layers: tuple[int, ...], voca
     """A drafting-cost learner seeded by profiling the first replica (about a second), so the
     drafting gate starts from measured costs instead of a guess."""
     learner = DraftCostLearner(PRIOR_DRAFT_COST)
-    warm = ([-1], [[0] * 8], [{k: np.zeros((8, hidden_size), np.float16) for k in layers}])
+    warm = CatchUp([-1], [[0] * 8], [{k: np.zeros((8, hidden_size), np.float16) for k in layers}])
     ray.get(replicas[0].draft.remote([-1], [0], [1], warm))  # first call: lazy set-up, not timed
     ray.get(replicas[0].release.remote([-1]))
     for r, p, c, sec in profile_drafter(replicas[0], hidden_size, layers, vocab_size, max_requests, block):

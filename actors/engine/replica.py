@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import pathlib
 import time
 from dataclasses import dataclass
@@ -16,8 +17,11 @@ from actors.drafter.base import DraftOutput
 from actors.drafter.block import BlockDrafter
 from actors.drafter.model import DraftModel
 from actors.drafter.ngram import NgramDrafter
+from actors.engine.backlog import CatchUp
 from actors.ray_env import whereabouts
 from actors.target.config import MoEConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -69,25 +73,46 @@ class DrafterReplica:
     def __init__(self, spec: DrafterSpec) -> None:
         torch.set_num_threads(spec.threads)
         self.drafter = build_drafter(spec)
+        self.lost: set[int] = set()  # requests whose context could not be fetched: no drafts
 
     def target_layers(self) -> tuple[int, ...]:
         return getattr(self.drafter, "target_layers", ())
 
-    def commit(self, request_ids: list[int], tokens: list[list[int]], hidden: list[dict]) -> None:
-        self.drafter.commit(request_ids, tokens, hidden)
+    def commit(self, catchup: CatchUp) -> None:
+        """Context committed since these requests' last draft (sent when a backlog is full)."""
+        self._catch_up(catchup)
 
     def draft(self, request_ids: list[int], last_tokens: list[int], lengths: list[int],
-              catchup: tuple[list[int], list[list[int]], list[dict]] | None = None) -> DraftOutput:
+              catchup: CatchUp | None = None) -> DraftOutput:
         """Drafts for these requests; `catchup` is context committed since their last draft (the
-        engine's backlog), committed first."""
+        engine's backlog), committed first. Requests whose context could not be fetched get no
+        drafts and are named in `lost`."""
         t0 = time.perf_counter()
         if catchup is not None:
-            self.drafter.commit(*catchup)
+            self._catch_up(catchup)
+        lost = tuple(rid for rid in request_ids if rid in self.lost)
+        if lost:
+            lengths = [0 if rid in self.lost else n for rid, n in zip(request_ids, lengths, strict=True)]
         out = self.drafter.draft(request_ids, last_tokens, lengths)
-        return dataclasses.replace(out, compute_s=time.perf_counter() - t0)
+        return dataclasses.replace(out, compute_s=time.perf_counter() - t0, lost=lost)
+
+    def _catch_up(self, c: CatchUp) -> None:
+        hidden = c.hidden
+        if hidden is None:
+            held: dict[int, dict] = {}
+            try:
+                for part in ray.get(c.sources):
+                    held.update(part)
+            except ray.exceptions.RayError as exc:  # a rank died, or did not hold a span
+                log.warning("drafter context of %d requests lost: %s", len(c.spans), str(exc).splitlines()[0])
+                self.lost.update(c.spans)
+            hidden = [held.get(rid, {}) for rid in c.rids]
+        keep = [i for i, rid in enumerate(c.rids) if rid not in self.lost]
+        self.drafter.commit([c.rids[i] for i in keep], [c.tokens[i] for i in keep], [hidden[i] for i in keep])
 
     def release(self, request_ids: list[int]) -> None:
         self.drafter.release(request_ids)
+        self.lost.difference_update(request_ids)
 
     def whereabouts(self) -> dict[str, str | None]:
         """Node and placement group this replica runs in."""

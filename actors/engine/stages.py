@@ -82,10 +82,10 @@ def feed_chunks(seqs: list[Sequence], chunk: int, budget: int) -> list[Feed]:
 
 
 def advance_prefill(feeding: list[Feed], out, offset: int, scheduler: Scheduler, eos: int | None,
-                    text_of) -> list[tuple[Sequence, list[int], dict]]:
+                    text_of) -> list[tuple[Sequence, list[int], int]]:
     """Advance prefill by this step's chunks (rows offset.. of the target's output `out`): a
     fresh prompt fed to its end draws its first token. Returns what the drafters must commit:
-    (request, tokens, features of the tokens the target processed)."""
+    (request, tokens, positions the target has processed, whose features its rank now holds)."""
     commits, fresh, rows = [], [], {}
     for j, f in enumerate(feeding):
         s, tokens = f.seq, list(f.tokens)
@@ -97,7 +97,7 @@ def advance_prefill(feeding: list[Feed], out, offset: int, scheduler: Scheduler,
             else:
                 fresh.append(s)
                 rows[s.rid] = (out.argmax[offset + j], None if out.probs is None else out.probs[offset + j])
-        commits.append((s, tokens, out.captured[offset + j]))
+        commits.append((s, tokens, s.fed))
     for s, tok in zip(fresh, first_tokens(fresh, rows), strict=True):
         scheduler.append(s, [tok], eos, text_of)
     first = {s.rid: s.output[-1] for s in fresh}

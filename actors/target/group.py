@@ -113,10 +113,13 @@ class EPGroup:
 
     def forward(self, request_ids: list[int], chunks: list[list[int]], logits: str | list[list[int]] = "all",
                 with_logits: bool = False, capture_layers: tuple[int, ...] = (),
-                sampling: list[tuple[float, float]] | None = None) -> TargetOutput:
+                sampling: list[tuple[float, float]] | None = None,
+                keep_features: list[bool] | None = None) -> TargetOutput:
         """Append chunks[i] to request_ids[i] on its rank; rows at `logits` ("all", "last", or
         per-request positions inside the chunk). `sampling[i]` = (temperature, top_p): requests
-        with temperature > 0 get the target's sampling probabilities of their rows."""
+        with temperature > 0 get the target's sampling probabilities of their rows. With
+        `keep_features`, the states at `capture_layers` of request i stay on its rank when
+        keep_features[i] (fetched later by `features`; `captured` is then empty)."""
         t0 = time.perf_counter()
         if len(request_ids) != len(chunks) or len(set(request_ids)) != len(request_ids):
             raise ValueError("one chunk per request, each request once")
@@ -131,7 +134,7 @@ class EPGroup:
         else:
             rows = [len(p) for p in logits]
         batches = [self._rank_batch(idx, request_ids, chunks, logits, with_logits, capture_layers, rows, sampling,
-                                    truncate)
+                                    truncate, keep_features)
                    for idx, truncate in zip(per_rank, self._truncate, strict=True)]
         self._truncate = [{} for _ in range(self.cfg.world)]  # applied by every rank first, even on rejection
         try:
@@ -160,9 +163,20 @@ class EPGroup:
             out.captured.append({layer: h[ta:tb] for layer, h in res.captured.items()})
         return out
 
+    def features(self, spans: dict[int, tuple[int, int]]) -> list:
+        """References to stored features, request -> (start, end) positions, one per rank
+        asked; each resolves to {request: {layer: [end - start, H] float16}}. Does not wait:
+        whoever needs the rows (a drafter) gets them, and the ranks drop them."""
+        if self._broken:
+            raise EPGroupError(f"EP group is down: {self._broken}")
+        per_rank: list[dict[int, tuple[int, int]]] = [{} for _ in range(self.cfg.world)]
+        for rid, span in spans.items():
+            per_rank[self._owner[rid]][rid] = span
+        return [w.take_features.remote(p) for w, p in zip(self.workers, per_rank, strict=True) if p]
+
     @staticmethod
     def _rank_batch(idx: list[int], request_ids, chunks, logits, with_logits, capture_layers, rows,
-                    sampling, truncate: dict[int, int]) -> RankBatch:
+                    sampling, truncate: dict[int, int], keep_features: list[bool] | None) -> RankBatch:
         lengths = [len(chunks[i]) for i in idx]
         cu = np.zeros(len(idx) + 1, dtype=np.int64)
         np.cumsum(lengths, out=cu[1:])
@@ -177,8 +191,9 @@ class EPGroup:
         if sampling is not None:
             temp = np.repeat([sampling[i][0] for i in idx], [rows[i] for i in idx]).astype(np.float32)
             top_p = np.repeat([sampling[i][1] for i in idx], [rows[i] for i in idx]).astype(np.float32)
+        keep = None if keep_features is None else np.array([keep_features[i] for i in idx], dtype=bool)
         return RankBatch([request_ids[i] for i in idx], tokens, cu, index, with_logits, capture_layers, temp, top_p,
-                         truncate or None)
+                         truncate or None, keep)
 
     # -- cache management -----------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from actors.ray_env import whereabouts
 from actors.target.checkpoint import load_model
+from actors.target.features import FeatureStore
 from actors.target.kv_cache import KVCacheFull
 from actors.target.model import ForwardBatch, Prepared
 from actors.target.moe import StepStats
@@ -55,6 +56,7 @@ class RankBatch:
     temperature: np.ndarray | None = None  # [M] per logit row; rows > 0 get sampling probabilities
     top_p: np.ndarray | None = None  # [M]
     truncate: dict[int, int] | None = None  # roll-backs of the last step (request -> length), applied first
+    keep_features: np.ndarray | None = None  # [R] bool: captured rows stay in the rank's FeatureStore
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,8 @@ class TargetWorker:
         self.spec = spec
         self.model = None
         self.cache = None
+        self.features = FeatureStore()
+        self._feature_layers: tuple[int, ...] = ()  # the layers side by side in stored rows
 
     def master_address(self) -> tuple[str, int]:
         """Address for the process group's rendezvous (called on rank 0)."""
@@ -118,6 +122,9 @@ class TargetWorker:
         if prepared is None:  # no requests here, but the MoE collectives still need this rank
             prepared = Prepared(batch, [], [], [])
         logits, captured = self.model.forward(prepared, self.cache, stats, rb.capture_layers)
+        if rb.keep_features is not None and captured:
+            self._keep(prepared, captured, rb.keep_features)
+            captured = {}
         top2 = torch.topk(logits, 2, dim=-1).values if logits.shape[-1] > 1 else logits.repeat(1, 2)
         probs = None
         if rb.temperature is not None and len(rb.temperature) and float(rb.temperature.max()) > 0:
@@ -130,6 +137,26 @@ class TargetWorker:
             # keep a decode step's result under Ray's inline size at concurrency 64.
             {k: v.half().cpu().numpy() for k, v in captured.items()}, stats, probs,
         )
+
+    def _keep(self, prepared: Prepared, captured: dict[int, torch.Tensor], keep: np.ndarray) -> None:
+        """Store each kept request's rows at its KV positions: one float16 block of every
+        captured layer side by side per step, shared by its requests."""
+        self._feature_layers = tuple(captured)
+        block = torch.cat(list(captured.values()), dim=-1).half()
+        cu = prepared.batch.cu.tolist()
+        for j, (rid, start) in enumerate(zip(prepared.batch.request_ids, prepared.starts, strict=True)):
+            if keep[j]:
+                self.features.write(rid, start, block, cu[j], cu[j + 1] - cu[j])
+
+    def take_features(self, spans: dict[int, tuple[int, int]]) -> dict[int, dict[int, np.ndarray]]:
+        """Hand over (and drop) stored features: request -> (start, end) positions; each request
+        gets {layer: [end - start, H] float16}. A drafter resolves this call's result itself; the
+        coordinator only passes the reference on."""
+        out = {}
+        for rid, rows in self.features.take(spans).items():
+            parts = np.split(rows, len(self._feature_layers), axis=1) if rows is not None else ()
+            out[rid] = dict(zip(self._feature_layers, parts, strict=False))
+        return out
 
     def _all_agree(self, ok: bool) -> bool:
         if self.spec.world == 1:
@@ -144,10 +171,12 @@ class TargetWorker:
 
     def release(self, request_ids: list[int]) -> None:
         self.cache.release_all(request_ids)
+        self.features.release(request_ids)
 
     def cache_info(self) -> dict:
         return {"free_tokens": self.cache.free_tokens, "requests": len(self.cache.requests),
-                "lengths": {rid: self.cache.length(rid) for rid in self.cache.requests}}
+                "lengths": {rid: self.cache.length(rid) for rid in self.cache.requests},
+                "feature_rows": self.features.rows}
 
 
 def _num_experts(model_dir: str) -> int:

@@ -87,7 +87,7 @@ def test_lazy_drafter_context_drafts_what_eager_context_drafts(tiny_bundle, refe
             rids = [eng.add(p, SamplingParams(max_tokens=MAX_TOKENS)) for p in PROMPTS]
             for _ in range(4):
                 eng.step()
-            held = eng.backlog.tokens()
+            held = eng.drafters.backlog.tokens()
             while len(eng.scheduler):
                 eng.step()
             out = [eng.scheduler.finished.pop(r) for r in rids]
@@ -111,7 +111,7 @@ def test_plain_decoding_keeps_no_drafter_state(tiny_bundle, reference, tmp_path)
         out = eng.generate(PROMPTS, [SamplingParams(max_tokens=MAX_TOKENS)] * len(PROMPTS))
         assert [s.output for s in out] == reference
         assert calls and all(c == () for c in calls)  # no hidden states captured
-        assert eng.backlog.tokens() == 0
+        assert eng.drafters.backlog.tokens() == 0
     finally:
         eng.shutdown()
 
@@ -128,17 +128,19 @@ def test_the_drafting_gate_starts_from_a_measured_drafter_profile(tiny_bundle, r
         eng.shutdown()
 
 
-def test_backlog_holds_commits_in_order_and_sends_past_its_limit():
+def test_backlog_holds_tokens_and_feature_spans_and_sends_past_its_limit():
     b = Backlog(limit=4)
-    h = {3: np.arange(6, dtype=np.float32).reshape(3, 2)}
-    assert not b.add(7, [1, 2], {3: h[3][:2]})
-    assert b.add(7, [3, 4, 5], {3: h[3][2:]})  # 5 tokens > 4: send now
+    assert not b.add(7, [1, 2], 10)  # prompt of 10 fed, two tokens committed
+    assert b.add(7, [3, 4, 5], 12)  # 5 tokens > 4: send now
     assert b.size(7) == 5 and b.tokens() == 5
-    rids, tokens, hidden = b.take([7, 8])
-    assert rids == [7] and tokens == [[1, 2, 3, 4, 5]]
-    assert hidden[0][3].dtype == np.float16 and hidden[0][3].tolist() == h[3].tolist()
+    c = b.take([7, 8])
+    assert c.rids == [7] and c.tokens == [[1, 2, 3, 4, 5]] and c.spans == {7: (0, 12)} and c.size == 5
     assert b.take([7]) is None and b.tokens() == 0
-    src = np.ones((2, 2), dtype=np.float16)
-    b.add(9, [1], {3: src})
-    src[:] = 5  # the backlog holds a copy, not a view of the target's result buffer
-    assert b.take([9])[2][0][3].tolist() == [[1, 1], [1, 1]]
+    b.add(7, [6], 14)
+    assert b.take([7]).spans == {7: (12, 14)}  # the next span starts where the last one ended
+    b.drop([7])
+    b.add(7, [9], 3)  # dropped (e.g. refed after a rebuilt EP group): from position 0 again
+    assert b.take([7]).spans == {7: (0, 3)}
+    tokens_only = Backlog(features=False)  # an n-gram drafter needs no features
+    tokens_only.add(1, [4], 5)
+    assert tokens_only.take([1]).spans == {}

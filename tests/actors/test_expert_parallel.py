@@ -103,6 +103,42 @@ def test_roll_backs_ride_on_the_next_forward_and_equal_one_process(tiny_checkpoi
         group.shutdown()
 
 
+def test_ranks_keep_features_at_kv_positions_until_taken(tiny_checkpoint):
+    """With keep_features, captured states stay on each request's rank, rolled back with its
+    KV; a span taken later equals what one process captures for the committed tokens."""
+    layers = (1, 3)
+    second = [[3, 4], [5], [6, 7, 8], [9], [10, 11]]
+    local = LocalTarget(load_model(tiny_checkpoint))
+    want = [local.forward([i], [p + c], capture_layers=layers).captured[0] for i, (p, c) in
+            enumerate(zip(PROMPTS, second, strict=True))]
+    group = EPGroup(EPConfig(tiny_checkpoint, world=2))
+    try:
+        keep = [True, True, True, True, False]
+        out = group.forward(list(range(5)), PROMPTS, capture_layers=layers, keep_features=keep)
+        assert all(c == {} for c in out.captured)  # nothing shipped
+        group.forward(list(range(5)), [[50, 51, 52]] * 5, capture_layers=layers, keep_features=keep)  # rejected
+        group.truncate({i: len(p) for i, p in enumerate(PROMPTS)})
+        group.forward(list(range(5)), second, capture_layers=layers, keep_features=keep)
+        first = {i: (0, 2) for i in range(4)}
+        rest = {i: (2, len(PROMPTS[i]) + len(second[i])) for i in range(4)}
+        got = [{}, {}, {}, {}]
+        for spans in (first, rest):  # in two takes, as a drafter catching up twice would
+            for part in ray.get(group.features(spans)):
+                for rid, rows in part.items():
+                    for k, v in rows.items():
+                        got[rid][k] = np.concatenate([got[rid].get(k, v[:0]), v])
+        for i in range(4):
+            for k in layers:
+                assert got[i][k].dtype == np.float16
+                np.testing.assert_allclose(got[i][k], want[i][k].astype(np.float16), rtol=1e-2, atol=1e-2)
+        assert sum(i["feature_rows"] for i in group.cache_info()) == 0  # taken rows are dropped
+        with pytest.raises(LookupError):  # request 4 kept nothing
+            ray.get(group.features({4: (0, 1)}))
+        group.release(list(range(5)))
+    finally:
+        group.shutdown()
+
+
 def test_dead_rank_fails_the_step_quickly_and_the_group_stays_down(tiny_checkpoint):
     group = EPGroup(EPConfig(tiny_checkpoint, world=2, step_timeout_s=60, group_timeout_s=20))
     group.forward([1, 2], [[1, 2], [3, 4]])

@@ -1,0 +1,147 @@
+"""`DrafterPool`: an engine's drafter replicas and the per-request state around them.
+
+Which replica drafts for a request (its owner: requests are sharded by id), what context each
+request's drafter has not been sent (`Backlog`), and what happens when a drafter cannot draft:
+a replica that dies is replaced and its requests continue as plain decoding (orphans, still
+exact); so do requests whose context could not be fetched from the target's ranks. Both are
+logged and counted. When the target is rebuilt, every running request is refed from its first
+token and any replica can rebuild its context: orphans draft again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import ray
+
+from actors.drafter.base import DraftOutput
+from actors.engine.backlog import Backlog, CatchUp
+from actors.engine.config import EngineConfig
+from actors.engine.placement import in_bundle
+from actors.engine.replica import DrafterReplica, DrafterSpec
+from actors.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+ORPHAN = -1  # owner of requests that continue without drafts
+
+
+class DrafterPool:
+    """The replicas (none for an `ar`-only engine), request ownership, and the backlog."""
+
+    def __init__(self, cfg: EngineConfig, unit_pg=None) -> None:
+        self.cfg = cfg
+        self.unit_pg = unit_pg
+        self.spec = DrafterSpec(cfg.drafter, cfg.target_dir, cfg.drafter_dir, cfg.block, cfg.threads_per_rank)
+        self.replicas = [self._new_replica(r) for r in range(cfg.drafters)] if cfg.policy != "ar" else []
+        self.layers: tuple[int, ...] = ray.get(self.replicas[0].target_layers.remote()) if self.replicas else ()
+        self.owner: dict[int, int] = {}  # request -> replica index, or ORPHAN
+        self.backlog = Backlog(cfg.drafter_backlog_tokens, features=bool(self.layers))
+        self.lost = {"drafter_replica_lost": 0, "drafter_context_lost": 0}
+
+    def __bool__(self) -> bool:
+        return bool(self.replicas)
+
+    def admit(self, rid: int) -> None:
+        self.owner[rid] = rid % max(1, len(self.replicas))
+
+    def drafting(self, rid: int) -> bool:
+        """Whether request rid has a drafter (not orphaned)."""
+        return self.owner.get(rid) != ORPHAN
+
+    def draft(self, batch: list[Sequence], lengths, target) -> tuple[dict[int, tuple[list[int], DraftOutput]], int]:
+        """Every replica drafts for its shard in parallel, catching up first on its backlog
+        (features fetched by the replica from `target`'s ranks). Returns {replica: (batch
+        indices, drafts)} of the replicas that answered, and the tokens caught up."""
+        calls, caught_up = {}, 0
+        for r in range(len(self.replicas)):
+            idx = [i for i, s in enumerate(batch) if self.owner[s.rid] == r and lengths[i] > 0]
+            if idx:
+                rids = [batch[i].rid for i in idx]
+                catchup = self._sourced(self.backlog.take(rids), target)
+                caught_up += catchup.size if catchup else 0
+                calls[r] = (idx, self.replicas[r].draft.remote(rids, [batch[i].last for i in idx],
+                                                               [int(lengths[i]) for i in idx], catchup))
+        outs = {}
+        for r, (idx, ref) in calls.items():
+            try:
+                outs[r] = (idx, ray.get(ref))
+            except ray.exceptions.RayActorError as exc:  # its requests go on without drafts
+                self._replace(r, exc)
+        self._orphan_lost([rid for _, out in outs.values() for rid in out.lost])
+        return outs, caught_up
+
+    def commit(self, seqs: list[Sequence], tokens: list[list[int]], held: list[int], target) -> None:
+        """Queue committed context (tokens; features held on the ranks up to `held`): it travels
+        with the request's next draft call, or now if its backlog grew past the limit."""
+        over = [s for s, t, end in zip(seqs, tokens, held, strict=True)
+                if self.drafting(s.rid) and self.backlog.add(s.rid, t, end)]
+        if not over:
+            return
+        for r, replica in enumerate(self.replicas):  # ordered before later draft calls: no need to wait
+            mine = self._sourced(self.backlog.take([s.rid for s in over if self.owner[s.rid] == r]), target)
+            if mine is not None:
+                replica.commit.remote(mine)
+
+    def release(self, rids: list[int]) -> None:
+        for r, replica in enumerate(self.replicas):
+            mine = [rid for rid in rids if self.owner.get(rid) == r]
+            if mine:
+                replica.release.remote(mine)
+        for rid in rids:
+            self.owner.pop(rid, None)
+        self.backlog.drop(rids)
+
+    def reset(self, rids: list[int]) -> None:
+        """These requests will be refed from their first token (the target was rebuilt): every
+        replica forgets them, and each gets an owner again (orphans too)."""
+        for replica in self.replicas:
+            replica.release.remote(rids)
+        self.backlog.drop(rids)
+        for rid in rids:
+            self.admit(rid)
+
+    def whereabouts(self) -> list[dict]:
+        return ray.get([r.whereabouts.remote() for r in self.replicas])
+
+    def shutdown(self) -> None:
+        for r in self.replicas:
+            ray.kill(r)
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    def _sourced(self, catchup: CatchUp | None, target) -> CatchUp | None:
+        """The catch-up with references to its features on the target's ranks (the replica
+        fetches them; they never pass through the coordinator)."""
+        if catchup is None or not catchup.spans:
+            return catchup
+        return dataclasses.replace(catchup, sources=target.features(catchup.spans))
+
+    def _new_replica(self, r: int):
+        opts = {"num_cpus": self.cfg.cpus_per_drafter}
+        if self.unit_pg is not None:
+            opts["scheduling_strategy"] = in_bundle(self.unit_pg, self.cfg.layout().drafter_bundle(r))
+        return DrafterReplica.options(**opts).remote(self.spec)
+
+    def _replace(self, r: int, exc: Exception) -> None:
+        """A replica died: its requests lose their drafter state and continue as plain decoding
+        (still exact); a fresh replica takes new requests."""
+        orphans = [rid for rid, owner in self.owner.items() if owner == r]
+        log.warning("drafter replica %d died (%s); %d requests continue without drafts", r,
+                    type(exc).__name__, len(orphans))
+        self.lost["drafter_replica_lost"] += 1
+        self._orphan(orphans)
+        self.replicas[r] = self._new_replica(r)
+
+    def _orphan_lost(self, rids: list[int]) -> None:
+        """Requests whose context could not be fetched continue as plain decoding."""
+        if rids:
+            log.warning("%d requests lost their drafter context; they continue without drafts", len(rids))
+            self.lost["drafter_context_lost"] += 1
+            self._orphan(rids)
+
+    def _orphan(self, rids: list[int]) -> None:
+        for rid in rids:
+            self.owner[rid] = ORPHAN
+        self.backlog.drop(rids)
