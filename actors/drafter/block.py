@@ -18,10 +18,12 @@ from actors.target.kv_cache import CacheSpec, PagedKVCache
 class BlockDrafter:
     """Drafts K − 1 tokens per request per pass; owns the drafter's context caches."""
 
-    def __init__(self, model: DraftModel, capacity_tokens: int = 65536, block_size: int | None = None) -> None:
+    def __init__(self, model: DraftModel, capacity_tokens: int = 65536, block_size: int | None = None,
+                 cut: bool = True) -> None:
         cfg = model.cfg
         self.model = model
         self.block = block_size or cfg.block_size
+        self.cut = cut  # run only as many block positions as the longest request needs
         if not 2 <= self.block <= cfg.block_size:
             raise ValueError(f"block size must be in 2..{cfg.block_size}")
         spec = CacheSpec(cfg.num_layers, cfg.num_key_value_heads, cfg.head_dim, capacity_tokens)
@@ -74,8 +76,12 @@ class BlockDrafter:
     @torch.inference_mode()
     def draft(self, request_ids: list[int], last_tokens: list[int], lengths: list[int], temperature: float = 0.0,
               rng: np.random.Generator | None = None) -> DraftOutput:
-        """lengths[i] (≤ block − 1) drafts for request i; the LM head runs only on those rows."""
+        """lengths[i] (≤ block − 1) drafts for request i; the LM head runs only on those rows.
+        The block is cut to the longest request's drafts + 1 positions: a pass costs in
+        proportion to its block, and the demo drafter accepts no less from a shorter block
+        (benchmarks/drafter_block.py; docs/benchmarks.md)."""
         lengths = [min(n, self.block - 1) for n in lengths]
+        block = max(lengths, default=0) + 1 if self.cut else self.block
         b = len(request_ids)
         ctx = [self.context_length(rid) for rid in request_ids]
         t = max(ctx, default=0)
@@ -85,8 +91,8 @@ class BlockDrafter:
                 key_slots[i, :n] = self.cache.slots(rid, 0, n)
         mask = torch.arange(t)[None, :] < torch.tensor(ctx)[:, None]  # [B, T]
         ctx_kv = [(self.cache.k[i][key_slots], self.cache.v[i][key_slots]) for i in range(len(self.model.layers))]
-        hidden = self.model.block_hidden(torch.tensor(last_tokens), torch.tensor(ctx), ctx_kv, mask, self.block)
-        pick = torch.arange(self.block)[None, :]
+        hidden = self.model.block_hidden(torch.tensor(last_tokens), torch.tensor(ctx), ctx_kv, mask, block)
+        pick = torch.arange(block)[None, :]
         want = (pick >= 1) & (pick <= torch.tensor(lengths)[:, None])  # [B, K] rows that may be kept
         logits = self.model.logits(hidden[want]).float()  # [N, head vocabulary]
         out = sample_drafts(logits, lengths, temperature, rng)

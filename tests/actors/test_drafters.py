@@ -71,6 +71,13 @@ def test_block_drafter_cache_path_equals_the_training_path(make_tiny):
     assert out.cu.tolist() == [0, 2, 9]
     assert out.tokens[2:].tolist() == probs.argmax(-1).tolist()
     np.testing.assert_allclose(out.confidence[2:], probs.max(-1).values.numpy(), rtol=1e-5)
+    # Three drafts run a block of four positions, not the drafter's eight (a pass costs by its block).
+    short = drafter.draft([5], [int(toks[p])], [3])
+    with torch.no_grad():
+        h4 = model.block_hidden(toks[p:p + 1], torch.tensor([p]), [(k[None], v[None]) for k, v in kv], mask, 4)
+        probs4 = torch.softmax(model.logits(h4[0, 1:]), -1)
+    np.testing.assert_allclose(short.confidence, probs4.max(-1).values.numpy(), rtol=1e-5)
+    assert not np.allclose(short.confidence, out.confidence[2:5], rtol=1e-5)  # the block's length matters
     drafter.truncate({5: 10})
     assert drafter.context_length(5) == 10
 
