@@ -23,7 +23,7 @@ class BlockDrafter:
         cfg = model.cfg
         self.model = model
         self.block = block_size or cfg.block_size
-        self.cut = cut  # run only as many block positions as the longest request needs
+        self.cut = cut  # run only the block positions each request's drafts need
         if not 2 <= self.block <= cfg.block_size:
             raise ValueError(f"block size must be in 2..{cfg.block_size}")
         spec = CacheSpec(cfg.num_layers, cfg.num_key_value_heads, cfg.head_dim, capacity_tokens)
@@ -77,8 +77,9 @@ class BlockDrafter:
     def draft(self, request_ids: list[int], last_tokens: list[int], lengths: list[int], temperature: float = 0.0,
               rng: np.random.Generator | None = None) -> DraftOutput:
         """lengths[i] (≤ block − 1) drafts for request i; the LM head runs only on those rows.
-        The block is cut to the longest request's drafts + 1 positions: a pass costs in
-        proportion to its block, and the demo drafter accepts no less from a shorter block
+        Each request's block is cut to its drafts + 1 positions (`cut`): a pass costs in
+        proportion to the positions it runs, a request's drafts do not depend on what the others
+        asked for, and the demo drafter accepts no less from a shorter block
         (benchmarks/drafter_block.py; docs/benchmarks.md)."""
         lengths = [min(n, self.block - 1) for n in lengths]
         block = max(lengths, default=0) + 1 if self.cut else self.block
@@ -91,7 +92,9 @@ class BlockDrafter:
                 key_slots[i, :n] = self.cache.slots(rid, 0, n)
         mask = torch.arange(t)[None, :] < torch.tensor(ctx)[:, None]  # [B, T]
         ctx_kv = [(self.cache.k[i][key_slots], self.cache.v[i][key_slots]) for i in range(len(self.model.layers))]
-        hidden = self.model.block_hidden(torch.tensor(last_tokens), torch.tensor(ctx), ctx_kv, mask, block)
+        ragged = self.cut and len(set(lengths)) > 1
+        sizes = torch.tensor(lengths) + 1 if ragged else None
+        hidden = self.model.block_hidden(torch.tensor(last_tokens), torch.tensor(ctx), ctx_kv, mask, block, sizes)
         pick = torch.arange(block)[None, :]
         want = (pick >= 1) & (pick <= torch.tensor(lengths)[:, None])  # [B, K] rows that may be kept
         logits = self.model.logits(hidden[want]).float()  # [N, head vocabulary]

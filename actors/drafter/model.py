@@ -72,20 +72,41 @@ class DraftLayer(nn.Module):
         return k, self.v_proj(x).view(n, self.kv_heads, self.head_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor,
-                ctx_v: torch.Tensor, ctx_mask: torch.Tensor) -> torch.Tensor:
-        """x: [B, K, H] blocks; cos/sin: [B·K, D]; ctx_k/v: [B, T, Hkv, D]; ctx_mask: [B, T]."""
+                ctx_v: torch.Tensor, ctx_mask: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [B, K, H] blocks; cos/sin: [B·K, D]; ctx_k/v: [B, T, Hkv, D]; ctx_mask: [B, T].
+        live: [B, K] bool, the positions of each block that exist (a prefix per block; None:
+        all). Projections and MLP run on those rows only, and attention sees only those keys, so
+        a block of n positions costs and yields what it would alone; other rows stay as they are."""
         b, k, _ = x.shape
-        h = self.norm_in(x).reshape(b * k, -1)
-        q = apply_rope(self.q_proj(h).view(b * k, self.heads, self.head_dim), cos, sin)
-        bk = apply_rope(self.k_proj(h).view(b * k, self.kv_heads, self.head_dim), cos, sin)
-        bv = self.v_proj(h).view(b * k, self.kv_heads, self.head_dim)
+        rows = None if live is None else live.reshape(-1).nonzero().squeeze(1)
+        flat = x.reshape(b * k, -1)
+        h = self.norm_in(flat if rows is None else flat[rows])
+        c, s = (cos, sin) if rows is None else (cos[rows], sin[rows])
+        q = apply_rope(self.q_proj(h).view(-1, self.heads, self.head_dim), c, s)
+        bk = apply_rope(self.k_proj(h).view(-1, self.kv_heads, self.head_dim), c, s)
+        bv = self.v_proj(h).view(-1, self.kv_heads, self.head_dim)
+        if rows is not None:  # back to [B·K, ...] with zeros at absent positions (masked out below)
+            q, bk, bv = (_scatter(t, rows, b * k) for t in (q, bk, bv))
         keys = torch.cat([ctx_k, bk.view(b, k, self.kv_heads, self.head_dim)], 1).transpose(1, 2)
         values = torch.cat([ctx_v, bv.view(b, k, self.kv_heads, self.head_dim)], 1).transpose(1, 2)
-        mask = torch.cat([ctx_mask, ctx_mask.new_ones(b, k)], 1)[:, None, None, :]  # [B, 1, 1, T + K]
+        own = ctx_mask.new_ones(b, k) if live is None else live
+        mask = torch.cat([ctx_mask, own], 1)[:, None, None, :]  # [B, 1, 1, T + K]
         q = q.view(b, k, self.heads, self.head_dim).transpose(1, 2)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
-        x = x + self.o_proj(out.transpose(1, 2).reshape(b, k, -1))
-        return x + self.mlp(self.norm_mlp(x))
+        out = out.transpose(1, 2).reshape(b * k, -1)
+        if rows is None:
+            y = flat + self.o_proj(out)
+            return (y + self.mlp(self.norm_mlp(y))).view(b, k, -1)
+        y = flat[rows] + self.o_proj(out[rows])
+        flat = flat.clone()
+        flat[rows] = y + self.mlp(self.norm_mlp(y))
+        return flat.view(b, k, -1)
+
+
+def _scatter(t: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
+    out = t.new_zeros((n, *t.shape[1:]))
+    out[rows] = t
+    return out
 
 
 class DraftModel(nn.Module):
@@ -121,14 +142,18 @@ class DraftModel(nn.Module):
         return rope_cos_sin(positions.reshape(-1), self.cfg.head_dim, self.cfg.rope_theta)
 
     def block_hidden(self, last_tokens: torch.Tensor, positions: torch.Tensor, ctx_kv: list[tuple[torch.Tensor,
-                     torch.Tensor]], ctx_mask: torch.Tensor, block: int) -> torch.Tensor:
-        """Final hidden states [B, K, H] of B blocks starting at `positions` [B] with `last_tokens` [B]."""
+                     torch.Tensor]], ctx_mask: torch.Tensor, block: int,
+                     sizes: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states [B, K, H] of B blocks starting at `positions` [B] with `last_tokens` [B].
+        sizes [B] (≤ block): block i has only its first sizes[i] positions (rows past them are
+        not computed: whatever they hold is not a result)."""
         b = last_tokens.shape[0]
         x = self.mask_embedding.expand(b, block, -1).clone()
         x[:, 0] = self.embed(last_tokens)
         cos, sin = self.rope(positions[:, None] + torch.arange(block)[None, :])
+        live = None if sizes is None else torch.arange(block)[None, :] < sizes[:, None]
         for layer, (k, v) in zip(self.layers, ctx_kv, strict=True):
-            x = layer(x, cos, sin, k, v, ctx_mask)
+            x = layer(x, cos, sin, k, v, ctx_mask, live)
         return self.norm(x)
 
     def set_head_tokens(self, ids: torch.Tensor) -> None:

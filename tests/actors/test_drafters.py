@@ -78,6 +78,11 @@ def test_block_drafter_cache_path_equals_the_training_path(make_tiny):
         probs4 = torch.softmax(model.logits(h4[0, 1:]), -1)
     np.testing.assert_allclose(short.confidence, probs4.max(-1).values.numpy(), rtol=1e-5)
     assert not np.allclose(short.confidence, out.confidence[2:5], rtol=1e-5)  # the block's length matters
+    # In one pass with a longer request, each request drafts what it drafts alone.
+    alone = drafter.draft([6], [int(toks[4])], [6])
+    mixed = drafter.draft([6, 5], [int(toks[4]), int(toks[p])], [6, 3])
+    np.testing.assert_allclose(mixed.confidence, np.concatenate([alone.confidence, short.confidence]), rtol=1e-5)
+    assert mixed.tokens.tolist() == [*alone.tokens.tolist(), *short.tokens.tolist()]
     drafter.truncate({5: 10})
     assert drafter.context_length(5) == 10
 
