@@ -153,17 +153,33 @@ class AcceptanceTracker:
             rates[:, 0] = np.minimum(0.99, rates[:, 0] * f)
         return [rates[i, :n] for i, n in enumerate(np.asarray(lengths, dtype=np.int64))]
 
-    def observe(self, rid: int, kept: int, accepted: int) -> None:
-        """One verification of request rid: kept drafts, of which the first `accepted` passed."""
-        if kept <= 0:
+    def observe(self, rid: int, kept: int, accepted: int, beyond: np.ndarray | None = None) -> None:
+        """One verification of request rid: kept drafts, of which the first `accepted` passed.
+
+        beyond: calibrated conditional acceptance of the positions drafted past the kept ones.
+        Pruning keeps confident drafts, so outcomes alone overrate deep positions; when every
+        kept draft passed, those positions were reached and count softly (reached with the
+        product of the estimates before them, accepted with that times their own), so the
+        rates describe all drafts. A step whose drafts were all pruned still teaches."""
+        beyond = np.zeros(0) if beyond is None or accepted < kept else np.asarray(beyond, dtype=np.float64)
+        beyond = beyond[: max(0, self.block - kept)]
+        if kept <= 0 and not len(beyond):
             return
         self.observations += 1
-        judged = np.arange(self.block) <= min(accepted, kept - 1)  # censoring as in acceptance.py
-        judged &= np.arange(self.block) < kept
         decay = 0.5 ** (1.0 / self.halflife_steps)
-        hits = np.arange(self.block) < accepted
-        self.accepted[judged] = decay * self.accepted[judged] + hits[judged]
-        self.judged[judged] = decay * self.judged[judged] + 1.0
+        if kept > 0:
+            judged = np.arange(self.block) <= min(accepted, kept - 1)  # censoring as in acceptance.py
+            judged &= np.arange(self.block) < kept
+            hits = np.arange(self.block) < accepted
+            self.accepted[judged] = decay * self.accepted[judged] + hits[judged]
+            self.judged[judged] = decay * self.judged[judged] + 1.0
+        if len(beyond):
+            pos = np.arange(kept, kept + len(beyond))
+            reach = np.concatenate([[1.0], np.cumprod(beyond)[:-1]])
+            self.accepted[pos] = decay * self.accepted[pos] + reach * beyond
+            self.judged[pos] = decay * self.judged[pos] + reach
+        if kept <= 0:
+            return
         expected = float(np.cumprod(self.global_rate[:kept]).sum())
         # Decayed sums, then their ratio: an average of per-step ratios would be pulled to 1
         # by the smoothing every single step needs.

@@ -224,7 +224,7 @@ class Engine:
         context = sum(s.cached for s in batch)
         curve = self.cost.verify_curve(len(batch), context) if self.cost else _flat_curve()
         decision = self.policy.choose(db, curve)
-        drafts.survival, drafts.decision = db.survival, decision
+        drafts.survival, drafts.decision, drafts.estimate = db.survival, decision, p
         drafts.decision_seconds = time.perf_counter() - t0
         return decision.kept
 
@@ -265,7 +265,8 @@ class Engine:
             self.cost.observe(shape, out.wall_s)
         committed, held = [], []
         for i, s in enumerate(batch):
-            self.tracker.observe(s.rid, int(kept[i]), int(accepted[i]))
+            beyond = drafts.estimate[drafts.cu[i] + kept[i]:drafts.cu[i + 1]] if drafts.estimate is not None else None
+            self.tracker.observe(s.rid, int(kept[i]), int(accepted[i]), beyond)
             s.steps += 1
             s.drafted.append(int(drafts.cu[i + 1] - drafts.cu[i]))
             s.kept.append(int(kept[i]))

@@ -23,6 +23,7 @@ class Drafts:
     compute_seconds: float = 0.0  # the slowest replica's own drafting time inside it
     decision_seconds: float = 0.0  # wall time of the pruning decision
     survival: np.ndarray | None = None
+    estimate: np.ndarray | None = None  # [N] calibrated conditional acceptance of each draft
     decision: object = None
     probe_seconds: float = 0.0  # the oracle's extra verification pass (not part of a real step)
 

@@ -161,3 +161,32 @@ def test_predict_batch_is_predict_for_each_request():
     for rid, n, g in zip(rids, lengths, got, strict=True):
         assert g.tolist() == t.predict(rid, int(n)).tolist()
     assert t.predict_batch([], np.zeros(0)) == []
+
+
+def test_drafts_pruning_left_out_teach_the_tracker_through_their_calibrated_estimates():
+    """Pruning verifies the confident drafts, so outcomes alone overrate deep positions (a deep
+    draft is judged only when it looked good). Drafted positions past the kept ones, reached
+    because every kept draft passed, count with their calibrated acceptance: the rates the
+    gate plans with are then those of all drafts, not of the selected ones."""
+    rng = np.random.default_rng(4)
+    n = 6
+    naive, fair = AcceptanceTracker(block=n + 1, halflife_steps=1e9), AcceptanceTracker(block=n + 1,
+                                                                                        halflife_steps=1e9)
+    for _ in range(4000):
+        p = rng.beta(2, 2, n)  # calibrated conditional acceptance of each drafted position
+        ok = rng.random(n) < p
+        kept = int(np.argmin(p > 0.6)) if (p <= 0.6).any() else n  # keep the confident prefix
+        accepted = int(np.argmin(ok[:kept])) if not ok[:kept].all() else kept
+        naive.observe(1, kept, accepted)
+        fair.observe(1, kept, accepted, beyond=p[kept:])
+    truth = 0.5  # mean of Beta(2, 2): every position's acceptance over all drafts
+    assert np.all(naive.global_rate[:3] > truth + 0.1)  # selected drafts only: far too hopeful
+    np.testing.assert_allclose(fair.global_rate[:n], truth, atol=0.05)
+    assert fair.observations == 4000  # a step whose drafts were all pruned still teaches
+
+
+def test_beyond_is_ignored_once_a_kept_draft_failed():
+    t = AcceptanceTracker(block=4, halflife_steps=1e9)
+    before = t.global_rate.copy()
+    t.observe(1, kept=2, accepted=1, beyond=np.array([0.9, 0.9]))  # positions 2, 3 never reached
+    np.testing.assert_array_equal(t.global_rate[2:], before[2:])
