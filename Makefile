@@ -30,12 +30,14 @@ lint: setup
 test: lint
 	$(BIN)/python -m pytest
 
-# The tables of docs/benchmarks.md and docs/simulate.md (about 35 minutes); bench-full is the
+# The tables of docs/benchmarks.md and docs/simulate.md (about 40 minutes); bench-full is the
 # whole sweep of issue #7 (every concurrency, every fixed-K, open loop; about an hour).
 E2E_POLICIES = ar,full,fixed-2,fixed-4,fixed-8,tetris,dcut-buckets,dcut,oracle
 bench: setup
 	$(BIN)/python benchmarks/decision_time.py --out runs/bench
 	$(BIN)/python benchmarks/ep_step.py --out runs/bench
+	$(BIN)/python benchmarks/drafter_block.py
+	$(BIN)/python benchmarks/call_overhead.py
 	$(BIN)/dcut bench --ep 2 --concurrency 1,4,16,64 --policies $(E2E_POLICIES) --num-prompts 24 \
 		--max-tokens 48 --repeats 3 --out runs/bench_e2e
 	$(BIN)/python benchmarks/render_e2e.py runs/bench_e2e/results.json

@@ -46,6 +46,7 @@ class EngineDeployment:
             "measured_verify_s": float(np.mean([r.measured_verify_s for r in recs])) if recs else 0.0,
             "in_flight": self.engine.load,
             "drafter_replicas_lost": self.engine.engine.degraded["drafter_replica_lost"],
+            "drafter_context_lost": self.engine.engine.degraded["drafter_context_lost"],
             "ep_group_rebuilds": self.engine.engine.degraded["ep_group_rebuilt"],
             "steps": self.engine.steps,
         }

@@ -29,6 +29,8 @@ class Metrics:
                 ("in_flight", "requests in the engine (running + waiting)"),
                 ("steps", "decode steps since start"),
                 ("drafter_replicas_lost", "drafter replicas that died (their requests finished without drafts)"),
+                ("drafter_context_lost", "drafting calls whose context could not be fetched from the target's "
+                                         "ranks (those requests went on without drafts)"),
                 ("ep_group_rebuilds", "times the EP target group was rebuilt after a rank died"),
             )
         }
