@@ -6,9 +6,12 @@ drafter's context cache is wasted while the drafting gate runs plain decoding. S
 and travel with the first draft call that needs them (`DrafterReplica.draft(..., catchup=...)`):
 
 - tokens wait here, in the coordinator (a few integers a step);
-- features never come here: each target rank keeps its requests' rows (`FeatureStore`) and
-  the backlog only tracks, per request, the span of positions the drafter lacks. The coordinator
-  turns spans into references (`EPGroup.features`) that the drafter resolves itself.
+- features of a step in which the request did not draft stay on its target rank
+  (`FeatureStore`): the backlog only tracks the span of positions the drafter lacks, and the
+  coordinator turns it into references (`EPGroup.features`) that the drafter resolves itself;
+- features of a step in which it drafted come back with the target's result and wait here
+  (float16): a request that drafts again next step would otherwise pay a fetch from the rank
+  every step. They are always older than any span (a drafting step took the whole backlog).
 
 A request's backlog is bounded: past `limit` tokens it is sent at once (as a plain commit), so
 neither a rank nor a drafter's catch-up ever holds much more than `limit` positions per request.
@@ -26,8 +29,9 @@ from dcut_core import ragged
 @dataclass(frozen=True)
 class CatchUp:
     """Context some requests' drafter lacks: committed tokens, and the target's features at the
-    positions it has not seen — inline (`hidden`, per request) or held by the target's ranks
-    (`spans`, turned into `sources`: references resolving to {request: {layer: rows}})."""
+    positions it has not seen — first those sent along (`hidden`, per request), then those held
+    by the target's ranks (`spans`, turned into `sources`: references resolving to
+    {request: {layer: rows}})."""
 
     rids: list[int]
     tokens: list[list[int]]
@@ -43,8 +47,13 @@ class CatchUp:
 @dataclass
 class Pending:
     tokens: list[int] = field(default_factory=list)
-    start: int = 0  # first position whose features the drafter lacks
-    end: int = 0  # features exist (on the ranks) for positions before this
+    hidden: dict[int, list[np.ndarray]] = field(default_factory=dict)  # layer -> row blocks held here
+    start: int = 0  # first position whose features the drafter lacks (held here, then on the ranks)
+    end: int = 0  # features exist for positions before this
+
+    @property
+    def held_here(self) -> int:
+        return sum(map(len, next(iter(self.hidden.values()), [])))
 
 
 class Backlog:
@@ -56,26 +65,34 @@ class Backlog:
         self.features = features
         self._pending: dict[int, Pending] = {}
 
-    def add(self, rid: int, tokens: list[int], end: int) -> bool:
-        """Queue one commit (tokens, and features now held up to position `end`); True when the
+    def add(self, rid: int, tokens: list[int], end: int, hidden: dict[int, np.ndarray] | None = None) -> bool:
+        """Queue one commit: tokens, and features now held up to position `end` — on the ranks,
+        or here when `hidden` brings this commit's rows (layer -> [n, H]). True when the
         request's backlog is over the limit (send it now)."""
         p = self._pending.setdefault(rid, Pending())
         p.tokens.extend(tokens)
+        rows = len(next(iter(hidden.values()))) if hidden else 0
+        if rows:
+            if p.end != p.start + p.held_here:
+                raise RuntimeError(f"request {rid}: features sent along must not follow features on the ranks")
+            for layer, h in hidden.items():
+                p.hidden.setdefault(layer, []).append(np.array(h, dtype=np.float16))  # a copy, never a view
         p.end = max(p.end, end)
         return len(p.tokens) > self.limit
 
     def take(self, rids: list[int]) -> CatchUp | None:
         """Remove and return the backlog of these requests as one catch-up (None: nothing)."""
-        out = CatchUp([], [])
+        out = CatchUp([], [], [])
         for rid in rids:
             p = self._pending.get(rid)
             if p is None or not (p.tokens or p.end > p.start):
                 continue
             out.rids.append(rid)
             out.tokens.append(p.tokens)
-            if self.features:
-                out.spans[rid] = (p.start, p.end)
-            p.tokens, p.start = [], p.end
+            out.hidden.append({layer: np.concatenate(blocks) for layer, blocks in p.hidden.items()})
+            if self.features and p.end > p.start + p.held_here:
+                out.spans[rid] = (p.start + p.held_here, p.end)
+            p.tokens, p.hidden, p.start = [], {}, p.end
         return out if out.rids else None
 
     def charged(self, rids: list[int], predicted: list[np.ndarray], remaining: np.ndarray) -> np.ndarray:

@@ -230,7 +230,9 @@ class Engine:
 
     def verify(self, batch: list[Sequence], drafts: Drafts, kept: np.ndarray, feeding: list[Feed] = ()):
         """One forward for the step: each decoding request's last token and kept drafts (every row
-        judged), then this step's prefill chunks (a row only where a fresh prompt ends)."""
+        judged), then this step's prefill chunks (a row only where a fresh prompt ends). The
+        drafter's features come back for requests that drafted this step (likely to draft again
+        next step); the others' stay on their ranks until a draft call fetches them."""
         chunks = [[s.last, *drafts.tokens[drafts.cu[i]:drafts.cu[i] + kept[i]].tolist()]
                   for i, s in enumerate(batch)]
         rows = [list(range(len(c))) for c in chunks] + [f.logit_rows for f in feeding]
@@ -240,7 +242,11 @@ class Engine:
         return self.target.forward([s.rid for s in seqs], chunks + [f.tokens for f in feeding], logits=rows,
                                    capture_layers=capture,
                                    sampling=sampling if any(t > 0 for t, _ in sampling) else None,
-                                   keep_features=[self.drafters.drafting(s.rid) for s in seqs] if capture else None)
+                                   keep_features=self._keep_features(batch, drafts, feeding) if capture else None)
+
+    def _keep_features(self, batch: list[Sequence], drafts: Drafts, feeding: list[Feed]) -> list[bool]:
+        drafted = np.diff(drafts.cu) > 0
+        return [not (drafted[i] and self.drafters.drafting(s.rid)) for i, s in enumerate(batch)] + [True] * len(feeding)
 
     def accept(self, batch: list[Sequence], drafts: Drafts, kept: np.ndarray, out):
         return accept_tokens(batch, drafts, kept, out)
@@ -263,7 +269,7 @@ class Engine:
         predicted = self.cost.predict(shape) if self.cost else float("nan")
         if self.cost and not feeding:  # the correction learns verification steps (pruning's curve)
             self.cost.observe(shape, out.wall_s)
-        committed, held = [], []
+        committed, held, hidden = [], [], []
         for i, s in enumerate(batch):
             beyond = drafts.estimate[drafts.cu[i] + kept[i]:drafts.cu[i + 1]] if drafts.estimate is not None else None
             self.tracker.observe(s.rid, int(kept[i]), int(accepted[i]), beyond)
@@ -272,8 +278,10 @@ class Engine:
             s.kept.append(int(kept[i]))
             s.accepted.append(int(accepted[i]))
             committed.append(self.scheduler.append(s, emitted[i], self.eos, self.text_of))
-            held.append(s.cached)  # the ranks hold its features up to here
-        live = [c for c in [*zip(batch, committed, held, strict=True), *fed] if c[0].finish_reason is None]
+            held.append(s.cached)  # its features exist up to here: on its rank, or here (drafted this step)
+            hidden.append({k: h[: 1 + int(accepted[i])] for k, h in out.captured[i].items()})
+        live = [c for c in [*zip(batch, committed, held, hidden, strict=True), *((*f, None) for f in fed)]
+                if c[0].finish_reason is None]
         if live and self.policy_name != "ar":  # plain decoding keeps no drafter state
             self.drafters.commit(*map(list, zip(*live, strict=True)), self.target)
         self._release(self.scheduler.finish_done())

@@ -72,11 +72,13 @@ class DrafterPool:
         self._orphan_lost([rid for _, out in outs.values() for rid in out.lost])
         return outs, caught_up
 
-    def commit(self, seqs: list[Sequence], tokens: list[list[int]], held: list[int], target) -> None:
-        """Queue committed context (tokens; features held on the ranks up to `held`): it travels
-        with the request's next draft call, or now if its backlog grew past the limit."""
-        over = [s for s, t, end in zip(seqs, tokens, held, strict=True)
-                if self.drafting(s.rid) and self.backlog.add(s.rid, t, end)]
+    def commit(self, seqs: list[Sequence], tokens: list[list[int]], held: list[int], hidden: list[dict | None],
+               target) -> None:
+        """Queue committed context: tokens, and features that exist up to `held` (on the ranks,
+        or in `hidden` when they came back with the step's result). It travels with the
+        request's next draft call, or now if its backlog grew past the limit."""
+        over = [s for s, t, end, h in zip(seqs, tokens, held, hidden, strict=True)
+                if self.drafting(s.rid) and self.backlog.add(s.rid, t, end, h)]
         if not over:
             return
         for r, replica in enumerate(self.replicas):  # ordered before later draft calls: no need to wait

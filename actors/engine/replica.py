@@ -9,6 +9,7 @@ import pathlib
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import ray
 import torch
 from safetensors import safe_open
@@ -97,16 +98,22 @@ class DrafterReplica:
         return dataclasses.replace(out, compute_s=time.perf_counter() - t0, lost=lost)
 
     def _catch_up(self, c: CatchUp) -> None:
-        hidden = c.hidden
-        if hidden is None:
-            held: dict[int, dict] = {}
+        """Commit a catch-up: per request, the rows sent along, then those fetched from the
+        target's ranks (`c.sources`)."""
+        fetched: dict[int, dict] = {}
+        if c.sources:
             try:
                 for part in ray.get(c.sources):
-                    held.update(part)
+                    fetched.update(part)
             except ray.exceptions.RayError as exc:  # a rank died, or did not hold a span
                 log.warning("drafter context of %d requests lost: %s", len(c.spans), str(exc).splitlines()[0])
                 self.lost.update(c.spans)
-            hidden = [held.get(rid, {}) for rid in c.rids]
+        hidden = []
+        for i, rid in enumerate(c.rids):
+            here = c.hidden[i] if c.hidden else {}
+            there = fetched.get(rid) or {}
+            hidden.append({k: np.concatenate([here[k], there[k]]) if k in here and k in there else
+                           here.get(k, there.get(k)) for k in {*here, *there}})
         keep = [i for i, rid in enumerate(c.rids) if rid not in self.lost]
         self.drafter.commit([c.rids[i] for i in keep], [c.tokens[i] for i in keep], [hidden[i] for i in keep])
 

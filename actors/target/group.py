@@ -119,7 +119,8 @@ class EPGroup:
         per-request positions inside the chunk). `sampling[i]` = (temperature, top_p): requests
         with temperature > 0 get the target's sampling probabilities of their rows. With
         `keep_features`, the states at `capture_layers` of request i stay on its rank when
-        keep_features[i] (fetched later by `features`; `captured` is then empty)."""
+        keep_features[i] (fetched later by `features`; its `captured` is then empty) and come
+        back in `captured` otherwise."""
         t0 = time.perf_counter()
         if len(request_ids) != len(chunks) or len(set(request_ids)) != len(request_ids):
             raise ValueError("one chunk per request, each request once")
@@ -150,8 +151,9 @@ class EPGroup:
         for r, idx in enumerate(per_rank):
             row = tok = 0
             for i in idx:
-                slots[i] = (r, row, row + rows[i], tok, tok + len(chunks[i]))
-                row, tok = row + rows[i], tok + len(chunks[i])
+                n = 0 if keep_features is not None and keep_features[i] else len(chunks[i])  # rows shipped back
+                slots[i] = (r, row, row + rows[i], tok, tok + n)
+                row, tok = row + rows[i], tok + n
         for r, a, b, ta, tb in slots:
             res = results[r]
             out.argmax.append(res.argmax[a:b])
@@ -160,7 +162,7 @@ class EPGroup:
                 out.logits.append(res.logits[a:b])
             if out.probs is not None:
                 out.probs.append(res.probs[a:b] if res.probs is not None else None)
-            out.captured.append({layer: h[ta:tb] for layer, h in res.captured.items()})
+            out.captured.append({layer: h[ta:tb] for layer, h in res.captured.items()} if tb > ta else {})
         return out
 
     def features(self, spans: dict[int, tuple[int, int]]) -> list:

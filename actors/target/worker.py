@@ -56,7 +56,8 @@ class RankBatch:
     temperature: np.ndarray | None = None  # [M] per logit row; rows > 0 get sampling probabilities
     top_p: np.ndarray | None = None  # [M]
     truncate: dict[int, int] | None = None  # roll-backs of the last step (request -> length), applied first
-    keep_features: np.ndarray | None = None  # [R] bool: captured rows stay in the rank's FeatureStore
+    keep_features: np.ndarray | None = None  # [R] bool: captured rows stay in the rank's FeatureStore (the
+    # other requests' rows come back in the result)
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,8 @@ class RankResult:
     argmax: np.ndarray  # [M] the target's greedy token at each asked-for row
     top2_gap: np.ndarray  # [M] logit gap between the best and second-best token (near-tie check)
     logits: np.ndarray | None  # [M, V] float32 when asked for
-    captured: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> [N, H] float16 (drafter features)
+    captured: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> [N', H] float16 (drafter features)
+    # of every token, or with keep_features of the requests not kept only, in their order
     stats: StepStats = field(default_factory=StepStats)
     probs: np.ndarray | None = None  # [M, V] the target's sampling distribution, when any row samples
 
@@ -124,7 +126,8 @@ class TargetWorker:
         logits, captured = self.model.forward(prepared, self.cache, stats, rb.capture_layers)
         if rb.keep_features is not None and captured:
             self._keep(prepared, captured, rb.keep_features)
-            captured = {}
+            rows = np.repeat(~rb.keep_features, np.diff(rb.cu)) if len(rb.cu) > 1 else np.zeros(0, bool)
+            captured = {k: v[torch.from_numpy(rows).to(v.device)] for k, v in captured.items()} if rows.any() else {}
         top2 = torch.topk(logits, 2, dim=-1).values if logits.shape[-1] > 1 else logits.repeat(1, 2)
         probs = None
         if rb.temperature is not None and len(rb.temperature) and float(rb.temperature.max()) > 0:

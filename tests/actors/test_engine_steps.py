@@ -128,7 +128,7 @@ def test_the_drafting_gate_starts_from_a_measured_drafter_profile(tiny_bundle, r
         eng.shutdown()
 
 
-def test_backlog_holds_tokens_and_feature_spans_and_sends_past_its_limit():
+def test_backlog_holds_tokens_rows_and_feature_spans_and_sends_past_its_limit():
     b = Backlog(limit=4)
     assert not b.add(7, [1, 2], 10)  # prompt of 10 fed, two tokens committed
     assert b.add(7, [3, 4, 5], 12)  # 5 tokens > 4: send now
@@ -141,6 +141,17 @@ def test_backlog_holds_tokens_and_feature_spans_and_sends_past_its_limit():
     b.drop([7])
     b.add(7, [9], 3)  # dropped (e.g. refed after a rebuilt EP group): from position 0 again
     assert b.take([7]).spans == {7: (0, 3)}
+    # A step in which the request drafted brings its rows along; later steps leave theirs on the ranks.
+    b.take([7])
+    h = np.arange(6, dtype=np.float32).reshape(3, 2)
+    b.add(7, [1, 2, 3], 6, {4: h})  # positions 3, 4, 5: rows sent along
+    b.add(7, [4], 7)  # position 6: on its rank
+    c = b.take([7])
+    assert c.hidden[0][4].dtype == np.float16 and c.hidden[0][4].tolist() == h.tolist()
+    assert c.spans == {7: (6, 7)}  # after the rows sent along
+    b.add(7, [5], 8)
+    with pytest.raises(RuntimeError):  # rows sent along are always older than rows on the ranks
+        b.add(7, [6], 9, {4: h[:1]})
     tokens_only = Backlog(features=False)  # an n-gram drafter needs no features
     tokens_only.add(1, [4], 5)
     assert tokens_only.take([1]).spans == {}

@@ -115,7 +115,10 @@ def test_ranks_keep_features_at_kv_positions_until_taken(tiny_checkpoint):
     try:
         keep = [True, True, True, True, False]
         out = group.forward(list(range(5)), PROMPTS, capture_layers=layers, keep_features=keep)
-        assert all(c == {} for c in out.captured)  # nothing shipped
+        assert all(c == {} for c in out.captured[:4])  # kept on the ranks, not shipped
+        for k in layers:  # request 4's rows come back with the result
+            np.testing.assert_allclose(out.captured[4][k], want[4][k][:len(PROMPTS[4])].astype(np.float16),
+                                       rtol=1e-2, atol=1e-2)
         group.forward(list(range(5)), [[50, 51, 52]] * 5, capture_layers=layers, keep_features=keep)  # rejected
         group.truncate({i: len(p) for i, p in enumerate(PROMPTS)})
         group.forward(list(range(5)), second, capture_layers=layers, keep_features=keep)
@@ -132,7 +135,7 @@ def test_ranks_keep_features_at_kv_positions_until_taken(tiny_checkpoint):
                 assert got[i][k].dtype == np.float16
                 np.testing.assert_allclose(got[i][k], want[i][k].astype(np.float16), rtol=1e-2, atol=1e-2)
         assert sum(i["feature_rows"] for i in group.cache_info()) == 0  # taken rows are dropped
-        with pytest.raises(LookupError):  # request 4 kept nothing
+        with pytest.raises(LookupError):  # request 4 kept nothing on its rank
             ray.get(group.features({4: (0, 1)}))
         group.release(list(range(5)))
     finally:
