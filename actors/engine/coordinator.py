@@ -245,6 +245,8 @@ class Engine:
                                    keep_features=self._keep_features(batch, drafts, feeding) if capture else None)
 
     def _keep_features(self, batch: list[Sequence], drafts: Drafts, feeding: list[Feed]) -> list[bool]:
+        """Per forward row: True keeps its features on the rank (prefill, requests that did not
+        draft, orphans: bounded by the request and freed at its release); False ships them back."""
         drafted = np.diff(drafts.cu) > 0
         return [not (drafted[i] and self.drafters.drafting(s.rid)) for i, s in enumerate(batch)] + [True] * len(feeding)
 

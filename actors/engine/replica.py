@@ -110,10 +110,9 @@ class DrafterReplica:
                 self.lost.update(c.spans)
         hidden = []
         for i, rid in enumerate(c.rids):
-            here = c.hidden[i] if c.hidden else {}
-            there = fetched.get(rid) or {}
-            hidden.append({k: np.concatenate([here[k], there[k]]) if k in here and k in there else
-                           here.get(k, there.get(k)) for k in {*here, *there}})
+            parts = [h for h in (c.hidden[i] if c.hidden else None, fetched.get(rid)) if h]  # older rows first
+            hidden.append(parts[0] if len(parts) == 1 else
+                          {k: np.concatenate([h[k] for h in parts]) for k in parts[0]} if parts else {})
         keep = [i for i, rid in enumerate(c.rids) if rid not in self.lost]
         self.drafter.commit([c.rids[i] for i in keep], [c.tokens[i] for i in keep], [hidden[i] for i in keep])
 

@@ -124,10 +124,11 @@ class TargetWorker:
         if prepared is None:  # no requests here, but the MoE collectives still need this rank
             prepared = Prepared(batch, [], [], [])
         logits, captured = self.model.forward(prepared, self.cache, stats, rb.capture_layers)
-        if rb.keep_features is not None and captured:
+        if rb.keep_features is not None and captured and rb.keep_features.any():
             self._keep(prepared, captured, rb.keep_features)
-            rows = np.repeat(~rb.keep_features, np.diff(rb.cu)) if len(rb.cu) > 1 else np.zeros(0, bool)
-            captured = {k: v[torch.from_numpy(rows).to(v.device)] for k, v in captured.items()} if rows.any() else {}
+            shipped = np.repeat(~rb.keep_features, np.diff(rb.cu))  # token rows of the requests not kept
+            captured = {k: v[torch.from_numpy(shipped).to(v.device)] for k, v in captured.items()} \
+                if shipped.any() else {}
         top2 = torch.topk(logits, 2, dim=-1).values if logits.shape[-1] > 1 else logits.repeat(1, 2)
         probs = None
         if rb.temperature is not None and len(rb.temperature) and float(rb.temperature.max()) > 0:
