@@ -44,10 +44,11 @@ def start_local_ray(num_cpus: int | None = None, **kwargs) -> None:
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, **kwargs)
 
 
-def whereabouts() -> dict[str, str | None]:
-    """The node and placement group (hex ids) of the calling worker: where an actor really runs."""
+def whereabouts() -> dict[str, str | int | None]:
+    """The node and placement group (hex ids) and the process id of the calling worker: where an
+    actor really runs."""
     import ray
 
     ctx = ray.get_runtime_context()
     pg = ctx.get_placement_group_id()
-    return {"node": ctx.get_node_id(), "placement_group": pg}
+    return {"node": ctx.get_node_id(), "placement_group": pg, "pid": os.getpid()}

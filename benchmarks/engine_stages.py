@@ -14,7 +14,6 @@ import argparse
 import collections
 import cProfile
 import os
-import pathlib
 import pstats
 import time
 
@@ -35,24 +34,18 @@ def main() -> None:
     from tokenizers import Tokenizer
 
     from actors.demo.prompts import heldout_prompts
-    from actors.engine.config import EngineConfig
     from actors.engine.coordinator import Engine
     from actors.engine.loadgen import closed_loop, summarize
     from actors.ray_env import start_local_ray
-    from actors.target.config import MoEConfig
-    from deployments.bundle import BUNDLED, Bundle
+    from deployments.settings import ServeSettings
 
     c = args.concurrency
     n = args.num_prompts or 3 * c
-    bundle = Bundle(pathlib.Path(BUNDLED))
-    tok = Tokenizer.from_file(bundle.tokenizer)
+    cfg = ServeSettings(ep=args.ep, max_running=c).engine_config()
+    tok = Tokenizer.from_file(cfg.tokenizer_path)
     prompts = [tok.encode(t).ids for t in heldout_prompts(n)]
-    cores = os.cpu_count() or 1
-    start_local_ray(num_cpus=max(4, cores + args.ep + 1))
-    eng = Engine(EngineConfig(bundle.target, bundle.tokenizer, "block", bundle.drafter, 16, "dcut", ep=args.ep,
-                              max_running=c, threads_per_rank=max(1, cores // args.ep),
-                              cpus_per_rank=min(1.0, cores / args.ep), cost_model_cache="runs/cache",
-                              eos_token_id=MoEConfig.load(bundle.target).eos_token_id))
+    start_local_ray(num_cpus=max(4, (os.cpu_count() or 1) + args.ep + 1))
+    eng = Engine(cfg)
     spent: collections.defaultdict[str, float] = collections.defaultdict(float)
 
     def timed(name, fn):

@@ -204,3 +204,27 @@ class AcceptanceTracker:
     def forget(self, rid: int) -> None:
         self._sums.pop(rid, None)
         self.factor.pop(rid, None)
+
+
+@dataclass
+class Exploration:
+    """When the gate rates drafting not worth it, still draft now and then so it keeps learning
+    what drafting costs and yields: every `every`-th decision (and every one while `warming`),
+    for `requests` requests of the batch, in turn. A whole batch of full drafts would cost
+    several steps' worth. Counts its own decisions (`steps`): nothing else's counter drives it."""
+
+    every: int = 50
+    requests: int = 4
+    warmup: int = 64  # observations the tracker needs before the schedule thins out
+    steps: int = 0
+
+    def probe(self, batch: int, warming: bool) -> np.ndarray | None:
+        """A 0/1 mask [batch] of the requests to draft for this time, or None (not this time)."""
+        step, self.steps = self.steps, self.steps + 1
+        if batch == 0 or not (warming or step % self.every == 0):
+            return None
+        k = min(batch, self.requests)
+        start = (step // self.every * k) % batch
+        mask = np.zeros(batch, dtype=np.int64)
+        mask[(start + np.arange(k)) % batch] = 1
+        return mask

@@ -5,10 +5,15 @@ No `from __future__ import annotations` here: FastAPI must see real annotations 
     serve run deployments.app:build_app model_root=models/demo policy=dcut
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both stream as SSE ending with
-`data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus text format).
+`data: [DONE]`), GET /v1/models, GET /health (the engine's step loop: 200 or 503), GET /metrics
+(Prometheus text format), GET /openapi.json (with the request schemas).
+
+Everything a client sends is validated here, once, into a `GenerateRequest`; the engine answers
+with `Delta`s or an `EngineError` value, mapped to HTTP by one table (deployments/errors.py).
 """
 
 
+import asyncio
 import hmac
 import json
 import logging
@@ -18,49 +23,34 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from ray import exceptions as ray_errors
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from tokenizers import Tokenizer
 
+from actors.engine.api import Delta, EngineError, GenerateRequest
+from actors.engine.sequence import SamplingParams
 from deployments.bundle import Bundle
 from deployments.engine_deployment import EngineDeployment
+from deployments.errors import ApiError
 from deployments.metrics import Metrics
-from deployments.openai_schema import ChatRequest, CompletionRequest, chat_prompt, error_body, new_id, now
-from deployments.settings import ENGINE_CPUS, ServeSettings
+from deployments.openai_schema import ChatRequest, CompletionRequest, chat_prompt, new_id, now, publish_request_bodies
+from deployments.settings import ServeSettings
 
 log = logging.getLogger(__name__)
 api = FastAPI(title="dcut", description="OpenAI-compatible speculative decoding with D-Cut")
+publish_request_bodies(api, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRequest})
 
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
-                 param: str | None = None, headers: dict | None = None) -> None:
-        super().__init__(message)
-        self.status, self.kind, self.code, self.param, self.headers = status, kind, code, param, headers
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(error_body(str(self), self.kind, self.code, self.param), self.status, self.headers)
-
-    @staticmethod
-    def from_engine(exc: Exception) -> "ApiError":
-        """Map an exception raised in the engine replica to an HTTP error."""
-        name = type(exc).__name__ + " " + str(exc)
-        if "OverloadedError" in name:
-            return ApiError(429, "server is at capacity; retry shortly", "rate_limit_error", "overloaded",
-                            headers={"Retry-After": "1"})
-        if "EngineFailedError" in name or "EPGroupError" in name:
-            return ApiError(503, "the engine failed; retry the request", "server_error", "engine_unavailable",
-                            headers={"Retry-After": "2"})
-        if "ValueError" in name:
-            return ApiError(400, str(exc).splitlines()[-1])
-        return ApiError(500, f"internal error: {type(exc).__name__}", "server_error")
+# The engine replica went away under a request (Serve replaces it): resubmit the request.
+ENGINE_GONE = (ray_errors.RayActorError,)  # ActorDiedError and ActorUnavailableError among them
+RESUBMITS = 2
+HEALTH_TIMEOUT_S = 5.0
 
 
 # Everything the routes use must be defined above the class: serve.ingress captures the routes
 # (and the module globals they see) when the class is created.
-def _engine_died(exc: Exception) -> bool:
-    text = type(exc).__name__ + " " + str(exc)
-    return any(k in text for k in ("ActorDiedError", "RayActorError", "ActorUnavailableError", "EngineFailedError"))
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
 
 
 @serve.deployment(name="ingress", max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0.25})
@@ -75,8 +65,16 @@ class Ingress:
     # -- endpoints --------------------------------------------------------------------------------
 
     @api.get("/health")
-    async def health(self) -> dict:
-        return {"status": "ok"}
+    async def health(self):
+        """The engine's step loop, as its replica reports it (one replica, when there are several)."""
+        try:
+            h = await asyncio.wait_for(self.engine.health.remote(), HEALTH_TIMEOUT_S)
+        except Exception as exc:  # no replica answered: that is the truth to tell
+            return JSONResponse({"status": "unhealthy", "reason": f"the engine did not answer ({type(exc).__name__})"},
+                                503)
+        body = {"status": "ok" if h.ok else "unhealthy", "reason": h.reason, "in_flight": h.in_flight,
+                "steps": h.steps, "idle_s": round(h.idle_s, 3)}
+        return JSONResponse(body, 200 if h.ok else 503)
 
     @api.get("/v1/models")
     async def models(self, request: Request):
@@ -118,12 +116,16 @@ class Ingress:
                 self.metrics.request(endpoint, 200)
                 return StreamingResponse(self._sse(stream, first, body, chat, len(ids[0])),
                                          media_type="text/event-stream")
-            results = [await self._collect(self._deltas(i, params)) for i in ids]
+            results = await asyncio.gather(*(self._collect(self._deltas(i, params)) for i in ids))
             self.metrics.request(endpoint, 200)
             return self._full_response(body, chat, results)
         except ApiError as e:
             self.metrics.request(endpoint, e.status)
             return e.response()
+        except Exception as exc:  # a fault of ours: this request fails alone, in OpenAI's format
+            log.exception("request failed")
+            self.metrics.request(endpoint, 500)
+            return ApiError(500, f"internal error: {type(exc).__name__}", "server_error").response()
 
     def _authorize(self, request: Request) -> None:
         key = self.settings.api_key
@@ -141,9 +143,9 @@ class Ingress:
         if len(raw) > self.settings.max_body_bytes:
             raise ApiError(413, f"request body larger than {self.settings.max_body_bytes} bytes")
         try:
-            data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"body is not valid JSON: {exc}") from None
+            data = json.loads(raw, parse_constant=_reject_constant)
+        except (ValueError, RecursionError) as exc:  # bad JSON, bad UTF-8, NaN, over-long integers, deep nesting
+            raise ApiError(400, f"body is not valid JSON: {str(exc)[:200]}") from None
         if not isinstance(data, dict):
             raise ApiError(400, "body must be a JSON object")
         try:
@@ -153,7 +155,7 @@ class Ingress:
             where = ".".join(str(p) for p in first["loc"])
             raise ApiError(400, f"{where}: {first['msg']}", param=where) from None
 
-    def _validate(self, body, prompts: list[str]) -> tuple[list[list[int]], dict]:
+    def _validate(self, body, prompts: list[str]) -> tuple[list[list[int]], SamplingParams]:
         s = self.settings
         if body.model != s.model_name:
             raise ApiError(404, f"model {body.model!r} does not exist; this server has {s.model_name!r}",
@@ -171,52 +173,58 @@ class Ingress:
         stops = body.stops()
         if len(stops) > s.max_stop or any(not x for x in stops):
             raise ApiError(400, f"at most {s.max_stop} non-empty stop strings", param="stop")
-        return ids, {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
-                     "seed": body.seed, "stop": stops}
+        try:
+            params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                                    seed=body.seed, stop=stops)
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
+        return ids, params
 
-    async def _deltas(self, prompt: list[int], params: dict):
-        """Deltas of one request. If the engine unit dies under it, the request is resubmitted as
-        its prompt plus the tokens already produced (at most twice): the client sees one stream."""
+    async def _deltas(self, prompt: list[int], params: SamplingParams):
+        """Deltas of one request; an `EngineError` becomes an `ApiError`. If the engine unit dies
+        under it, the request is resubmitted as its prompt plus the tokens already produced (at
+        most twice): the client sees one stream."""
         produced: list[int] = []
-        for attempt in range(3):
-            stream = self.engine.options(stream=True).generate.remote(prompt, params, produced or None)
+        for attempt in range(RESUBMITS + 1):
+            if len(produced) >= params.max_tokens:  # it died after the last token, before saying so
+                yield Delta("", [], True, "length", len(prompt), len(produced))
+                return
+            stream = self.engine.options(stream=True).generate.remote(GenerateRequest(prompt, params, produced))
             try:
-                async for d in stream:
-                    if (d["finish_reason"] or "").startswith("error"):
-                        raise ApiError(400, f"request refused by the engine: {d['finish_reason'][7:]}")
-                    produced += d["token_ids"]
-                    yield d
-                    if d["finished"]:
+                async for item in stream:
+                    if isinstance(item, EngineError):
+                        raise ApiError.of(item)
+                    produced += item.token_ids
+                    yield item
+                    if item.finished:
                         return
                 return
-            except Exception as exc:
-                if attempt == 2 or not _engine_died(exc):
-                    raise
+            except ENGINE_GONE as exc:
+                if attempt == RESUBMITS:
+                    raise ApiError(503, "the engine failed repeatedly; retry the request", "server_error",
+                                   "engine_unavailable", headers={"Retry-After": "2"}) from None
                 log.warning("engine unit died mid-request (%s); resubmitting with %d tokens done",
                             type(exc).__name__, len(produced))
             finally:
                 stream.cancel()
 
-    async def _first(self, stream) -> dict:
+    async def _first(self, stream) -> Delta:
         try:
             return await stream.__anext__()
-        except ApiError:
-            raise
-        except Exception as exc:  # raised inside the engine replica
-            raise ApiError.from_engine(exc) from None
+        except StopAsyncIteration:
+            raise ApiError(500, "the engine ended the stream without output", "server_error") from None
 
     async def _collect(self, stream) -> dict:
         text, tokens, last = [], [], None
-        try:
-            async for d in stream:
-                text.append(d["text"])
-                tokens += d["token_ids"]
-                last = d
-        except ApiError:
-            raise
-        except Exception as exc:
-            raise ApiError.from_engine(exc) from None
-        return last | {"text": "".join(text), "token_ids": tokens}
+        async for d in stream:
+            text.append(d.text)
+            tokens += d.token_ids
+            last = d
+        if last is None:
+            raise ApiError(500, "the engine ended the stream without output", "server_error")
+        return {"text": "".join(text), "token_ids": tokens, "finish_reason": last.finish_reason,
+                "prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
+                "steps": last.steps, "accepted": last.accepted}
 
     def _full_response(self, body, chat: bool, results: list[dict]) -> dict:
         usage = {"prompt_tokens": sum(r["prompt_tokens"] for r in results),
@@ -259,25 +267,28 @@ class Ingress:
                 now_t = time.perf_counter()
                 if t_prev is None:
                     self.metrics.ttft(now_t - t_start)
-                elif delta["completion_tokens"] > n_prev:
-                    self.metrics.tpot((now_t - t_prev) / (delta["completion_tokens"] - n_prev))
-                t_prev, n_prev, last = now_t, delta["completion_tokens"], delta
-                if delta["text"] or delta["finished"]:
-                    yield chunk(delta["text"], delta["finish_reason"] if delta["finished"] else None)
-                if delta["finished"]:
+                elif delta.completion_tokens > n_prev:
+                    self.metrics.tpot((now_t - t_prev) / (delta.completion_tokens - n_prev))
+                t_prev, n_prev, last = now_t, delta.completion_tokens, delta
+                if delta.text or delta.finished:
+                    yield chunk(delta.text, delta.finish_reason if delta.finished else None)
+                if delta.finished:
                     break
                 delta = await stream.__anext__()
         except StopAsyncIteration:
             pass
-        except Exception as exc:  # the engine failed mid-stream: tell the client in-band
-            err = ApiError.from_engine(exc)
-            yield "data: " + json.dumps(error_body(str(err), err.kind, err.code)) + "\n\n"
+        except ApiError as err:  # the engine failed mid-stream: tell the client in-band
+            yield "data: " + json.dumps(err.body()) + "\n\n"
+        except Exception as exc:
+            log.exception("stream failed")
+            yield "data: " + json.dumps(ApiError(500, f"internal error: {type(exc).__name__}",
+                                                 "server_error").body()) + "\n\n"
         finally:
             await stream.aclose()  # a client that went away frees the request's KV and drafter state
-        self.metrics.tokens(last["completion_tokens"])
+        self.metrics.tokens(last.completion_tokens)
         if body.stream_options and body.stream_options.include_usage:
-            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": last["completion_tokens"],
-                     "total_tokens": prompt_tokens + last["completion_tokens"]}
+            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": last.completion_tokens,
+                     "total_tokens": prompt_tokens + last.completion_tokens}
             yield "data: " + json.dumps({"id": cid, "object": kind, "created": created, "model": body.model,
                                          "choices": [], "usage": usage}) + "\n\n"
         yield "data: [DONE]\n\n"
@@ -287,9 +298,13 @@ def build_app(args: ServeSettings) -> serve.Application:
     """App builder for `serve run` / `serve deploy` and `dcut serve`: typed settings in."""
     settings = (args if isinstance(args, ServeSettings) else ServeSettings(**args)).resolved()
     # One engine replica = one placement group holding its coordinator, EP ranks and drafters.
-    deployment = EngineDeployment.options(placement_group_bundles=settings.unit_layout().bundles(),
+    layout = settings.unit_layout()
+    deployment = EngineDeployment.options(placement_group_bundles=layout.bundles(),
                                           placement_group_strategy=settings.unit_strategy,
-                                          ray_actor_options={"num_cpus": ENGINE_CPUS})
+                                          ray_actor_options={"num_cpus": layout.coordinator_cpus},
+                                          health_check_period_s=settings.health_check_period_s,
+                                          health_check_timeout_s=max(30.0, settings.health_check_period_s),
+                                          graceful_shutdown_timeout_s=settings.graceful_shutdown_timeout_s)
     if settings.engine_autoscaling:
         deployment = deployment.options(autoscaling_config=settings.engine_autoscaling, num_replicas="auto")
     engine = deployment.bind(settings)

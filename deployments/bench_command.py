@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from deployments.bundle import BUNDLED, Bundle
+from deployments.bundle import BUNDLED
 
 ALL_POLICIES = "ar,full,fixed-4,tetris,dcut-buckets,dcut,oracle"
 
@@ -88,23 +88,17 @@ def run(args: argparse.Namespace) -> int:
 def _embedded(args, texts: list[str], levels: list[int], policies: list[str], bar) -> list[dict]:
     from tokenizers import Tokenizer
 
-    from actors.engine.config import EngineConfig
     from actors.engine.coordinator import Engine
     from actors.engine.loadgen import closed_loop, gamma_arrivals, open_loop, summarize
     from actors.ray_env import start_local_ray
-    from actors.target.config import MoEConfig
+    from deployments.settings import ServeSettings
 
-    bundle = Bundle(pathlib.Path(args.model_root or BUNDLED))
-    bundle.check(need_drafter=args.drafter == "block")
-    tok = Tokenizer.from_file(bundle.tokenizer)
+    cfg = ServeSettings.from_env(model_root=args.model_root or str(BUNDLED), drafter=args.drafter, block=args.block,
+                                 policy="dcut", ep=args.ep,
+                                 max_running=64 if args.request_rate else max(levels)).engine_config()
+    tok = Tokenizer.from_file(cfg.tokenizer_path)
     prompts = [tok.encode(t).ids for t in texts]
-    cores = os.cpu_count() or 1
-    start_local_ray(num_cpus=max(4, cores + args.ep + 1))
-    cfg = EngineConfig(bundle.target, bundle.tokenizer, args.drafter, bundle.drafter, args.block, "dcut",
-                       ep=args.ep, max_running=64 if args.request_rate else max(levels),
-                       threads_per_rank=max(1, cores // args.ep),
-                       cpus_per_rank=min(1.0, cores / args.ep), cost_model_cache="runs/cache",
-                       eos_token_id=MoEConfig.load(bundle.target).eos_token_id)
+    start_local_ray(num_cpus=max(4, (os.cpu_count() or 1) + args.ep + 1))
     engine = Engine(cfg)
     rows = []
     try:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import sys
 
-from deployments.bundle import BUNDLED, Bundle
+from deployments.bundle import BUNDLED
+from deployments.settings import ServeSettings
 
 
 def run(args: argparse.Namespace) -> int:
@@ -16,10 +16,8 @@ def run(args: argparse.Namespace) -> int:
     from tokenizers import Tokenizer
 
     from actors.engine.actor import BatchCoordinator
-    from actors.engine.config import EngineConfig
     from actors.engine.sequence import SamplingParams
     from actors.ray_env import start_local_ray
-    from actors.target.config import MoEConfig
 
     prompts = list(args.prompts)
     if args.prompts_file:
@@ -28,19 +26,15 @@ def run(args: argparse.Namespace) -> int:
     if not prompts:
         print("dcut generate: no prompts (give PROMPT arguments or --prompts-file)", file=sys.stderr)
         return 2
-    bundle = Bundle(pathlib.Path(args.model_root or BUNDLED))
-    bundle.check(need_drafter=args.drafter == "block" and args.policy != "ar")
-    tok = Tokenizer.from_file(bundle.tokenizer)
+    settings = ServeSettings.from_env(model_root=args.model_root or str(BUNDLED), drafter=args.drafter,
+                                      policy=args.policy, block=args.block, ep=args.ep, drafters=args.drafters,
+                                      max_running=max(64, len(prompts)))
+    cfg = settings.engine_config()  # checks the bundle
+    tok = Tokenizer.from_file(cfg.tokenizer_path)
     ids = [tok.encode(p).ids for p in prompts]
     if any(not i for i in ids):
         print("dcut generate: a prompt encodes to no tokens", file=sys.stderr)
         return 2
-    cores = os.cpu_count() or 1
-    cfg = EngineConfig(bundle.target, bundle.tokenizer, args.drafter, bundle.drafter, args.block, args.policy,
-                       ep=args.ep, drafters=args.drafters, max_running=max(64, len(ids)),
-                       threads_per_rank=max(1, cores // args.ep), cpus_per_rank=min(1.0, cores / args.ep),
-                       eos_token_id=MoEConfig.load(bundle.target).eos_token_id,
-                       cost_model_cache=str(pathlib.Path("runs") / "cache"))
     start_local_ray(num_cpus=max(4, args.ep + args.drafters))
     coordinator = BatchCoordinator.remote(cfg)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)

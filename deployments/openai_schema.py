@@ -4,28 +4,43 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
+
+# Strict scalars: a JSON true is not the integer 1, "0.5" is not a number, 2.5 is not an integer
+# (ints are still numbers). Any integer size is accepted; the range checks say what fits.
+
+
+def _unicode(text: str) -> str:
+    """JSON may carry lone surrogates (\\ud800); they are not text, and a tokenizer cannot take them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"not valid Unicode text (a lone surrogate at {exc.start})") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")  # unknown OpenAI fields are accepted and ignored
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    temperature: StrictFloat = Field(1.0, ge=0.0, le=2.0)
+    top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
+    seed: StrictInt | None = Field(None, description="any integer; the same seed reproduces a sampled output")
+    stop: Text | list[Text] | None = None
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1)
+    n: StrictInt = Field(1, ge=1, le=1)
     user: str | None = None
 
     def stops(self) -> tuple[str, ...]:
@@ -35,12 +50,12 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str]
+    prompt: Text | list[Text]
 
 
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: Text
 
 
 class ChatRequest(_Common):
@@ -61,10 +76,29 @@ def now() -> int:
     return int(time.time())
 
 
-def error_body(message: str, kind: str, code: str | None = None, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
 def chat_prompt(messages: list[ChatMessage]) -> str:
     """The demo model has no chat template of its own: role-tagged lines, then the assistant's turn."""
     return "".join(f"<|{m.role}|>\n{m.content}\n" for m in messages) + "<|assistant|>\n"
+
+
+def publish_request_bodies(app, bodies: dict[str, type[BaseModel]]) -> None:
+    """Declare each POST route's JSON body in the app's /openapi.json (the routes parse bodies
+    themselves, to answer errors in OpenAI's format, so FastAPI cannot see them): clients and
+    schema-driven fuzzers get the real request schemas."""
+    from fastapi.openapi.utils import get_openapi
+
+    def build() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for path, model in bodies.items():
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
+                ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+                schema["paths"][path]["post"]["requestBody"] = {"required": True,
+                                                                "content": {"application/json": {"schema": ref}}}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = build

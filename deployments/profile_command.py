@@ -15,6 +15,7 @@ from actors.target.config import MoEConfig
 from actors.target.demo import write_random_demo
 from actors.target.group import EPConfig, EPGroup
 from actors.target.profile import QUICK_GRID, ProfileGrid, fit_profile, holdout_error, run_profile
+from deployments.settings import ServeSettings
 
 GRIDS = {"quick": QUICK_GRID, "full": ProfileGrid()}
 
@@ -39,10 +40,10 @@ def run(args: argparse.Namespace) -> int:
     if not args.model:
         print(f"no --model given: profiling random weights of the demo shape ({model_dir})")
     cfg = MoEConfig.load(model_dir)
-    threads = args.threads or max(1, (os.cpu_count() or 1) // args.ep)
+    settings = ServeSettings(ep=args.ep, threads_per_rank=args.threads).resolved()
     start_local_ray(num_cpus=max(args.ep, os.cpu_count() or 1))
-    group = EPGroup(EPConfig(model_dir, world=args.ep, cpus_per_rank=min(1.0, (os.cpu_count() or 1) / args.ep),
-                             threads_per_rank=threads))
+    group = EPGroup(EPConfig(model_dir, world=args.ep, cpus_per_rank=settings.cpus_per_rank,
+                             threads_per_rank=settings.threads_per_rank))
     grid = GRIDS[args.grid]
     total = len(grid.requests) * len(grid.contexts) * len(grid.tokens_per_request)
     try:

@@ -12,7 +12,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from deployments.bundle import BUNDLED, Bundle
 
 ENV_PREFIX = "DCUT_"
-ENGINE_CPUS = 0.25  # the engine replica (coordinator loop); bundle 0 of the unit
 
 
 class ServeSettings(BaseModel):
@@ -44,6 +43,11 @@ class ServeSettings(BaseModel):
     unit_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK", description="placement strategy of the engine unit's bundles (PACK spills to more nodes)")
     cost_model_cache: str = "runs/cache"
+    stall_timeout_s: float = Field(60.0, gt=0, description="the engine replica reports unhealthy when work has "
+                                                          "waited this long without a step finishing")
+    health_check_period_s: float = Field(5.0, gt=0, description="how often Serve checks each engine replica")
+    graceful_shutdown_timeout_s: float = Field(5.0, ge=0, description="how long a replica being replaced may "
+                                                                      "finish its requests")
     ingress_replicas: int = Field(1, ge=1)
     engine_autoscaling: dict | None = Field(None, description="Serve autoscaling_config of the engine unit "
                                                               "(a serve config YAML can set it too)")
@@ -68,11 +72,14 @@ class ServeSettings(BaseModel):
     def resolved(self) -> ServeSettings:
         """Defaults that depend on the machine filled in once, where the app is built, so the
         reserved bundles and the engine inside them agree on every node."""
-        cores = os.cpu_count() or 1
-        return self.model_copy(update={"threads_per_rank": self.threads_per_rank or max(1, cores // self.ep),
-                                       "cpus_per_rank": self.cpus_per_rank or min(1.0, cores / self.ep)})
+        from actors.engine.placement import rank_resources
+
+        threads, cpus = rank_resources(self.ep)
+        return self.model_copy(update={"threads_per_rank": self.threads_per_rank or threads,
+                                       "cpus_per_rank": self.cpus_per_rank or cpus})
 
     def engine_config(self, unit_placement: bool = False):
+        """The one engine config every command builds its engine from (serve, generate, bench)."""
         from actors.engine.config import EngineConfig
         from actors.target.config import MoEConfig
 
@@ -85,13 +92,9 @@ class ServeSettings(BaseModel):
             threads_per_rank=s.threads_per_rank, cpus_per_rank=s.cpus_per_rank, gpus_per_rank=s.gpus_per_rank,
             cpus_per_drafter=s.cpus_per_drafter, eos_token_id=MoEConfig.load(bundle.target).eos_token_id,
             cost_model_cache=s.cost_model_cache, guard_threshold=s.guard_threshold, max_budget=s.max_budget,
-            unit_placement=unit_placement, coordinator_cpus=ENGINE_CPUS,
+            unit_placement=unit_placement,
         )
 
     def unit_layout(self):
         """The engine unit's bundles (one placement group per engine replica)."""
-        from actors.engine.placement import UnitLayout
-
-        s = self.resolved()
-        return UnitLayout(s.ep, s.drafters if s.policy != "ar" else 0, ENGINE_CPUS, s.cpus_per_rank,
-                          s.gpus_per_rank, s.cpus_per_drafter)
+        return self.engine_config().layout()

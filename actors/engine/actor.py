@@ -28,7 +28,8 @@ class BatchCoordinator:
         ]
 
     def records(self) -> list[dict]:
-        return [r.__dict__ for r in self.engine.records]
+        """The most recent steps (the engine keeps a bounded window)."""
+        return [r.__dict__ for r in self.engine.history.recent]
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -65,6 +65,10 @@ class Backlog:
         self.features = features
         self._pending: dict[int, Pending] = {}
 
+    def __len__(self) -> int:
+        """Requests with something queued."""
+        return len(self._pending)
+
     def add(self, rid: int, tokens: list[int], end: int, hidden: dict[int, np.ndarray] | None = None) -> bool:
         """Queue one commit: tokens, and features now held up to position `end` — on the ranks,
         or here when `hidden` brings this commit's rows (layer -> [n, H]). True when the

@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from actors.engine.placement import UnitLayout
+from actors.engine.placement import COORDINATOR_CPUS, UnitLayout
+from actors.engine.replica import DrafterSpec
+from actors.target.group import EPConfig
 
 
 @dataclass(frozen=True)
@@ -41,15 +43,26 @@ class EngineConfig:
     step_log: str | None = None  # msgpack file of every step's drafts and decisions
     unit_placement: bool = False  # True: run inside the unit's placement group (Serve), ranks and
     # drafters pinned to its bundles (actors/engine/placement.py); False: the EP group reserves its own
-    coordinator_cpus: float = 0.25
+    coordinator_cpus: float = COORDINATOR_CPUS
 
     def layout(self) -> UnitLayout:
         return UnitLayout(self.ep, self.drafters if self.policy != "ar" else 0, self.coordinator_cpus,
                           self.cpus_per_rank, self.gpus_per_rank, self.cpus_per_drafter)
 
-    def dcut_options(self) -> dict:
-        return {"guard_threshold": self.guard_threshold, "max_budget": self.max_budget} \
-            if self.policy == "dcut" else {}
+    def ep_config(self, placement_group=None) -> EPConfig:
+        """The target's part: its EP group (in the unit's placement group when given one)."""
+        return EPConfig(self.target_dir, world=self.ep, placement=self.ep_placement, cpus_per_rank=self.cpus_per_rank,
+                        gpus_per_rank=self.gpus_per_rank, threads_per_rank=self.threads_per_rank,
+                        kv_capacity_tokens=self.kv_capacity_tokens, placement_group=placement_group,
+                        bundle_offset=self.layout().rank_bundle(0) if placement_group is not None else 0)
+
+    def drafter_spec(self) -> DrafterSpec:
+        """The drafter replicas' part."""
+        return DrafterSpec(self.drafter, self.target_dir, self.drafter_dir, self.block, self.threads_per_rank)
+
+    def dcut_options(self, policy: str) -> dict:
+        """The options of `policy` that this config sets (only `dcut` takes any)."""
+        return {"guard_threshold": self.guard_threshold, "max_budget": self.max_budget} if policy == "dcut" else {}
 
     def detokenizer(self) -> Callable[[list[int]], str]:
         if self.tokenizer_path is None:

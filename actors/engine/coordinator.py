@@ -15,6 +15,7 @@ import numpy as np
 from actors.engine.config import EngineConfig
 from actors.engine.costs import PRIOR_DRAFT_COST, DraftCostLearner, online, startup_cost_model, startup_draft_cost
 from actors.engine.drafters import DrafterPool
+from actors.engine.history import StepHistory
 from actors.engine.placement import unit_placement_group
 from actors.engine.sequence import SamplingParams, Scheduler, Sequence, Status
 from actors.engine.stages import (
@@ -30,11 +31,11 @@ from actors.engine.stages import (
 from actors.engine.steplog import StepLog
 from actors.ray_env import whereabouts
 from actors.target.config import MoEConfig
-from actors.target.group import EPConfig, EPGroup, EPGroupError
+from actors.target.group import EPGroup, EPGroupError
 from dcut_core import ragged
 from dcut_core.acceptance import Calibrator, survival, verify_outcomes
 from dcut_core.cost_model import StepShape
-from dcut_core.drafting import AcceptanceTracker, plan_drafts
+from dcut_core.drafting import AcceptanceTracker, Exploration, plan_drafts
 from dcut_core.pruning import DraftBatch, policy_from_name
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ class Engine:
 
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
-        self.policy = policy_from_name(cfg.policy, cfg.block, **cfg.dcut_options())
+        self.policy = policy_from_name(cfg.policy, cfg.block, **cfg.dcut_options(cfg.policy))
         self.policy_name = cfg.policy
         self.unit_pg = unit_placement_group() if cfg.unit_placement else None
         self.target = self._new_target()
@@ -58,6 +59,7 @@ class Engine:
         self.scheduler = Scheduler(cfg.max_running)
         self.calibrator = Calibrator(block=cfg.block)
         self.tracker = AcceptanceTracker(block=cfg.block)
+        self.exploration = Exploration(cfg.explore_every, cfg.explore_requests, cfg.explore_warmup)
         self.draft_cost = DraftCostLearner(PRIOR_DRAFT_COST)
         self.model_cfg = MoEConfig.load(cfg.target_dir)
         self._profiled_drafter = False
@@ -67,7 +69,7 @@ class Engine:
             self.cost = online(startup_cost_model(self.target, cfg.target_dir, cfg.ep, cfg.threads_per_rank,
                                                   cfg.cost_model_cache))
         self.text_of = cfg.detokenizer()
-        self.records: list[StepRecord] = []
+        self.history = StepHistory()
         self.step_log = StepLog(cfg.step_log) if cfg.step_log else None
         self._next_rid = 0
 
@@ -77,8 +79,7 @@ class Engine:
             raise RuntimeError("switch policies only while no request is in flight")
         if name != "ar" and not self.drafters:
             raise ValueError("this engine was built without drafters (policy ar)")
-        opts = self.cfg.dcut_options() if name == "dcut" else {}
-        self.policy, self.policy_name = policy_from_name(name, self.cfg.block, **opts), name
+        self.policy, self.policy_name = policy_from_name(name, self.cfg.block, **self.cfg.dcut_options(name)), name
         self._profile_drafter()
         if self.cost is None and name in COSTED_POLICIES:
             self.cost = online(startup_cost_model(self.target, self.cfg.target_dir, self.cfg.ep,
@@ -154,6 +155,26 @@ class Engine:
         for s in self.scheduler.running:
             s.fed, s.prefilled = 0, False
 
+    def fail_running(self, exc: Exception) -> list[Sequence]:
+        """A step raised something no single request explains: the running requests leave (the
+        caller tells each one, retryably), and the target and drafters are rebuilt as after an
+        EP-group failure, since the step may have left their state half-changed. Waiting
+        requests stay queued. Returns the requests that left."""
+        failed = list(self.scheduler.running)
+        log.error("step failed (%s: %s); %d running requests fail, the target is rebuilt", type(exc).__name__,
+                  exc, len(failed))
+        for s in failed:
+            self.scheduler.abort(s.rid)
+            s.status, s.finish_reason = Status.FINISHED, "error"
+            self.tracker.forget(s.rid)
+        self.drafters.release([s.rid for s in failed])
+        try:
+            self.target.shutdown()  # frees its bundles of the unit for the new group
+        except Exception:  # already down: nothing of it to free
+            log.exception("shutting the failed target down")
+        self.recover_target(exc)
+        return failed
+
     def schedule(self) -> tuple[list[Sequence], list[Feed]]:
         """Admit waiting requests; returns the decoding set and this step's prefill chunks."""
         # Ranks fill unevenly (placement is by request count): keep a quarter of the KV in reserve.
@@ -180,15 +201,11 @@ class Engine:
                                                 np.array([s.remaining for s in batch]))
         plan = plan_drafts(predicted, self.cost.verify_curve(len(batch), context), self.draft_cost.cost,
                            self.cfg.max_budget, self.cfg.draft_slack, catchup, extend=self.cfg.draft_extend)
-        warming = self.tracker.observations < self.cfg.explore_warmup  # priors only: learn fast
-        if not plan.drafting and (warming or len(self.records) % self.cfg.explore_every == 0):
-            # Keep measuring what drafting costs and yields, now and then, on a few requests
-            # (in turn): a whole batch of full drafts would cost several steps' worth.
-            k = min(len(batch), self.cfg.explore_requests)
-            start = (len(self.records) // self.cfg.explore_every * k) % len(batch)
-            probe = np.zeros(len(batch), dtype=np.int64)
-            probe[[(start + j) % len(batch) for j in range(k)]] = 1
-            return cap * probe
+        if not plan.drafting:
+            warming = self.tracker.observations < self.exploration.warmup  # priors only: learn fast
+            probe = self.exploration.probe(len(batch), warming)
+            if probe is not None:
+                return cap * probe
         for s, n in zip(batch, plan.lengths, strict=True):
             if n == 0:
                 self.tracker.skipped(s.rid)
@@ -292,7 +309,7 @@ class Engine:
                          step_s=time.perf_counter() - t0,
                          target_compute_s=max((st.total_s for st in out.rank_stats), default=0.0),
                          draft_compute_s=drafts.compute_seconds, prefill_tokens=prefill_tokens)
-        self.records.append(rec)
+        self.history.append(rec)
         if self.step_log is not None:
             self.step_log.write(self.policy_name, np.diff(drafts.cu), drafts.survival, kept, accepted, context,
                                 predicted, out.wall_s, drafts.seconds)
@@ -310,12 +327,7 @@ class Engine:
         self._profiled_drafter = True
 
     def _new_target(self) -> EPGroup:
-        c = self.cfg
-        return EPGroup(EPConfig(c.target_dir, world=c.ep, placement=c.ep_placement, cpus_per_rank=c.cpus_per_rank,
-                                gpus_per_rank=c.gpus_per_rank,
-                                threads_per_rank=c.threads_per_rank, kv_capacity_tokens=c.kv_capacity_tokens,
-                                placement_group=self.unit_pg,
-                                bundle_offset=c.layout().rank_bundle(0) if self.unit_pg is not None else 0))
+        return EPGroup(self.cfg.ep_config(self.unit_pg))
 
     def _release(self, seqs: list[Sequence]) -> None:
         if not seqs:
@@ -338,7 +350,7 @@ class Engine:
     def placement(self) -> dict:
         """Where the unit's parts run (node and placement group of each): operators and tests."""
         drafters = self.drafters.whereabouts()
-        ranks = [{k: r[k] for k in ("node", "placement_group")} for r in self.target.ranks]
+        ranks = [{k: r[k] for k in ("node", "placement_group", "pid")} for r in self.target.ranks]
         return {"coordinator": whereabouts(), "ranks": ranks, "drafters": drafters}
 
     def shutdown(self) -> None:

@@ -19,7 +19,7 @@ from actors.drafter.base import DraftOutput
 from actors.engine.backlog import Backlog, CatchUp
 from actors.engine.config import EngineConfig
 from actors.engine.placement import in_bundle
-from actors.engine.replica import DrafterReplica, DrafterSpec
+from actors.engine.replica import DrafterReplica
 from actors.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ class DrafterPool:
     def __init__(self, cfg: EngineConfig, unit_pg=None) -> None:
         self.cfg = cfg
         self.unit_pg = unit_pg
-        self.spec = DrafterSpec(cfg.drafter, cfg.target_dir, cfg.drafter_dir, cfg.block, cfg.threads_per_rank)
+        self.spec = cfg.drafter_spec()
         self.replicas = [self._new_replica(r) for r in range(cfg.drafters)] if cfg.policy != "ar" else []
         self.layers: tuple[int, ...] = ray.get(self.replicas[0].target_layers.remote()) if self.replicas else ()
         self.owner: dict[int, int] = {}  # request -> replica index, or ORPHAN

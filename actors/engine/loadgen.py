@@ -34,7 +34,7 @@ class _Meter:
 
     def __init__(self, engine: Engine, n: int) -> None:
         self.engine, self.n = engine, n
-        self.first_record = len(engine.records)
+        self.records: list = []  # every step of the run (the engine itself keeps only recent ones)
         self.started: dict[int, tuple[int, float]] = {}  # rid -> (prompt index, arrival time)
         self.first: dict[int, float] = {}
         self.last: dict[int, tuple[float, int]] = {}
@@ -48,7 +48,9 @@ class _Meter:
         self.started[rid] = (i, arrived)
         self.peak = max(self.peak, len(self.started))
 
-    def after_step(self) -> None:
+    def after_step(self, record) -> None:
+        if record is not None:
+            self.records.append(record)
         now, sched = time.perf_counter(), self.engine.scheduler
         for seq in sched.running + [sched.finished[r] for r in list(sched.finished) if r in self.started]:
             n = len(seq.output)
@@ -68,7 +70,7 @@ class _Meter:
 
     def result(self, concurrency: int, wall: float) -> RunResult:
         return RunResult("", concurrency, wall, sum(len(o) for o in self.outputs.values()), self.ttft, self.tpot,
-                         self.gaps, [self.outputs[i] for i in range(self.n)], self.engine.records[self.first_record:])
+                         self.gaps, [self.outputs[i] for i in range(self.n)], self.records)
 
 
 def closed_loop(engine: Engine, prompts: list[list[int]], concurrency: int, max_tokens: int,
@@ -82,8 +84,7 @@ def closed_loop(engine: Engine, prompts: list[list[int]], concurrency: int, max_
         while pending and len(meter.started) < concurrency:
             i = pending.pop(0)
             meter.start(engine.add(prompts[i], params), i, time.perf_counter())
-        engine.step()
-        meter.after_step()
+        meter.after_step(engine.step())
     return meter.result(concurrency, time.perf_counter() - t0)
 
 
@@ -111,8 +112,7 @@ def open_loop(engine: Engine, prompts: list[list[int]], arrivals: np.ndarray, ma
         if not meter.started:
             time.sleep(max(0.0, arrivals[nxt] - now))  # idle until the next arrival
             continue
-        engine.step()
-        meter.after_step()
+        meter.after_step(engine.step())
     return meter.result(meter.peak, time.perf_counter() - t0)
 
 

@@ -10,11 +10,21 @@ into it; the engine then pins each child to its own bundle with `strategy()`.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+COORDINATOR_CPUS = 0.25  # bundle 0: the coordinator's loop (under Serve, the engine replica)
+
+
+def rank_resources(ep: int, cores: int | None = None) -> tuple[int, float]:
+    """Defaults for a unit of `ep` ranks on this machine: torch threads per rank (its share of
+    the cores, so ranks do not oversubscribe them) and CPUs each rank's bundle reserves."""
+    cores = cores or os.cpu_count() or 1
+    return max(1, cores // ep), min(1.0, cores / ep)
 
 
 @dataclass(frozen=True)
@@ -23,7 +33,7 @@ class UnitLayout:
 
     ep: int
     drafters: int
-    coordinator_cpus: float = 0.25
+    coordinator_cpus: float = COORDINATOR_CPUS
     cpus_per_rank: float = 1.0
     gpus_per_rank: float = 0.0
     cpus_per_drafter: float = 0.5

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -21,8 +22,23 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError("temperature must be a finite number >= 0")
+        if not 0 < self.top_p <= 1:  # NaN fails this too
+            raise ValueError("top_p must be in (0, 1]")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError("seed must be an integer")
+
+
+def seed_sequence(seed: int | None) -> np.random.SeedSequence | None:
+    """A request's generator seed from any integer the OpenAI API accepts, deterministically and
+    one-to-one: a non-negative seed as numpy takes it (so `default_rng(seed)` reproduces it),
+    a negative one in a stream of its own (numpy rejects negative seeds)."""
+    if seed is None:
+        return None
+    if seed >= 0:
+        return np.random.SeedSequence(seed)
+    return np.random.SeedSequence(-seed, spawn_key=(1,))
 
 
 class Status(enum.Enum):
@@ -53,7 +69,7 @@ class Sequence:
 
     def __post_init__(self) -> None:
         if self.rng is None:
-            self.rng = np.random.default_rng(self.params.seed)
+            self.rng = np.random.default_rng(seed_sequence(self.params.seed))
 
     def uniforms(self, start: int, n: int) -> np.ndarray:
         """The sampling uniforms of output positions start .. start+n-1: drawn once per position,

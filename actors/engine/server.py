@@ -1,9 +1,16 @@
-"""`AsyncEngine`: the engine behind an asyncio interface — many concurrent streams, one step loop.
+"""`AsyncEngine`: the single driver of an `Engine` behind an asyncio interface — many concurrent
+streams, one step loop.
 
-Requests arrive from the event loop; the step loop runs `Engine.step()` in a worker thread (a
-step blocks for milliseconds) and, between steps, admits new requests, drops aborted ones and
-publishes each request's new tokens to its stream. Engine state is only touched between steps,
-from the event loop, so no locks are needed.
+Requests arrive from the event loop already validated (`GenerateRequest`); the step loop runs
+`Engine.step()` in a worker thread (a step blocks for milliseconds) and, between steps, admits
+new requests, drops aborted ones and publishes each request's new output to its stream. Engine
+state is only touched between steps, from the event loop, so no locks are needed.
+
+One request never hurts another: a request that cannot be served gets an `EngineError` in its
+own stream; a step that fails in a way no single request explains fails that step's requests
+(retryably) and the engine rebuilds its target, as after an EP-group failure; the loop goes on.
+`health()` is False when the loop died, when a rebuild failed, or when work has waited longer
+than `stall_timeout_s` without a step finishing — Serve then replaces the replica.
 """
 
 from __future__ import annotations
@@ -12,39 +19,34 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
+import numpy as np
+
+from actors.engine.api import Delta, EngineError, ErrorKind, GenerateRequest, Health
 from actors.engine.config import EngineConfig
 from actors.engine.coordinator import Engine
-from actors.engine.sequence import SamplingParams
+from actors.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class Delta:
-    """New output of one request since the last delta."""
-
-    text: str
-    token_ids: list[int]
-    finished: bool = False
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    steps: int = 0
-    accepted: int = 0
+Item = Delta | EngineError
+MAX_FAILURES_IN_ROW = 3
 
 
 class AsyncEngine:
-    def __init__(self, cfg: EngineConfig, max_waiting: int = 256) -> None:
+    def __init__(self, cfg: EngineConfig, max_waiting: int = 256, stall_timeout_s: float = 60.0) -> None:
         self.engine = Engine(cfg)
         self.max_waiting = max_waiting
-        self._queues: dict[int, asyncio.Queue] = {}
+        self.stall_timeout_s = stall_timeout_s
+        self._queues: dict[int, asyncio.Queue[Item]] = {}
         self._sent: dict[int, tuple[int, int]] = {}  # rid -> (tokens sent, text chars sent)
-        self._new: list[tuple[int, list[int], SamplingParams]] = []
+        self._new: list[Sequence] = []
         self._aborted: set[int] = set()
         self._loop_task: asyncio.Task | None = None
         self._wake = asyncio.Event()
+        self._idle = True  # the loop waits for work (its heartbeat is not expected to move)
+        self._beat = time.monotonic()  # the loop's last sign of progress
+        self._fatal: str | None = None  # a rebuild failed: this engine cannot serve any more
         self.steps = 0
         self.last_step_s = 0.0
 
@@ -52,32 +54,27 @@ class AsyncEngine:
     def load(self) -> int:
         return len(self.engine.scheduler) + len(self._new)
 
-    async def stream(self, prompt: list[int], params: SamplingParams,
-                     resume: list[int] | None = None) -> AsyncIterator[Delta]:
-        """Deltas of one request until it finishes; closing the iterator aborts the request.
-        `resume`: output already sent to the client by an engine that failed (not sent again)."""
-        if self.load >= self.engine.cfg.max_running + self.max_waiting:
-            raise OverloadedError(f"engine is full ({self.load} requests in flight)")
-        if not prompt:
-            raise ValueError("the prompt must not be empty")
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[Item]:
+        """Deltas of one request until it finishes, or one `EngineError` that ends the stream.
+        Closing the iterator early aborts the request."""
+        refusal = self._refusal(request)
+        if refusal is not None:
+            yield refusal
+            return
         rid = self.engine.new_rid()
-        queue: asyncio.Queue = asyncio.Queue()
+        seq = Sequence(rid, list(request.prompt), request.params, output=list(request.resume))
+        queue: asyncio.Queue[Item] = asyncio.Queue()
         self._queues[rid] = queue
-        resume = list(resume or [])
-        if len(resume) >= params.max_tokens:
-            raise ValueError("nothing left to generate: resume already holds max_tokens tokens")
-        self._sent[rid] = (len(resume), len(self.engine.text_of(resume)) if resume else 0)
-        self._new.append((rid, list(prompt), params, resume))
+        self._sent[rid] = (len(request.resume), len(self.engine.text_of(request.resume)) if request.resume else 0)
+        self._new.append(seq)
         self._ensure_loop()
         finished = False
         try:
             while True:
-                delta = await queue.get()
-                if isinstance(delta, BaseException):
-                    raise delta
-                yield delta
-                if delta.finished:
-                    finished = True
+                item = await queue.get()
+                finished = isinstance(item, EngineError) or item.finished
+                yield item
+                if finished:
                     return
         finally:
             if not finished:
@@ -85,57 +82,142 @@ class AsyncEngine:
                 self._wake.set()
             self._queues.pop(rid, None)
 
+    def _refusal(self, request: GenerateRequest) -> EngineError | None:
+        """Why this request cannot enter the engine now, if it cannot."""
+        if self._fatal is not None:
+            return EngineError(ErrorKind.UNAVAILABLE, f"the engine is down: {self._fatal}")
+        if self.load >= self.engine.cfg.max_running + self.max_waiting:
+            return EngineError(ErrorKind.OVERLOADED, f"engine is full ({self.load} requests in flight)")
+        vocab = self.engine.model_cfg.vocab_size
+        ids = np.asarray([*request.prompt, *request.resume])
+        if ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= vocab:
+            return EngineError(ErrorKind.INVALID, f"token ids must be integers in [0, {vocab})")
+        return None
+
     def _ensure_loop(self) -> None:
+        if self._idle:
+            self._beat = time.monotonic()  # the stall clock starts when work arrives
         self._wake.set()
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
-        while True:
-            self._admit_and_abort()
+        failures = 0  # in a row: a fault that a rebuild does not cure must not loop forever
+        while self._fatal is None:
+            self._beat, self._idle = time.monotonic(), False
+            try:
+                self._admit_and_abort()
+                if len(self.engine.scheduler):
+                    t0 = time.perf_counter()
+                    await asyncio.to_thread(self.engine.step)
+                    self.steps += 1
+                    self.last_step_s = time.perf_counter() - t0
+                    self._publish()
+                    failures = 0
+            except Exception as exc:  # a fault of the step, not of one request
+                failures += 1
+                await self._recover(exc, failures)
+                continue
             if not len(self.engine.scheduler):
+                self._idle = True
                 self._wake.clear()
                 await self._wake.wait()
-                continue
-            t0 = time.perf_counter()
-            try:
-                await asyncio.to_thread(self.engine.step)
-            except Exception as exc:  # the engine unit failed: every open stream gets the error
-                log.exception("engine step failed")
-                for q in self._queues.values():
-                    q.put_nowait(EngineFailedError(f"engine step failed: {exc}"))
-                raise
-            self.steps += 1
-            self.last_step_s = time.perf_counter() - t0
-            self._publish()
+
+    async def _recover(self, exc: Exception, failures: int) -> None:
+        log.exception("engine step failed; failing its requests and rebuilding the target", exc_info=exc)
+        try:
+            if failures > MAX_FAILURES_IN_ROW:
+                raise RuntimeError(f"{failures} failures in a row without a step between them") from exc
+            failed = await asyncio.to_thread(self.engine.fail_running, exc)
+        except Exception as fatal:
+            log.exception("rebuilding the engine failed; it is down until the replica is replaced")
+            self._fatal = f"{type(fatal).__name__}: {fatal}"
+            failed = [*self.engine.scheduler.running, *self.engine.scheduler.waiting]
+        error = EngineError(ErrorKind.UNAVAILABLE, f"a step failed under this request ({type(exc).__name__}); "
+                                                   "retry it")
+        for s in failed:
+            self._deliver(s.rid, error)
+        if self._fatal is not None:
+            for rid in list(self._queues):
+                self._deliver(rid, EngineError(ErrorKind.UNAVAILABLE, f"the engine is down: {self._fatal}"))
+
+    def _deliver(self, rid: int, item: Item) -> None:
+        """Put an error in a request's stream; the request is finished for this engine."""
+        self._sent.pop(rid, None)
+        self.engine.scheduler.finished.pop(rid, None)
+        q = self._queues.get(rid)
+        if q is not None:
+            q.put_nowait(item)
 
     def _admit_and_abort(self) -> None:
-        for rid, prompt, params, resume in self._new:
-            self.engine.scheduler.add(_sequence(rid, prompt, params, resume))
+        for seq in self._new:
+            self.engine.scheduler.add(seq)
         self._new.clear()
-        for rid in self._aborted:
-            self.engine.abort(rid)
+        aborted, self._aborted = self._aborted, set()
+        for rid in aborted:
             self.engine.scheduler.finished.pop(rid, None)
             self._sent.pop(rid, None)
-        self._aborted.clear()
+            self.engine.abort(rid)
 
     def _publish(self) -> None:
         sched = self.engine.scheduler
         for seq in [*sched.running, *[sched.finished[r] for r in list(sched.finished) if r in self._queues]]:
-            q = self._queues.get(seq.rid)
-            if q is None:
+            if seq.rid not in self._queues:
                 continue
             n_tok, n_txt = self._sent[seq.rid]
             done = seq.finish_reason is not None
+            if done and seq.finish_reason.startswith("error"):
+                self._deliver(seq.rid, EngineError(ErrorKind.INVALID, seq.finish_reason.removeprefix("error: ")))
+                continue
             if len(seq.output) == n_tok and not done:
                 continue
             text = seq.text[n_txt:] if done else _stable(seq.text[n_txt:], seq.params.stop)
             self._sent[seq.rid] = (len(seq.output), n_txt + len(text))
-            q.put_nowait(Delta(text, seq.output[n_tok:], done, seq.finish_reason, len(seq.prompt),
-                               len(seq.output), seq.steps, sum(seq.accepted)))
+            self._queues[seq.rid].put_nowait(Delta(text, seq.output[n_tok:], done, seq.finish_reason,
+                                                   len(seq.prompt), len(seq.output), seq.steps, sum(seq.accepted)))
             if done:
                 sched.finished.pop(seq.rid, None)
                 self._sent.pop(seq.rid, None)
+
+    # -- what the deployment reports ----------------------------------------------------------------
+
+    def health(self) -> Health:
+        in_flight = self.load
+        idle = 0.0 if self._idle or not in_flight else time.monotonic() - self._beat
+        facts = dict(in_flight=in_flight, steps=self.steps, idle_s=idle)
+        if self._fatal is not None:
+            return Health(False, f"the engine could not rebuild after a failed step: {self._fatal}", **facts)
+        if self._loop_task is not None and self._loop_task.done():
+            return Health(False, "the step loop is not running", **facts)
+        if idle > self.stall_timeout_s:
+            return Health(False, f"no step finished for {idle:.0f} s with {in_flight} requests in flight", **facts)
+        if not self.engine.target.healthy:
+            return Health(False, "the EP target group is down", **facts)
+        return Health(True, "", **facts)
+
+    def stats(self) -> dict:
+        """Engine-level figures for /metrics: MAT, keep ratio, cost-model error over the recent
+        steps; load, failures survived and steps since start."""
+        recs = list(self.engine.history.recent)
+        drafted = sum(r.drafted for r in recs)
+        reqs = sum(r.requests for r in recs)
+        errors = [abs(r.predicted_verify_s - r.measured_verify_s) / r.measured_verify_s
+                  for r in recs if r.measured_verify_s > 0 and np.isfinite(r.predicted_verify_s)]
+        return {
+            "mat": (sum(r.accepted for r in recs) + reqs) / reqs if reqs else 0.0,
+            "keep_ratio": sum(r.kept for r in recs) / drafted if drafted else 0.0,
+            "cost_model_error": float(np.median(errors)) if errors else 0.0,
+            "predicted_verify_s": float(np.mean([r.predicted_verify_s for r in recs])) if recs and errors else 0.0,
+            "measured_verify_s": float(np.mean([r.measured_verify_s for r in recs])) if recs else 0.0,
+            "in_flight": self.load,
+            "steps": self.steps,
+            "drafter_replicas_lost": self.engine.degraded["drafter_replica_lost"],
+            "drafter_context_lost": self.engine.degraded["drafter_context_lost"],
+            "ep_group_rebuilds": self.engine.degraded["ep_group_rebuilt"],
+        }
+
+    def placement(self) -> dict:
+        return self.engine.placement()
 
     def shutdown(self) -> None:
         if self._loop_task is not None:
@@ -151,17 +233,3 @@ def _stable(text: str, stops: tuple[str, ...]) -> str:
         text = text[:-1]
     hold = max((n for s in stops for n in range(1, min(len(s), len(text)) + 1) if text.endswith(s[:n])), default=0)
     return text[: len(text) - hold]
-
-
-def _sequence(rid: int, prompt: list[int], params: SamplingParams, resume: list[int]):
-    from actors.engine.sequence import Sequence
-
-    return Sequence(rid, prompt, params, output=resume)
-
-
-class OverloadedError(RuntimeError):
-    """More requests in flight than the engine accepts (HTTP 429)."""
-
-
-class EngineFailedError(RuntimeError):
-    """The engine unit failed mid-step (HTTP 503; the client may retry)."""

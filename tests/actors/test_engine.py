@@ -64,7 +64,7 @@ def test_every_policy_is_lossless(tiny_bundle, reference, tmp_path, ep, replicas
                     assert sum(sum(s.accepted) for s in out) > 0  # speculation really happened
                 if policy == "ar":
                     assert all(sum(s.kept) == 0 for s in out)
-        assert eng.records and all(r.measured_verify_s > 0 for r in eng.records)
+        assert eng.history.recent and all(r.measured_verify_s > 0 for r in eng.history.recent)
     finally:
         eng.shutdown()
 
@@ -77,7 +77,7 @@ def test_step_log_records_every_step(tiny_bundle, reference, tmp_path):
     finally:
         eng.shutdown()
     steps = list(read_steps(log))
-    assert len(steps) == len(eng.records) > 0
+    assert len(steps) == eng.history.steps > 0
     assert sum(sum(s["accepted"]) for s in steps) == sum(sum(s.accepted) for s in out)
     for s in steps:
         assert all(0 <= a <= k <= d for a, k, d in zip(s["accepted"], s["kept"], s["drafted"], strict=True))
@@ -158,7 +158,7 @@ def test_a_dead_ep_rank_is_rebuilt_and_requests_resume_exactly(tiny_bundle, refe
     eng = engine(tiny_bundle, tmp_path, drafter="block", policy="full", ep=2)
     try:
         plan = eng.plan  # no drafts for 3 steps: the features of those steps wait on the ranks
-        eng.plan = lambda batch: plan(batch) * (len(eng.records) >= 3)
+        eng.plan = lambda batch: plan(batch) * (eng.history.steps >= 3)
         rids = [eng.add(p, SamplingParams(max_tokens=MAX_TOKENS)) for p in PROMPTS[:6]]
         for _ in range(3):
             eng.step()
@@ -195,7 +195,7 @@ def test_kv_admission_queues_instead_of_overflowing(tiny_bundle, reference, tmp_
     try:
         out = eng.generate(PROMPTS[:6], [SamplingParams(max_tokens=MAX_TOKENS)] * 6)
         assert [s.output for s in out] == reference[:6]
-        assert max(r.requests for r in eng.records) <= 2
+        assert max(r.requests for r in eng.history.recent) <= 2
         big = eng.generate([PROMPTS[0] * 20], [SamplingParams(max_tokens=MAX_TOKENS)])[0]
         assert big.finish_reason.startswith("error") and not big.output
     finally:

@@ -83,7 +83,7 @@ def test_lazy_drafter_context_drafts_what_eager_context_drafts(tiny_bundle, refe
         eng = engine(tiny_bundle, tmp_path, drafter_backlog_tokens=limit)
         try:
             plan = eng.plan
-            eng.plan = lambda batch, plan=plan, eng=eng: plan(batch) * (len(eng.records) >= 4)
+            eng.plan = lambda batch, plan=plan, eng=eng: plan(batch) * (eng.history.steps >= 4)
             rids = [eng.add(p, SamplingParams(max_tokens=MAX_TOKENS)) for p in PROMPTS]
             for _ in range(4):
                 eng.step()

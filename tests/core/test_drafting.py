@@ -190,3 +190,23 @@ def test_beyond_is_ignored_once_a_kept_draft_failed():
     before = t.global_rate.copy()
     t.observe(1, kept=2, accepted=1, beyond=np.array([0.9, 0.9]))  # positions 2, 3 never reached
     np.testing.assert_array_equal(t.global_rate[2:], before[2:])
+
+
+def test_exploration_probes_requests_in_turn_with_its_own_counter():
+    from dcut_core.drafting import Exploration
+
+    ex = Exploration(every=3, requests=2, warmup=0)
+    masks = [ex.probe(5, warming=False) for _ in range(7)]
+    # Steps 0, 3, 6 explore, two requests each, moving on through the batch.
+    assert [m is not None for m in masks] == [True, False, False, True, False, False, True]
+    assert [np.flatnonzero(m).tolist() for m in masks if m is not None] == [[0, 1], [2, 3], [0, 4]]
+    assert ex.steps == 7
+
+
+def test_exploration_probes_every_step_while_warming_and_never_more_requests_than_the_batch():
+    from dcut_core.drafting import Exploration
+
+    ex = Exploration(every=50, requests=4, warmup=64)
+    masks = [ex.probe(3, warming=True) for _ in range(5)]
+    assert all(m is not None and m.sum() == 3 for m in masks)
+    assert ex.probe(0, warming=True) is None

@@ -1,0 +1,248 @@
+"""The serving driver (`AsyncEngine`) on a real local Ray: one request never hurts another, the
+health it reports is the truth, and nothing it or the engine holds grows with the steps served."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+
+import numpy as np
+import pytest
+
+from actors.engine.api import EngineError, ErrorKind, GenerateRequest
+from actors.engine.config import EngineConfig
+from actors.engine.sequence import SamplingParams
+from actors.engine.server import AsyncEngine
+from actors.target.checkpoint import load_model
+from actors.target.decode import greedy_decode
+from actors.target.local import LocalTarget
+
+PROMPTS = [[5, 6, 7, 5, 6, 7, 5], [9, 10, 11, 9, 10], [3, 4, 3, 4, 3, 4], [20, 21, 22, 23, 20, 21]]
+MAX_TOKENS = 8
+
+pytestmark = pytest.mark.usefixtures("local_ray")  # tests/actors/conftest.py
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_bundle):
+    return greedy_decode(LocalTarget(load_model(f"{tiny_bundle}/target")), list(range(len(PROMPTS))), PROMPTS,
+                         MAX_TOKENS)
+
+
+def async_engine(bundle: str, tmp_path, stall_timeout_s: float = 60.0, **kw) -> AsyncEngine:
+    cfg = dict(target_dir=f"{bundle}/target", drafter_dir=f"{bundle}/drafter", block=6, policy="dcut",
+               drafter="ngram", cost_model_cache=str(tmp_path), max_running=8, cpus_per_drafter=0.5)
+    return AsyncEngine(EngineConfig(**(cfg | kw)), max_waiting=64, stall_timeout_s=stall_timeout_s)
+
+
+async def collect(eng: AsyncEngine, prompt: list[int], params: SamplingParams | None = None,
+                  resume: list[int] | None = None) -> list[int] | EngineError:
+    """The output tokens of one request, or the error that ended it."""
+    out: list[int] = []
+    async for item in eng.stream(GenerateRequest(prompt, params or SamplingParams(max_tokens=MAX_TOKENS),
+                                                 resume or [])):
+        if isinstance(item, EngineError):
+            return item
+        out += item.token_ids
+    return out
+
+
+def run(coro, timeout: float = 120.0):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def test_any_integer_seed_is_served_and_reproduces(tiny_bundle, tmp_path, reference):
+    eng = async_engine(tiny_bundle, tmp_path)
+
+    async def go():
+        seeds = [-1, -(2**70), 2**63, 2**64 + 3, 0, 7]
+        outs = await asyncio.gather(*(collect(eng, PROMPTS[0], SamplingParams(MAX_TOKENS, 1.0, seed=s))
+                                      for s in seeds + seeds))
+        plain = await collect(eng, PROMPTS[1])
+        return outs, plain
+
+    try:
+        outs, plain = run(go())
+    finally:
+        eng.shutdown()
+    assert all(isinstance(o, list) and len(o) == MAX_TOKENS for o in outs)
+    assert outs[:6] == outs[6:]  # the same seed gives the same output, whatever shares the batch
+    assert len({tuple(o) for o in outs[:6]}) > 1  # and seeds differ (-1 is not 1, nor 2**64 + 3)
+    assert plain == reference[1]
+
+
+def test_refused_requests_fail_alone(tiny_bundle, tmp_path, reference):
+    eng = async_engine(tiny_bundle, tmp_path, kv_capacity_tokens=256, policy="full")  # no start-up profile
+
+    async def go():
+        bad_ids = collect(eng, [5, 10**6])
+        too_big = collect(eng, PROMPTS[0] * 40)  # admission: more than the KV cache can ever hold
+        good = [collect(eng, p) for p in PROMPTS]
+        return await asyncio.gather(bad_ids, too_big, *good)
+
+    try:
+        bad_ids, too_big, *good = run(go())
+        assert not eng._queues and not eng._sent and not eng.engine.scheduler.finished
+    finally:
+        eng.shutdown()
+    assert bad_ids.kind is ErrorKind.INVALID and "token ids" in bad_ids.message
+    assert too_big.kind is ErrorKind.INVALID and "KV cache" in too_big.message
+    assert good == reference
+
+
+def test_a_request_that_cannot_be_built_is_refused_before_the_engine():
+    with pytest.raises(ValueError, match="nothing left"):
+        GenerateRequest([1, 2], SamplingParams(max_tokens=2), [3, 4])
+    with pytest.raises(ValueError, match="empty"):
+        GenerateRequest([], SamplingParams())
+    for bad in (dict(temperature=float("nan")), dict(top_p=float("nan")), dict(seed=1.5), dict(seed=True)):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+
+
+def test_a_failed_step_fails_its_requests_retryably_and_the_loop_goes_on(tiny_bundle, tmp_path, reference):
+    eng = async_engine(tiny_bundle, tmp_path)
+    step = eng.engine.step
+    calls = {"n": 0}
+
+    def failing_once():
+        calls["n"] += 1
+        if calls["n"] == 3:  # mid-stream: prefill done, some tokens out
+            raise RuntimeError("injected fault inside a step")
+        return step()
+
+    eng.engine.step = failing_once
+
+    async def go():
+        first = await asyncio.gather(*(collect(eng, p) for p in PROMPTS))
+        again = await asyncio.gather(*(collect(eng, p) for p in PROMPTS))
+        return first, again, eng.health()
+
+    try:
+        first, again, health = run(go())
+    finally:
+        eng.shutdown()
+    assert all(isinstance(f, EngineError) and f.kind is ErrorKind.UNAVAILABLE and f.retryable for f in first)
+    assert again == reference  # the rebuilt engine serves exactly
+    assert eng.engine.rebuilt == 1 and health.ok
+
+
+def test_a_failed_rebuild_is_reported_and_refuses_new_work(tiny_bundle, tmp_path):
+    eng = async_engine(tiny_bundle, tmp_path)
+
+    def broken(*_):
+        raise RuntimeError("injected fault")
+
+    eng.engine.step = broken
+    eng.engine.fail_running = broken
+
+    async def go():
+        return await collect(eng, PROMPTS[0]), await collect(eng, PROMPTS[1]), eng.health()
+
+    try:
+        failed, refused, health = run(go())
+    finally:
+        eng.shutdown()
+    assert failed.kind is ErrorKind.UNAVAILABLE and refused.kind is ErrorKind.UNAVAILABLE
+    assert not health.ok and "could not rebuild" in health.reason
+
+
+def test_health_tells_a_stalled_or_dead_loop(tiny_bundle, tmp_path, reference):
+    eng = async_engine(tiny_bundle, tmp_path, stall_timeout_s=0.5)
+    step = eng.engine.step
+
+    def slow():
+        time.sleep(1.5)
+        return step()
+
+    async def go():
+        assert eng.health().ok  # idle: nothing waits
+        eng.engine.step = slow
+        task = asyncio.create_task(collect(eng, PROMPTS[0]))
+        await asyncio.sleep(1.0)
+        stalled = eng.health()
+        eng.engine.step = step
+        out = await task
+        recovered = eng.health()
+        task = asyncio.create_task(collect(eng, PROMPTS[1]))
+        await asyncio.sleep(0.2)
+        eng._loop_task.cancel()  # the loop dies with work in flight
+        await asyncio.sleep(0.1)
+        dead = eng.health()
+        task.cancel()
+        return stalled, out, recovered, dead
+
+    try:
+        stalled, out, recovered, dead = run(go())
+    finally:
+        eng.shutdown()
+    assert not stalled.ok and "no step finished" in stalled.reason and stalled.in_flight == 1
+    assert out == reference[0] and recovered.ok
+    assert not dead.ok and "not running" in dead.reason
+
+
+def test_set_policy_keeps_the_configured_dcut_options(tiny_bundle, tmp_path):
+    eng = async_engine(tiny_bundle, tmp_path, policy="full", guard_threshold=0.37, max_budget=5).engine
+    try:
+        eng.set_policy("dcut")
+        assert (eng.policy.guard_threshold, eng.policy.max_budget) == (0.37, 5)
+    finally:
+        eng.shutdown()
+
+
+def test_memory_stays_bounded_over_thousands_of_steps(tiny_bundle, tmp_path, reference):
+    """Many short requests — finished, aborted mid-stream, resumed, refused — over thousands of
+    steps: nothing of a request outlives it, and the objects the process holds stop growing."""
+    eng = async_engine(tiny_bundle, tmp_path, max_running=16)
+    rng = np.random.default_rng(0)
+
+    async def one(i: int) -> None:
+        prompt = PROMPTS[i % len(PROMPTS)]
+        if i % 7 == 3:  # the client goes away after its first delta
+            stream = eng.stream(GenerateRequest(prompt, SamplingParams(max_tokens=MAX_TOKENS)))
+            await stream.__anext__()
+            await stream.aclose()
+        elif i % 7 == 5:  # resumed from a failed engine: continues exactly after what it had
+            out = await collect(eng, prompt, resume=reference[i % len(PROMPTS)][:3])
+            assert out == reference[i % len(PROMPTS)][3:]
+        elif i % 11 == 0:
+            assert isinstance(await collect(eng, [1, 10**6]), EngineError)
+        else:
+            temp = float(rng.choice([0.0, 1.0]))
+            out = await collect(eng, prompt, SamplingParams(MAX_TOKENS, temp, seed=i))
+            assert len(out) == MAX_TOKENS
+
+    async def serve_steps(steps: int) -> None:
+        target = eng.engine.history.steps + steps
+        i = 0
+        while eng.engine.history.steps < target:
+            await asyncio.gather(*(one(i + j) for j in range(16)))
+            i += 16
+
+    def held() -> dict[str, int]:
+        e = eng.engine
+        return {"queues": len(eng._queues), "sent": len(eng._sent), "new": len(eng._new),
+                "aborted": len(eng._aborted), "scheduler": len(e.scheduler) + len(e.scheduler.finished),
+                "drafter_owner": len(e.drafters.owner), "backlog": len(e.drafters.backlog),
+                "tracker": len(e.tracker.factor) + len(e.tracker._sums), "target_owner": len(e.target._owner),
+                "target_truncate": sum(map(len, e.target._truncate)),
+                "rank_requests": sum(c["requests"] for c in e.target.cache_info()),
+                "rank_feature_rows": sum(c["feature_rows"] for c in e.target.cache_info())}
+
+    async def go():
+        await serve_steps(2500)  # fills every bounded buffer (the cost model keeps 2048 samples)
+        gc.collect()
+        first = held(), len(gc.get_objects())
+        await serve_steps(1500)
+        gc.collect()
+        return first, (held(), len(gc.get_objects()))
+
+    try:
+        (after_first, before), (after_second, after) = run(go(), timeout=600)
+    finally:
+        eng.shutdown()
+    grown = after - before
+    assert after_first == after_second == dict.fromkeys(after_first, 0)
+    assert len(eng.engine.history.recent) <= eng.engine.history.recent.maxlen
+    assert grown < 300, grown  # a leak of one object a step would show 1500
