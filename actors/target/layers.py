@@ -27,7 +27,7 @@ class RMSNorm(nn.Module):
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [N, head_dim] for the (non-interleaved, rotate-half) rotary embedding."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
     freqs = positions.float()[:, None] * inv_freq[None, :]  # [N, D/2]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()

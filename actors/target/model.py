@@ -149,7 +149,7 @@ class MoETransformer(nn.Module):
         """Whole sequences, causal, no cache (training): logits [B, T, V] and the mean
         load-balancing loss of the MoE layers."""
         b, t = tokens.shape
-        cos, sin = rope_cos_sin(torch.arange(t), self.cfg.head_dim, self.cfg.rope_theta)
+        cos, sin = rope_cos_sin(torch.arange(t, device=tokens.device), self.cfg.head_dim, self.cfg.rope_theta)
         x = self.embed_tokens(tokens)  # [B, T, H]
         aux = x.new_zeros(())
         for layer in self.layers:

@@ -89,7 +89,7 @@ class Dispatch:
         rows = self.exchange_rows(x[order // k], recv, send)  # [Σ recv, H] by (source, expert)
         t1 = time.perf_counter()
         # Regroup the received rows by local expert, run them, restore the arrival order.
-        local_e = torch.repeat_interleave(torch.arange(per_rank).repeat(self.world), recv_e)
+        local_e = torch.repeat_interleave(torch.arange(per_rank, device=recv_e.device).repeat(self.world), recv_e)
         by_expert = torch.argsort(local_e, stable=True)
         counts = recv_e.view(self.world, per_rank).sum(0)
         done = torch.empty_like(rows)

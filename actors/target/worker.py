@@ -165,7 +165,7 @@ class TargetWorker:
     def _all_agree(self, ok: bool) -> bool:
         if self.spec.world == 1:
             return ok
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self.spec.device)  # nccl: GPU tensors only
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 

@@ -275,3 +275,26 @@ def test_budget_shrinks_as_verify_tokens_get_dearer(rows, fixed, a, factor):
     cheap = exact.choose(batch, linear(fixed, a)).kept.sum()
     dear = exact.choose(batch, linear(fixed, a * factor)).kept.sum()
     assert dear <= cheap
+
+
+def test_choose_kept_calls_a_vectorisable_cost_once_with_an_array():
+    calls = []
+
+    def cost(n):
+        calls.append(n)
+        return 0.004 + 0.0002 * np.asarray(n, dtype=np.float64)
+
+    rows = [np.cumprod(np.full(8, p)) for p in (0.9, 0.6, 0.3)]
+    kept = choose_kept(rows, cost, fixed_cost=0.001)
+    assert len(calls) == 1 and isinstance(calls[0], np.ndarray)
+    assert kept.tolist() == choose_kept(rows, lambda n: float(cost(int(n))), fixed_cost=0.001).tolist()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.floats(0.0, 1.0), min_size=0, max_size=6), min_size=1, max_size=6),
+       st.floats(1e-4, 1e-2), st.floats(0.0, 1e-3), st.integers(0, 6))
+def test_choose_kept_is_the_same_whether_the_cost_takes_arrays_or_ints(probs, fixed, per_token, knee):
+    rows = [np.cumprod(np.sort(np.asarray(p))[::-1]) for p in probs]
+    vector = lambda n: fixed + per_token * np.maximum(np.asarray(n, dtype=np.float64) - knee, 0)  # noqa: E731
+    scalar = lambda n: fixed + per_token * max(n - knee, 0)  # noqa: E731  (fails on arrays: per-count path)
+    assert choose_kept(rows, vector).tolist() == choose_kept(rows, scalar).tolist()
