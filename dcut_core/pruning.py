@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import numpy as np
 
@@ -105,9 +105,20 @@ class PruneDecision:
 
 
 class Policy(Protocol):
-    """Every pruning policy: same drafts in, a kept count per request out."""
+    """Every pruning policy: same drafts in, a kept count per request out. What a policy needs of
+    the engine it says itself (the engine never compares policy names):
+
+    drafts: the drafters run at all (`ar`: no drafts, no drafter state);
+    needs_cost_model: it reads the step's cost curve (the engine profiles one at start-up);
+    gated: the engine's drafting gate decides, before drafting, whether and how far to draft;
+    needs_truth: it must know the true acceptance lengths (`oracle`; benchmarks only).
+    """
 
     name: str
+    drafts: ClassVar[bool]
+    needs_cost_model: ClassVar[bool]
+    gated: ClassVar[bool]
+    needs_truth: ClassVar[bool]
 
     def choose(self, batch: DraftBatch, cost: StepCost) -> PruneDecision: ...
 
@@ -184,6 +195,11 @@ def best_budget(rate: np.ndarray, candidates: np.ndarray | None = None) -> int:
 class Ar:
     """Plain autoregressive decoding: no draft is ever kept."""
 
+    drafts: ClassVar[bool] = False
+    needs_cost_model: ClassVar[bool] = False
+    gated: ClassVar[bool] = False
+    needs_truth: ClassVar[bool] = False
+
     name: str = "ar"
 
     def choose(self, batch: DraftBatch, cost: StepCost) -> PruneDecision:
@@ -194,6 +210,11 @@ class Ar:
 class Full:
     """Verify every draft."""
 
+    drafts: ClassVar[bool] = True
+    needs_cost_model: ClassVar[bool] = False
+    gated: ClassVar[bool] = False
+    needs_truth: ClassVar[bool] = False
+
     name: str = "full"
 
     def choose(self, batch: DraftBatch, cost: StepCost) -> PruneDecision:
@@ -203,6 +224,11 @@ class Full:
 @dataclass(frozen=True)
 class FixedK:
     """Truncate every request to its first k drafts."""
+
+    drafts: ClassVar[bool] = True
+    needs_cost_model: ClassVar[bool] = False
+    gated: ClassVar[bool] = False
+    needs_truth: ClassVar[bool] = False
 
     k: int
     name: str = "fixed-K"
@@ -220,6 +246,11 @@ class FixedK:
 class Tetris:
     """Global top-C survivals with a fixed C = per_request · R (no cost model)."""
 
+    drafts: ClassVar[bool] = True
+    needs_cost_model: ClassVar[bool] = False
+    gated: ClassVar[bool] = False
+    needs_truth: ClassVar[bool] = False
+
     per_request: int
     name: str = "tetris"
 
@@ -232,6 +263,11 @@ class Tetris:
 @dataclass(frozen=True)
 class DcutBuckets:
     """The paper's coarse D-Cut: global top-m with m restricted to a few keep ratios."""
+
+    drafts: ClassVar[bool] = True
+    needs_cost_model: ClassVar[bool] = True
+    gated: ClassVar[bool] = False
+    needs_truth: ClassVar[bool] = False
 
     ratios: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)
     name: str = "dcut-buckets"
@@ -255,6 +291,11 @@ class Dcut:
         (up to max_budget) by less than this fraction, keep everything. Estimates are noisy, and
         when verification is nearly free a wrongly pruned draft costs more than it saves.
     """
+
+    drafts: ClassVar[bool] = True
+    needs_cost_model: ClassVar[bool] = True
+    gated: ClassVar[bool] = True
+    needs_truth: ClassVar[bool] = False
 
     max_budget: int | None = None
     fill_step: bool = True
@@ -299,6 +340,11 @@ class Dcut:
 @dataclass(frozen=True)
 class Oracle:
     """Knows each request's true accepted length; an upper bound for benchmarks only."""
+
+    drafts: ClassVar[bool] = True
+    needs_cost_model: ClassVar[bool] = True
+    gated: ClassVar[bool] = False
+    needs_truth: ClassVar[bool] = True
 
     name: str = "oracle"
 

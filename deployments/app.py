@@ -301,7 +301,8 @@ def build_app(args: ServeSettings) -> serve.Application:
     layout = settings.unit_layout()
     deployment = EngineDeployment.options(placement_group_bundles=layout.bundles(),
                                           placement_group_strategy=settings.unit_strategy,
-                                          ray_actor_options={"num_cpus": layout.coordinator_cpus},
+                                          ray_actor_options={"num_cpus": layout.coordinator["CPU"],
+                                                             "num_gpus": layout.coordinator.get("GPU", 0)},
                                           health_check_period_s=settings.health_check_period_s,
                                           health_check_timeout_s=max(30.0, settings.health_check_period_s),
                                           graceful_shutdown_timeout_s=settings.graceful_shutdown_timeout_s)

@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import csv
 import json
-import os
 import pathlib
 import sys
 import time
@@ -93,12 +92,13 @@ def _embedded(args, texts: list[str], levels: list[int], policies: list[str], ba
     from actors.ray_env import start_local_ray
     from deployments.settings import ServeSettings
 
-    cfg = ServeSettings.from_env(model_root=args.model_root or str(BUNDLED), drafter=args.drafter, block=args.block,
-                                 policy="dcut", ep=args.ep,
-                                 max_running=64 if args.request_rate else max(levels)).engine_config()
+    settings = ServeSettings.from_env(model_root=args.model_root or str(BUNDLED), drafter=args.drafter,
+                                      block=args.block, policy="dcut", ep=args.ep,
+                                      max_running=64 if args.request_rate else max(levels))
+    cfg = settings.engine_config()
     tok = Tokenizer.from_file(cfg.tokenizer_path)
     prompts = [tok.encode(t).ids for t in texts]
-    start_local_ray(num_cpus=max(4, (os.cpu_count() or 1) + args.ep + 1))
+    start_local_ray(num_cpus=settings.local_cpus())
     engine = Engine(cfg)
     rows = []
     try:

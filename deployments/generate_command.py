@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     if any(not i for i in ids):
         print("dcut generate: a prompt encodes to no tokens", file=sys.stderr)
         return 2
-    start_local_ray(num_cpus=max(4, args.ep + args.drafters))
+    start_local_ray(num_cpus=settings.local_cpus())
     coordinator = BatchCoordinator.remote(cfg)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     try:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import time
 
@@ -19,7 +18,7 @@ def run(args: argparse.Namespace) -> int:
     overrides = json.loads(pathlib.Path(args.config).read_text()) if args.config else {}
     settings = ServeSettings.from_env(**overrides)
     settings.engine_config()  # fail fast (missing bundle, bad settings) before starting Ray
-    start_local_ray(num_cpus=max(4, (os.cpu_count() or 1) + settings.ep + settings.drafters))
+    start_local_ray(num_cpus=settings.local_cpus())
     serve.start(http_options={"host": args.host, "port": args.port})
     t0 = time.time()
     serve.run(build_app(settings), name="dcut", route_prefix="/")

@@ -26,6 +26,8 @@ class ServeSettings(BaseModel):
     block: int = Field(16, ge=2, le=16)
     ep: int = Field(1, ge=1)
     drafters: int = Field(1, ge=1)
+    in_process: bool = Field(True, description="at EP 1, the target's rank and the drafters run in the engine "
+                                               "replica's own process: a step is function calls, no Ray call")
     max_running: int = Field(64, ge=1)
     max_waiting: int = Field(256, ge=0, description="queued requests beyond max_running before 429")
     kv_capacity_tokens: int = Field(65536, ge=256)
@@ -82,9 +84,10 @@ class ServeSettings(BaseModel):
         """The one engine config every command builds its engine from (serve, generate, bench)."""
         from actors.engine.config import EngineConfig
         from actors.target.config import MoEConfig
+        from dcut_core.pruning import policy_from_name
 
         bundle = Bundle(pathlib.Path(self.model_root))
-        bundle.check(need_drafter=self.drafter == "block" and self.policy != "ar")
+        bundle.check(need_drafter=self.drafter == "block" and policy_from_name(self.policy, self.block).drafts)
         s = self.resolved()
         return EngineConfig(
             bundle.target, bundle.tokenizer, s.drafter, bundle.drafter, s.block, s.policy, ep=s.ep,
@@ -92,8 +95,14 @@ class ServeSettings(BaseModel):
             threads_per_rank=s.threads_per_rank, cpus_per_rank=s.cpus_per_rank, gpus_per_rank=s.gpus_per_rank,
             cpus_per_drafter=s.cpus_per_drafter, eos_token_id=MoEConfig.load(bundle.target).eos_token_id,
             cost_model_cache=s.cost_model_cache, guard_threshold=s.guard_threshold, max_budget=s.max_budget,
-            unit_placement=unit_placement,
+            unit_placement=unit_placement, in_process=s.in_process,
         )
+
+    def local_cpus(self) -> int:
+        """CPUs to declare for a local Ray that runs one engine unit of these settings: the
+        machine's cores plus a slot per rank and drafter, so reservations (fractions of a CPU,
+        which Ray does not enforce) never keep a unit from starting."""
+        return max(4, (os.cpu_count() or 1) + self.ep + self.drafters)
 
     def unit_layout(self):
         """The engine unit's bundles (one placement group per engine replica)."""

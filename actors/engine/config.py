@@ -44,10 +44,24 @@ class EngineConfig:
     unit_placement: bool = False  # True: run inside the unit's placement group (Serve), ranks and
     # drafters pinned to its bundles (actors/engine/placement.py); False: the EP group reserves its own
     coordinator_cpus: float = COORDINATOR_CPUS
+    in_process: bool = True  # at EP 1, the rank and the drafters live in the coordinator's process (a step is
+    # function calls); False keeps them as Ray actors (fault-injection tests of a lone drafter's death)
+
+    @property
+    def drafts(self) -> bool:
+        """The configured policy uses drafts (an `ar`-only engine starts no drafter)."""
+        from dcut_core.pruning import policy_from_name
+
+        return policy_from_name(self.policy, self.block).drafts
+
+    @property
+    def single_process(self) -> bool:
+        """Target rank and drafters run in this process: EP 1 and `in_process`."""
+        return self.in_process and self.ep == 1
 
     def layout(self) -> UnitLayout:
-        return UnitLayout(self.ep, self.drafters if self.policy != "ar" else 0, self.coordinator_cpus,
-                          self.cpus_per_rank, self.gpus_per_rank, self.cpus_per_drafter)
+        return UnitLayout(self.ep, self.drafters if self.drafts else 0, self.coordinator_cpus,
+                          self.cpus_per_rank, self.gpus_per_rank, self.cpus_per_drafter, self.single_process)
 
     def ep_config(self, placement_group=None) -> EPConfig:
         """The target's part: its EP group (in the unit's placement group when given one)."""

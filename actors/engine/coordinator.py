@@ -31,7 +31,7 @@ from actors.engine.stages import (
 from actors.engine.steplog import StepLog
 from actors.ray_env import whereabouts
 from actors.target.config import MoEConfig
-from actors.target.group import EPGroup, EPGroupError
+from actors.target.group import EPGroup, EPGroupError, InProcessGroup
 from dcut_core import ragged
 from dcut_core.acceptance import Calibrator, survival, verify_outcomes
 from dcut_core.cost_model import StepShape
@@ -40,9 +40,6 @@ from dcut_core.pruning import DraftBatch, policy_from_name
 
 log = logging.getLogger(__name__)
 
-GATED_POLICIES = ("dcut",)  # policies whose engine also decides whether and how far to draft
-COSTED_POLICIES = ("dcut", "dcut-buckets", "oracle")
-
 
 class Engine:
     """The coordinator's logic, usable in-process (tests) or inside the `BatchCoordinator` actor."""
@@ -50,7 +47,6 @@ class Engine:
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
         self.policy = policy_from_name(cfg.policy, cfg.block, **cfg.dcut_options(cfg.policy))
-        self.policy_name = cfg.policy
         self.unit_pg = unit_placement_group() if cfg.unit_placement else None
         self.target = self._new_target()
         self.drafters = DrafterPool(cfg, self.unit_pg)
@@ -65,7 +61,7 @@ class Engine:
         self._profiled_drafter = False
         self._profile_drafter()
         self.cost = None
-        if cfg.policy in COSTED_POLICIES:
+        if self.policy.needs_cost_model:
             self.cost = online(startup_cost_model(self.target, cfg.target_dir, cfg.ep, cfg.threads_per_rank,
                                                   cfg.cost_model_cache))
         self.text_of = cfg.detokenizer()
@@ -77,11 +73,12 @@ class Engine:
         """Switch the pruning policy between runs (same engine, same drafter; benchmarks)."""
         if len(self.scheduler):
             raise RuntimeError("switch policies only while no request is in flight")
-        if name != "ar" and not self.drafters:
+        policy = policy_from_name(name, self.cfg.block, **self.cfg.dcut_options(name))
+        if policy.drafts and not self.drafters:
             raise ValueError("this engine was built without drafters (policy ar)")
-        self.policy, self.policy_name = policy_from_name(name, self.cfg.block, **self.cfg.dcut_options(name)), name
+        self.policy = policy
         self._profile_drafter()
-        if self.cost is None and name in COSTED_POLICIES:
+        if self.cost is None and policy.needs_cost_model:
             self.cost = online(startup_cost_model(self.target, self.cfg.target_dir, self.cfg.ep,
                                                   self.cfg.threads_per_rank, self.cfg.cost_model_cache))
 
@@ -191,9 +188,9 @@ class Engine:
             return np.zeros(0, dtype=np.int64)
         cap = np.array([max(0, min(self.cfg.block - 1, s.remaining - 1)) if self.drafters.drafting(s.rid) else 0
                         for s in batch])
-        if not self.drafters or self.policy_name == "ar":
+        if not self.drafters or not self.policy.drafts:
             return np.zeros(len(batch), dtype=np.int64)
-        if self.policy_name not in GATED_POLICIES or not self.cfg.drafting_gate:
+        if not self.policy.gated or not self.cfg.drafting_gate:
             return cap
         predicted = self.tracker.predict_batch([s.rid for s in batch], cap)
         context = sum(s.cached for s in batch)
@@ -232,7 +229,7 @@ class Engine:
         pos = ragged.positions(drafts.cu)
         p = self.calibrator.estimate(drafts.confidence, drafts.margin, pos)
         accepted_len = None
-        if self.policy_name == "oracle":
+        if self.policy.needs_truth:
             t_probe = time.perf_counter()
             accepted_len = self._oracle_lengths(batch, drafts)
             drafts.probe_seconds = time.perf_counter() - t_probe
@@ -255,7 +252,7 @@ class Engine:
         rows = [list(range(len(c))) for c in chunks] + [f.logit_rows for f in feeding]
         seqs = [*batch, *(f.seq for f in feeding)]
         sampling = [(s.params.temperature, s.params.top_p) for s in seqs]
-        capture = self.drafters.layers if self.policy_name != "ar" else ()
+        capture = self.drafters.layers if self.policy.drafts else ()
         return self.target.forward([s.rid for s in seqs], chunks + [f.tokens for f in feeding], logits=rows,
                                    capture_layers=capture,
                                    sampling=sampling if any(t > 0 for t, _ in sampling) else None,
@@ -301,7 +298,7 @@ class Engine:
             hidden.append({k: h[: 1 + int(accepted[i])] for k, h in out.captured[i].items()})
         live = [c for c in [*zip(batch, committed, held, hidden, strict=True), *((*f, None) for f in fed)]
                 if c[0].finish_reason is None]
-        if live and self.policy_name != "ar":  # plain decoding keeps no drafter state
+        if live and self.policy.drafts:  # plain decoding keeps no drafter state
             self.drafters.commit(*map(list, zip(*live, strict=True)), self.target)
         self._release(self.scheduler.finish_done())
         rec = StepRecord(len(batch), int(drafts.cu[-1]), int(kept.sum()), int(np.sum(accepted)), verify_tokens,
@@ -311,7 +308,7 @@ class Engine:
                          draft_compute_s=drafts.compute_seconds, prefill_tokens=prefill_tokens)
         self.history.append(rec)
         if self.step_log is not None:
-            self.step_log.write(self.policy_name, np.diff(drafts.cu), drafts.survival, kept, accepted, context,
+            self.step_log.write(self.policy.name, np.diff(drafts.cu), drafts.survival, kept, accepted, context,
                                 predicted, out.wall_s, drafts.seconds)
         return rec
 
@@ -319,7 +316,7 @@ class Engine:
 
     def _profile_drafter(self) -> None:
         """Seed the drafting gate's cost learner from a start-up profile of the drafter (once)."""
-        if self._profiled_drafter or self.policy_name not in GATED_POLICIES or not self.drafters:
+        if self._profiled_drafter or not self.policy.gated or not self.drafters:
             return
         m = self.model_cfg
         self.draft_cost = startup_draft_cost(self.replicas, m.hidden_size, self.drafters.layers, m.vocab_size,
@@ -327,6 +324,8 @@ class Engine:
         self._profiled_drafter = True
 
     def _new_target(self) -> EPGroup:
+        if self.cfg.single_process:
+            return InProcessGroup(self.cfg.ep_config())
         return EPGroup(self.cfg.ep_config(self.unit_pg))
 
     def _release(self, seqs: list[Sequence]) -> None:

@@ -11,9 +11,9 @@ import pathlib
 import time
 
 import numpy as np
-import ray
 
 from actors.engine.backlog import CatchUp
+from actors.inprocess import resolve
 from actors.target.config import MoEConfig
 from actors.target.profile import ProfileGrid, fit_profile, run_profile
 from dcut_core.cost_model import CostModel, OnlineCorrection
@@ -98,9 +98,9 @@ def profile_drafter(replica, hidden_size: int, layers: tuple[int, ...], vocab_si
                                                for k in layers} for _ in rids])
             for sent in (catchup, None):
                 t0 = time.perf_counter()
-                ray.get(replica.draft.remote(rids, last, [n] * r, sent))
+                resolve(replica.draft.remote(rids, last, [n] * r, sent))
                 samples.append((r, n * r, context * r if sent else 0, time.perf_counter() - t0))
-            ray.get(replica.release.remote(rids))
+            resolve(replica.release.remote(rids))
     return samples
 
 
@@ -110,8 +110,8 @@ def startup_draft_cost(replicas, hidden_size: int, layers: tuple[int, ...], voca
     drafting gate starts from measured costs instead of a guess."""
     learner = DraftCostLearner(PRIOR_DRAFT_COST)
     warm = CatchUp([-1], [[0] * 8], [{k: np.zeros((8, hidden_size), np.float16) for k in layers}])
-    ray.get(replicas[0].draft.remote([-1], [0], [1], warm))  # first call: lazy set-up, not timed
-    ray.get(replicas[0].release.remote([-1]))
+    resolve(replicas[0].draft.remote([-1], [0], [1], warm))  # first call: lazy set-up, not timed
+    resolve(replicas[0].release.remote([-1]))
     for r, p, c, sec in profile_drafter(replicas[0], hidden_size, layers, vocab_size, max_requests, block):
         learner.observe(r, p, sec, c)
     learner.refit()

@@ -19,8 +19,9 @@ from actors.drafter.base import DraftOutput
 from actors.engine.backlog import Backlog, CatchUp
 from actors.engine.config import EngineConfig
 from actors.engine.placement import in_bundle
-from actors.engine.replica import DrafterReplica
+from actors.engine.replica import Drafter, DrafterReplica
 from actors.engine.sequence import Sequence
+from actors.inprocess import InProcess, resolve
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +35,8 @@ class DrafterPool:
         self.cfg = cfg
         self.unit_pg = unit_pg
         self.spec = cfg.drafter_spec()
-        self.replicas = [self._new_replica(r) for r in range(cfg.drafters)] if cfg.policy != "ar" else []
-        self.layers: tuple[int, ...] = ray.get(self.replicas[0].target_layers.remote()) if self.replicas else ()
+        self.replicas = [self._new_replica(r) for r in range(cfg.drafters)] if cfg.drafts else []
+        self.layers: tuple[int, ...] = resolve(self.replicas[0].target_layers.remote()) if self.replicas else ()
         self.owner: dict[int, int] = {}  # request -> replica index, or ORPHAN
         self.backlog = Backlog(cfg.drafter_backlog_tokens, features=bool(self.layers))
         self.lost = {"drafter_replica_lost": 0, "drafter_context_lost": 0}
@@ -66,7 +67,7 @@ class DrafterPool:
         outs = {}
         for r, (idx, ref) in calls.items():
             try:
-                outs[r] = (idx, ray.get(ref))
+                outs[r] = (idx, resolve(ref))
             except ray.exceptions.RayActorError as exc:  # its requests go on without drafts
                 self._replace(r, exc)
         self._orphan_lost([rid for _, out in outs.values() for rid in out.lost])
@@ -105,11 +106,12 @@ class DrafterPool:
             self.admit(rid)
 
     def whereabouts(self) -> list[dict]:
-        return ray.get([r.whereabouts.remote() for r in self.replicas])
+        return resolve([r.whereabouts.remote() for r in self.replicas])
 
     def shutdown(self) -> None:
         for r in self.replicas:
-            ray.kill(r)
+            if not isinstance(r, InProcess):
+                ray.kill(r)
 
     # -- helpers ----------------------------------------------------------------------------------
 
@@ -121,6 +123,8 @@ class DrafterPool:
         return dataclasses.replace(catchup, sources=target.features(catchup.spans))
 
     def _new_replica(self, r: int):
+        if self.cfg.single_process:
+            return InProcess(Drafter(self.spec))
         opts = {"num_cpus": self.cfg.cpus_per_drafter}
         if self.unit_pg is not None:
             opts["scheduling_strategy"] = in_bundle(self.unit_pg, self.cfg.layout().drafter_bundle(r))

@@ -29,7 +29,8 @@ def rank_resources(ep: int, cores: int | None = None) -> tuple[int, float]:
 
 @dataclass(frozen=True)
 class UnitLayout:
-    """Bundles of one engine unit: [coordinator, rank × ep, drafter × drafters]."""
+    """Bundles of one engine unit: [coordinator, rank × ep, drafter × drafters]; or, single-process
+    (EP 1), one bundle holding all three, since they share the coordinator's process."""
 
     ep: int
     drafters: int
@@ -37,11 +38,19 @@ class UnitLayout:
     cpus_per_rank: float = 1.0
     gpus_per_rank: float = 0.0
     cpus_per_drafter: float = 0.5
+    single_process: bool = False
 
     def bundles(self) -> list[dict[str, float]]:
         rank = {"CPU": self.cpus_per_rank} | ({"GPU": self.gpus_per_rank} if self.gpus_per_rank else {})
+        if self.single_process:
+            return [rank | {"CPU": self.coordinator_cpus + self.cpus_per_rank + self.drafters * self.cpus_per_drafter}]
         return [{"CPU": self.coordinator_cpus}] + [dict(rank) for _ in range(self.ep)] + \
             [{"CPU": self.cpus_per_drafter} for _ in range(self.drafters)]
+
+    @property
+    def coordinator(self) -> dict[str, float]:
+        """What the coordinator's own process reserves (bundle 0)."""
+        return self.bundles()[0]
 
     def rank_bundle(self, rank: int) -> int:
         return 1 + rank

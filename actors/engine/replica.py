@@ -19,6 +19,7 @@ from actors.drafter.block import BlockDrafter
 from actors.drafter.model import DraftModel
 from actors.drafter.ngram import NgramDrafter
 from actors.engine.backlog import CatchUp
+from actors.inprocess import resolve
 from actors.ray_env import whereabouts
 from actors.target.config import MoEConfig
 
@@ -67,9 +68,9 @@ def build_drafter(spec: DrafterSpec):
     raise ValueError(f"unknown drafter {spec.kind!r}; choose block or ngram")
 
 
-@ray.remote
-class DrafterReplica:
-    """Holds a drafter and the per-request state it needs; drafts for the requests it is given."""
+class Drafter:
+    """Holds a drafter and the per-request state it needs; drafts for the requests it is given.
+    `DrafterReplica` is it as a Ray actor; the in-process engine calls it directly."""
 
     def __init__(self, spec: DrafterSpec) -> None:
         torch.set_num_threads(spec.threads)
@@ -103,7 +104,7 @@ class DrafterReplica:
         fetched: dict[int, dict] = {}
         if c.sources:
             try:
-                for part in ray.get(c.sources):
+                for part in resolve(c.sources):
                     fetched.update(part)
             except ray.exceptions.RayError as exc:  # a rank died, or did not hold a span
                 log.warning("drafter context of %d requests lost: %s", len(c.spans), str(exc).splitlines()[0])
@@ -123,3 +124,6 @@ class DrafterReplica:
     def whereabouts(self) -> dict[str, str | None]:
         """Node and placement group this replica runs in."""
         return whereabouts()
+
+
+DrafterReplica = ray.remote(Drafter)

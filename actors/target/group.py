@@ -5,6 +5,9 @@ nodes) — its own, or bundles `bundle_offset ..` of the engine unit's group whe
 (actors/engine/placement.py) — forms their torch.distributed group, assigns each request to one rank (data-parallel
 attention: that rank owns its KV cache) and fans every step out to all ranks.
 
+`InProcessGroup` is the same handle over one `TargetRank` in the caller's process (EP 1: the
+engine's step is then function calls).
+
 Failure model: the group is one unit. If any rank dies, or a step exceeds `step_timeout_s`, the
 step raises `EPGroupError` at once (without waiting for the survivors, which would sit in a
 collective), every actor of the group is killed, and the group refuses further work. A batch that
@@ -22,8 +25,9 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from actors.inprocess import InProcess
 from actors.target.moe import StepStats
-from actors.target.worker import BatchRejected, RankBatch, TargetWorker, WorkerSpec
+from actors.target.worker import BatchRejected, RankBatch, TargetRank, TargetWorker, WorkerSpec
 
 
 class EPGroupError(RuntimeError):
@@ -68,20 +72,19 @@ class EPGroup:
         self._broken: str | None = None
         self._owner: dict[int, int] = {}  # request -> rank holding its KV cache
         self._truncate: list[dict[int, int]] = [{} for _ in range(cfg.world)]  # per rank, sent with the next call
-        self.pg, self._owns_pg = self._reserve(cfg)
-        backend = "nccl" if cfg.gpus_per_rank else "gloo"
-        self.workers = [
-            TargetWorker.options(
-                num_cpus=cfg.cpus_per_rank, num_gpus=cfg.gpus_per_rank,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.pg, placement_group_bundle_index=cfg.bundle_offset + r),
-            ).remote(WorkerSpec(cfg.model_dir, r, cfg.world, cfg.threads_per_rank, cfg.kv_capacity_tokens,
-                                cfg.kv_block_size, cfg.group_timeout_s, backend,
-                                "cuda" if cfg.gpus_per_rank else "cpu"))
-            for r in range(cfg.world)
-        ]
-        master = ray.get(self.workers[0].master_address.remote(), timeout=cfg.start_timeout_s)
+        self.workers = self._start(cfg)
+        master = ray.get(self.workers[0].master_address.remote(), timeout=cfg.start_timeout_s) if cfg.world > 1 \
+            else None  # one rank: no process group
         self.ranks = self._gather([w.setup.remote(master) for w in self.workers], cfg.start_timeout_s)
+
+    def _start(self, cfg: EPConfig) -> list:
+        """The ranks: actors in the placement group (its own, or the unit's)."""
+        self.pg, self._owns_pg = self._reserve(cfg)
+        return [TargetWorker.options(num_cpus=cfg.cpus_per_rank, num_gpus=cfg.gpus_per_rank,
+                                     scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                         self.pg, placement_group_bundle_index=cfg.bundle_offset + r)
+                                     ).remote(_spec(cfg, r))
+                for r in range(cfg.world)]
 
     @staticmethod
     def _reserve(cfg: EPConfig) -> tuple[PlacementGroup, bool]:
@@ -263,3 +266,30 @@ class EPGroup:
         if self._owns_pg:  # the unit's group outlives this EP group: a rebuild reuses its bundles
             remove_placement_group(self.pg)
 
+
+class InProcessGroup(EPGroup):
+    """EP 1 in the caller's process: the same rank code, called directly. Nothing to reserve, no
+    process group, no Ray call per step; a rank's error raises as itself."""
+
+    def __init__(self, cfg: EPConfig) -> None:
+        if cfg.world != 1:
+            raise ValueError("an in-process target has one rank (EP 1)")
+        super().__init__(cfg)
+
+    def _start(self, cfg: EPConfig) -> list:
+        self.pg, self._owns_pg = None, False
+        return [InProcess(TargetRank(_spec(cfg, 0)))]
+
+    def _gather(self, results: list, timeout_s: float) -> list:
+        if self._broken:
+            raise EPGroupError(f"EP group is down: {self._broken}")
+        return results
+
+    def shutdown(self) -> None:
+        self.workers = []
+
+
+def _spec(cfg: EPConfig, rank: int) -> WorkerSpec:
+    return WorkerSpec(cfg.model_dir, rank, cfg.world, cfg.threads_per_rank, cfg.kv_capacity_tokens, cfg.kv_block_size,
+                      cfg.group_timeout_s, "nccl" if cfg.gpus_per_rank else "gloo",
+                      "cuda" if cfg.gpus_per_rank else "cpu")

@@ -1,4 +1,5 @@
-"""`TargetWorker`: one expert-parallel rank of the target, as a Ray actor.
+"""`TargetRank`: one expert-parallel rank of the target; `TargetWorker` is it as a Ray actor (the
+in-process engine calls a `TargetRank` directly).
 
 Each rank holds the dense weights, E/N experts, and the KV caches of the requests assigned to
 it (attention is data-parallel). Every forward is a collective: all ranks call it for the same
@@ -71,8 +72,7 @@ class RankResult:
     probs: np.ndarray | None = None  # [M, V] the target's sampling distribution, when any row samples
 
 
-@ray.remote
-class TargetWorker:
+class TargetRank:
     """One EP rank: its expert slice, the shared dense weights, and its requests' KV caches."""
 
     def __init__(self, spec: WorkerSpec) -> None:
@@ -181,6 +181,9 @@ class TargetWorker:
         return {"free_tokens": self.cache.free_tokens, "requests": len(self.cache.requests),
                 "lengths": {rid: self.cache.length(rid) for rid in self.cache.requests},
                 "feature_rows": self.features.rows}
+
+
+TargetWorker = ray.remote(TargetRank)
 
 
 def _num_experts(model_dir: str) -> int:

@@ -64,7 +64,7 @@ def test_losing_an_ep_ranks_node_rebuilds_the_group_elsewhere_and_requests_resum
 def test_losing_a_drafter_replicas_node_loses_no_request(cluster, tiny_bundle, reference, tmp_path, with_fault):
     cluster.add_node(num_cpus=1)  # room for the replacement replica
     cluster.wait_for_nodes()
-    eng = engine(tiny_bundle, tmp_path, ep=1)
+    eng = engine(tiny_bundle, tmp_path, ep=1, in_process=False)  # a drafter of its own, on its own node
     try:
         victim = node_of(eng.replicas[0])
         assert victim not in {r["node"] for r in eng.target.ranks}

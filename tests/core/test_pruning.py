@@ -298,3 +298,15 @@ def test_choose_kept_is_the_same_whether_the_cost_takes_arrays_or_ints(probs, fi
     vector = lambda n: fixed + per_token * np.maximum(np.asarray(n, dtype=np.float64) - knee, 0)  # noqa: E731
     scalar = lambda n: fixed + per_token * max(n - knee, 0)  # noqa: E731  (fails on arrays: per-count path)
     assert choose_kept(rows, vector).tolist() == choose_kept(rows, scalar).tolist()
+
+
+def test_policies_say_what_they_need_of_the_engine():
+    from dcut_core.pruning import policy_from_name
+
+    caps = {n: (p.drafts, p.needs_cost_model, p.gated, p.needs_truth)
+            for n in ("ar", "full", "fixed-4", "tetris", "dcut-buckets", "dcut", "oracle")
+            for p in [policy_from_name(n, 8)]}
+    assert caps == {"ar": (False, False, False, False), "full": (True, False, False, False),
+                    "fixed-4": (True, False, False, False), "tetris": (True, False, False, False),
+                    "dcut-buckets": (True, True, False, False), "dcut": (True, True, True, False),
+                    "oracle": (True, True, False, True)}

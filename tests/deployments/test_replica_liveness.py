@@ -33,7 +33,8 @@ def server(tiny_bundle, tmp_path_factory):
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     settings = ServeSettings(model_root=tiny_bundle, block=6, drafter="ngram", policy="full",
                              cost_model_cache=str(tmp_path_factory.mktemp("cache")), stall_timeout_s=2.0,
-                             health_check_period_s=1.0, graceful_shutdown_timeout_s=1.0)
+                             health_check_period_s=1.0, graceful_shutdown_timeout_s=1.0,
+                             in_process=False)  # the rank in its own process: freezing it stalls the loop alone
     serve.run(build_app(settings), name="live", route_prefix="/")
     yield
     serve.shutdown()
