@@ -30,7 +30,7 @@ lint: setup
 test: lint
 	$(BIN)/python -m pytest
 
-# The tables of docs/benchmarks.md and docs/simulate.md (about 40 minutes); bench-full is the
+# The tables of docs/benchmarks.md and docs/simulate.md (about 45 minutes); bench-full is the
 # whole sweep of issue #7 (every concurrency, every fixed-K, open loop; about an hour).
 E2E_POLICIES = ar,full,fixed-2,fixed-4,fixed-8,tetris,dcut-buckets,dcut,oracle
 bench: setup
@@ -38,6 +38,7 @@ bench: setup
 	$(BIN)/python benchmarks/ep_step.py --out runs/bench
 	$(BIN)/python benchmarks/drafter_block.py
 	$(BIN)/python benchmarks/call_overhead.py
+	$(BIN)/python benchmarks/peer.py --rounds 3 --out runs/peer
 	$(BIN)/dcut bench --ep 2 --concurrency 1,4,16,64 --policies $(E2E_POLICIES) --num-prompts 24 \
 		--max-tokens 48 --repeats 3 --out runs/bench_e2e
 	$(BIN)/python benchmarks/render_e2e.py runs/bench_e2e/results.json

@@ -393,7 +393,8 @@ def choose_kept(
 ) -> np.ndarray:
     """Exact D-Cut decision for plain inputs: kept counts [R] (int64).
 
-    survival: one 1-D array per request, non-increasing. verify_cost: total verify tokens
+    survival: one 1-D array per request, non-increasing (or a 2-D array: requests × drafts,
+    which skips the per-row conversion). verify_cost: total verify tokens
     (R + Σ kept) -> seconds. It is called once with an int64 array of every count the scan
     needs when it answers one with an array of the same shape (numpy arithmetic does), and
     otherwise once per count with a Python int. No guard and no step filling: this is the bare

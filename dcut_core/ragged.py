@@ -23,7 +23,9 @@ def offsets_from_lengths(lengths: Sequence[int] | np.ndarray) -> np.ndarray:
 
 
 def flatten(rows: Sequence[Sequence[float] | np.ndarray], dtype=np.float64) -> tuple[np.ndarray, np.ndarray]:
-    """Turn a list of 1-D rows into (flat [N], cu [R + 1])."""
+    """Turn a list of 1-D rows into (flat [N], cu [R + 1]). A 2-D array is R rows of equal length."""
+    if isinstance(rows, np.ndarray) and rows.ndim == 2:  # no per-row work
+        return rows.astype(dtype, copy=False).reshape(-1), np.arange(rows.shape[0] + 1, dtype=np.int64) * rows.shape[1]
     arrays = [np.asarray(r, dtype=dtype).reshape(-1) for r in rows]
     cu = offsets_from_lengths([len(a) for a in arrays])
     flat = np.concatenate(arrays) if arrays else np.zeros(0, dtype=dtype)

@@ -7,13 +7,21 @@ schedule → plan → propose → prune → verify → accept → postprocess.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
 import numpy as np
 
 from actors.engine.config import EngineConfig
-from actors.engine.costs import PRIOR_DRAFT_COST, DraftCostLearner, online, startup_cost_model, startup_draft_cost
+from actors.engine.costs import (
+    PRIOR_DRAFT_COST,
+    DraftCostLearner,
+    StepOverhead,
+    online,
+    startup_cost_model,
+    startup_draft_cost,
+)
 from actors.engine.drafters import DrafterPool
 from actors.engine.history import StepHistory
 from actors.engine.placement import unit_placement_group
@@ -57,13 +65,12 @@ class Engine:
         self.tracker = AcceptanceTracker(block=cfg.block)
         self.exploration = Exploration(cfg.explore_every, cfg.explore_requests, cfg.explore_warmup)
         self.draft_cost = DraftCostLearner(PRIOR_DRAFT_COST)
+        self.overhead = StepOverhead()
         self.model_cfg = MoEConfig.load(cfg.target_dir)
         self._profiled_drafter = False
         self._profile_drafter()
         self.cost = None
-        if self.policy.needs_cost_model:
-            self.cost = online(startup_cost_model(self.target, cfg.target_dir, cfg.ep, cfg.threads_per_rank,
-                                                  cfg.cost_model_cache))
+        self._start_cost_model()
         self.text_of = cfg.detokenizer()
         self.history = StepHistory()
         self.step_log = StepLog(cfg.step_log) if cfg.step_log else None
@@ -78,9 +85,7 @@ class Engine:
             raise ValueError("this engine was built without drafters (policy ar)")
         self.policy = policy
         self._profile_drafter()
-        if self.cost is None and policy.needs_cost_model:
-            self.cost = online(startup_cost_model(self.target, self.cfg.target_dir, self.cfg.ep,
-                                                  self.cfg.threads_per_rank, self.cfg.cost_model_cache))
+        self._start_cost_model()
 
     @property
     def degraded(self) -> dict[str, int]:
@@ -196,7 +201,8 @@ class Engine:
         context = sum(s.cached for s in batch)
         catchup = self.drafters.backlog.charged([s.rid for s in batch], predicted,
                                                 np.array([s.remaining for s in batch]))
-        plan = plan_drafts(predicted, self.cost.verify_curve(len(batch), context), self.draft_cost.cost,
+        draft_cost = dataclasses.replace(self.draft_cost.cost, fixed=self.draft_cost.cost.fixed + self.overhead.extra)
+        plan = plan_drafts(predicted, self.cost.verify_curve(len(batch), context), draft_cost,
                            self.cfg.max_budget, self.cfg.draft_slack, catchup, extend=self.cfg.draft_extend)
         if not plan.drafting:
             warming = self.tracker.observations < self.exploration.warmup  # priors only: learn fast
@@ -307,12 +313,21 @@ class Engine:
                          target_compute_s=max((st.total_s for st in out.rank_stats), default=0.0),
                          draft_compute_s=drafts.compute_seconds, prefill_tokens=prefill_tokens)
         self.history.append(rec)
+        if not feeding:  # what drafting adds outside the passes (prefill chunks would blur it)
+            self.overhead.observe(rec.drafted > 0, rec.step_s - rec.target_compute_s - rec.draft_s)
         if self.step_log is not None:
             self.step_log.write(self.policy.name, np.diff(drafts.cu), drafts.survival, kept, accepted, context,
                                 predicted, out.wall_s, drafts.seconds)
         return rec
 
     # -- helpers ----------------------------------------------------------------------------------
+
+    def _start_cost_model(self) -> None:
+        """The target's profiled step cost, once, for the policies that read it."""
+        c = self.cfg
+        if self.cost is None and self.policy.needs_cost_model:
+            self.cost = online(startup_cost_model(self.target, c.target_dir, c.ep, c.threads_per_rank,
+                                                  c.cost_model_cache, c.single_process))
 
     def _profile_drafter(self) -> None:
         """Seed the drafting gate's cost learner from a start-up profile of the drafter (once)."""

@@ -25,21 +25,23 @@ log = logging.getLogger(__name__)
 STARTUP_GRID = ProfileGrid(requests=(1, 8, 32), tokens_per_request=(1, 4, 8, 16), contexts=(64,), repeats=1)
 
 
-def deployment_key(target_dir: str, ep: int, threads: int) -> str:
-    """Cache key of a profile: the model's config and weights' size, EP size and threads."""
+def deployment_key(target_dir: str, ep: int, threads: int, in_process: bool = False) -> str:
+    """Cache key of a profile: the model's config and weights' size, EP size, threads, and whether
+    the rank runs in the caller's process (a Ray call per step is part of what is measured)."""
     path = pathlib.Path(target_dir)
     config = (path / "config.json").read_text()
     sizes = sorted((f.name, f.stat().st_size) for f in path.glob("*.safetensors"))
-    raw = json.dumps([config, sizes, ep, threads])
+    raw = json.dumps([config, sizes, ep, threads] + (["in-process"] if in_process else []))
     return hashlib.sha1(raw.encode()).hexdigest()[:16]
 
 
-def startup_cost_model(target, target_dir: str, ep: int, threads: int, cache_dir: str | None) -> CostModel:
+def startup_cost_model(target, target_dir: str, ep: int, threads: int, cache_dir: str | None,
+                       in_process: bool = False) -> CostModel:
     """Load the cached profile of this deployment shape, or profile now (a few seconds) and cache it."""
     cfg = MoEConfig.load(target_dir)
     cache = None
     if cache_dir:
-        cache = pathlib.Path(cache_dir) / f"cost_model_{deployment_key(target_dir, ep, threads)}.json"
+        cache = pathlib.Path(cache_dir) / f"cost_model_{deployment_key(target_dir, ep, threads, in_process)}.json"
     if cache is not None and cache.exists():
         return CostModel.from_json(cache.read_text())
     samples = run_profile(target, STARTUP_GRID, cfg.vocab_size)
@@ -117,6 +119,30 @@ def startup_draft_cost(replicas, hidden_size: int, layers: tuple[int, ...], voca
     learner.refit()
     log.info("profiled the drafter at start-up: %s", learner.cost)
     return learner
+
+
+class StepOverhead:
+    """Time a step spends outside the target's forward and the drafting stage, for drafting steps
+    and plain ones apart (running means, then a half-life). What drafting adds to it — pruning,
+    calibration, the tracker, the drafters' context bookkeeping — is a cost of drafting as real as
+    the drafter's pass, and the gate charges it (`extra`) per drafting step."""
+
+    def __init__(self, halflife_steps: float = 50.0) -> None:
+        self.decay = 0.5 ** (1.0 / halflife_steps)
+        self.mean: dict[bool, float] = {}
+        self.count: dict[bool, int] = {True: 0, False: 0}
+
+    def observe(self, drafting: bool, seconds: float) -> None:
+        self.count[drafting] += 1
+        alpha = max(1.0 - self.decay, 1.0 / self.count[drafting])
+        self.mean[drafting] = self.mean.get(drafting, seconds) + alpha * (seconds - self.mean.get(drafting, seconds))
+
+    @property
+    def extra(self) -> float:
+        """Seconds a drafting step spends outside the passes beyond a plain one (0 until both seen)."""
+        if True not in self.mean or False not in self.mean:
+            return 0.0
+        return max(0.0, self.mean[True] - self.mean[False])
 
 
 def online(model: CostModel) -> OnlineCorrection:

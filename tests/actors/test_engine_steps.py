@@ -155,3 +155,19 @@ def test_backlog_holds_tokens_rows_and_feature_spans_and_sends_past_its_limit():
     tokens_only = Backlog(features=False)  # an n-gram drafter needs no features
     tokens_only.add(1, [4], 5)
     assert tokens_only.take([1]).spans == {}
+
+
+def test_step_overhead_charges_what_drafting_adds_outside_the_passes():
+    from actors.engine.costs import StepOverhead
+
+    o = StepOverhead(halflife_steps=10)
+    assert o.extra == 0.0
+    for _ in range(5):
+        o.observe(False, 0.001)
+    assert o.extra == 0.0  # no drafting step seen yet
+    for _ in range(5):
+        o.observe(True, 0.004)
+    assert abs(o.extra - 0.003) < 1e-12
+    for _ in range(200):
+        o.observe(True, 0.0005)  # drafting became cheaper than plain steps' bookkeeping: never negative
+    assert o.extra == 0.0

@@ -310,3 +310,14 @@ def test_policies_say_what_they_need_of_the_engine():
                     "fixed-4": (True, False, False, False), "tetris": (True, False, False, False),
                     "dcut-buckets": (True, True, False, False), "dcut": (True, True, True, False),
                     "oracle": (True, True, False, True)}
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 5), st.integers(0, 5), st.integers(0, 2**31))
+def test_a_2d_array_flattens_as_its_rows(r, k, seed):
+    from dcut_core.ragged import flatten
+
+    x = np.random.default_rng(seed).random((r, k))
+    flat, cu = flatten(x)
+    ref_flat, ref_cu = flatten(list(x))
+    assert np.array_equal(flat, ref_flat) and np.array_equal(cu, ref_cu)
