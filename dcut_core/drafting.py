@@ -228,3 +228,44 @@ class Exploration:
         mask = np.zeros(batch, dtype=np.int64)
         mask[(start + np.arange(k)) % batch] = 1
         return mask
+
+
+@dataclass
+class DraftingGate:
+    """The drafting gate as one object: before the drafters run, how many drafts each request of
+    the step gets (0: none; all 0: a plain decoding step). It predicts acceptance (`tracker`),
+    charges each request's catch-up, plans with `plan_drafts`, and, when drafting does not pay,
+    still explores on its own schedule (`exploration`). Pure: the caller hands it the step's
+    costs and the backlog sizes, so it is tested in microseconds and replayed from a step log."""
+
+    tracker: AcceptanceTracker
+    exploration: Exploration
+    max_budget: int | None = None
+    slack: int = 2
+    extend: bool = True
+
+    def decide(self, rids: list[int], caps: np.ndarray, remaining: np.ndarray, backlog: np.ndarray,
+               verify: StepCost, draft: DraftCost) -> np.ndarray:
+        """Drafts [R] to ask for. caps: the most each request may draft; remaining: tokens each may
+        still emit; backlog: tokens each request's drafter has yet to catch up on."""
+        predicted = self.tracker.predict_batch(rids, caps)
+        charge = self.catch_up_charge(predicted, np.asarray(backlog, dtype=np.float64), remaining)
+        plan = plan_drafts(predicted, verify, draft, self.max_budget, self.slack, charge, extend=self.extend)
+        if not plan.drafting:
+            probe = self.exploration.probe(len(rids), self.tracker.observations < self.exploration.warmup)
+            if probe is not None:
+                return np.asarray(caps, dtype=np.int64) * probe
+        for rid, n in zip(rids, plan.lengths, strict=True):
+            if n == 0:
+                self.tracker.skipped(rid)
+        return plan.lengths
+
+    @staticmethod
+    def catch_up_charge(predicted: list[np.ndarray], backlog: np.ndarray, remaining: np.ndarray) -> np.ndarray:
+        """Tokens of catch-up charged to this step: each request's backlog in proportion to the
+        share of its remaining output the step may commit (1 + Σ predicted survival over
+        `remaining`). Catching up is paid once and serves every later drafting step; charged in
+        full, it would grow each step a request does not draft and keep it from ever drafting."""
+        flat, cu = ragged.flatten(predicted)
+        expected = 1.0 + ragged.segment_sums(ragged.segment_cumprod(flat, cu), cu)
+        return backlog * np.minimum(1.0, expected / np.maximum(1.0, np.asarray(remaining, dtype=np.float64)))

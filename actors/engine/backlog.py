@@ -23,8 +23,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dcut_core import ragged
-
 
 @dataclass(frozen=True)
 class CatchUp:
@@ -98,17 +96,6 @@ class Backlog:
                 out.spans[rid] = (p.start + p.held_here, p.end)
             p.tokens, p.hidden, p.start = [], {}, p.end
         return out if out.rids else None
-
-    def charged(self, rids: list[int], predicted: list[np.ndarray], remaining: np.ndarray) -> np.ndarray:
-        """Tokens each request's drafter would catch up on, charged to this step only in
-        proportion to the share of its remaining output the step may commit (1 + Σ predicted
-        survival over `remaining`): catching up is paid once and serves every later drafting
-        step. (Charged in full, it grows each step a request does not draft, and keeps it from
-        ever drafting.)"""
-        flat, cu = ragged.flatten(predicted)
-        expected = 1.0 + ragged.segment_sums(ragged.segment_cumprod(flat, cu), cu)
-        backlog = np.array([self.size(rid) for rid in rids], dtype=np.float64)
-        return backlog * np.minimum(1.0, expected / np.maximum(1.0, remaining))
 
     def size(self, rid: int) -> int:
         """Tokens request rid's drafter has yet to receive."""

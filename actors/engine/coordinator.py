@@ -43,7 +43,7 @@ from actors.target.group import EPGroup, EPGroupError, InProcessGroup
 from dcut_core import ragged
 from dcut_core.acceptance import Calibrator, survival, verify_outcomes
 from dcut_core.cost_model import StepShape
-from dcut_core.drafting import AcceptanceTracker, Exploration, plan_drafts
+from dcut_core.drafting import AcceptanceTracker, DraftingGate, Exploration
 from dcut_core.pruning import DraftBatch, policy_from_name
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,8 @@ class Engine:
         self.scheduler = Scheduler(cfg.max_running)
         self.calibrator = Calibrator(block=cfg.block)
         self.tracker = AcceptanceTracker(block=cfg.block)
-        self.exploration = Exploration(cfg.explore_every, cfg.explore_requests, cfg.explore_warmup)
+        self.gate = DraftingGate(self.tracker, Exploration(cfg.explore_every, cfg.explore_requests, cfg.explore_warmup),
+                                 cfg.max_budget, cfg.draft_slack, cfg.draft_extend)
         self.draft_cost = DraftCostLearner(PRIOR_DRAFT_COST)
         self.overhead = StepOverhead()
         self.model_cfg = MoEConfig.load(cfg.target_dir)
@@ -197,22 +198,11 @@ class Engine:
             return np.zeros(len(batch), dtype=np.int64)
         if not self.policy.gated or not self.cfg.drafting_gate:
             return cap
-        predicted = self.tracker.predict_batch([s.rid for s in batch], cap)
-        context = sum(s.cached for s in batch)
-        catchup = self.drafters.backlog.charged([s.rid for s in batch], predicted,
-                                                np.array([s.remaining for s in batch]))
+        rids = [s.rid for s in batch]
         draft_cost = dataclasses.replace(self.draft_cost.cost, fixed=self.draft_cost.cost.fixed + self.overhead.extra)
-        plan = plan_drafts(predicted, self.cost.verify_curve(len(batch), context), draft_cost,
-                           self.cfg.max_budget, self.cfg.draft_slack, catchup, extend=self.cfg.draft_extend)
-        if not plan.drafting:
-            warming = self.tracker.observations < self.exploration.warmup  # priors only: learn fast
-            probe = self.exploration.probe(len(batch), warming)
-            if probe is not None:
-                return cap * probe
-        for s, n in zip(batch, plan.lengths, strict=True):
-            if n == 0:
-                self.tracker.skipped(s.rid)
-        return plan.lengths
+        return self.gate.decide(rids, cap, np.array([s.remaining for s in batch]),
+                                np.array([self.drafters.backlog.size(r) for r in rids]),
+                                self.cost.verify_curve(len(batch), sum(s.cached for s in batch)), draft_cost)
 
     def propose(self, batch: list[Sequence], lengths: np.ndarray) -> Drafts:
         """Every replica drafts for its shard in parallel; gathered into one ragged batch."""

@@ -210,3 +210,35 @@ def test_exploration_probes_every_step_while_warming_and_never_more_requests_tha
     masks = [ex.probe(3, warming=True) for _ in range(5)]
     assert all(m is not None and m.sum() == 3 for m in masks)
     assert ex.probe(0, warming=True) is None
+
+
+def gate(**kw):
+    from dcut_core.drafting import DraftingGate, Exploration
+
+    return DraftingGate(AcceptanceTracker(block=8), Exploration(every=50, requests=2, warmup=0), **kw)
+
+
+def test_gate_drafts_when_it_pays_and_not_when_it_does_not():
+    g = gate()
+    for _ in range(30):
+        g.tracker.observe(0, 7, 7)  # request 0 accepts everything
+    flat = StepCost(lambda n: np.full(len(n), 0.01), 0.0)
+    cheap, dear = DraftCost(1e-4, 0.0, 1e-5), DraftCost(1.0, 0.0, 0.0)
+    caps = np.array([7, 7])
+    assert g.decide([0, 1], caps, np.array([40, 40]), np.zeros(2), flat, cheap)[0] > 0
+    lengths = g.decide([0, 1], caps, np.array([40, 40]), np.zeros(2), flat, dear)
+    assert lengths.tolist() in ([0, 0], [7, 7])  # plain decoding, or the exploring step of its schedule
+
+
+def test_gate_explores_on_its_own_schedule_and_charges_catch_up_by_remaining_share():
+    g = gate(slack=0, extend=False)
+    dear = DraftCost(1.0, 0.0, 0.0)
+    flat = StepCost(lambda n: np.full(len(n), 0.01), 0.0)
+    caps = np.array([3, 3, 3])
+    first = g.decide([0, 1, 2], caps, np.full(3, 9), np.zeros(3), flat, dear)
+    assert first.tolist() == [3, 3, 0]  # step 0 of the schedule explores, two requests
+    assert g.decide([0, 1, 2], caps, np.full(3, 9), np.zeros(3), flat, dear).tolist() == [0, 0, 0]
+    # The catch-up charge: backlog × min(1, (1 + Σ predicted survival) / remaining).
+    predicted = [np.array([0.5, 0.5]), np.array([0.5, 0.5]), np.array([0.5])]
+    charge = g.catch_up_charge(predicted, np.array([10.0, 10.0, 10.0]), np.array([1, 3, 100]))
+    assert np.allclose(charge, [10.0, 10.0 * 1.75 / 3, 10.0 * 1.5 / 100])
