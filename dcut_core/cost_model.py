@@ -231,10 +231,13 @@ class OnlineCorrection:
     observed: int = 0
     samples: list[tuple[StepShape, float]] = field(default_factory=list)
 
-    def observe(self, shape: StepShape, seconds: float) -> None:
+    def observe(self, shape: StepShape, seconds: float) -> float:
+        """Learn from one measured step; returns the prediction for it made before learning
+        (what `predict(shape)` said), so a caller that records both predicts once."""
         predicted = self.model.predict(shape)
+        before = self.scale * predicted
         if predicted <= 0 or seconds <= 0:
-            return
+            return before
         # A running mean over the first observations, then the half-life: a start-up profile
         # that is off (other processes share the cores) is corrected from the first step on.
         alpha = max(1.0 - 0.5 ** (1.0 / self.halflife_steps), 1.0 / (self.observed + 1))
@@ -243,6 +246,7 @@ class OnlineCorrection:
         self.samples.append((shape, seconds))
         if len(self.samples) > self.keep:
             del self.samples[: len(self.samples) - self.keep]
+        return before
 
     @property
     def scale(self) -> float:

@@ -278,9 +278,11 @@ class Engine:
         prefill_tokens = sum(len(f.tokens) for f in feeding)
         shape = StepShape(len(batch) + len(feeding), verify_tokens + prefill_tokens,
                           context + sum(f.start for f in feeding))
-        predicted = self.cost.predict(shape) if self.cost else float("nan")
+        predicted = float("nan")
         if self.cost and not feeding:  # the correction learns verification steps (pruning's curve)
-            self.cost.observe(shape, out.wall_s)
+            predicted = self.cost.observe(shape, out.wall_s)
+        elif self.cost:
+            predicted = self.cost.predict(shape)
         committed, held, hidden = [], [], []
         for i, s in enumerate(batch):
             beyond = drafts.estimate[drafts.cu[i] + kept[i]:drafts.cu[i + 1]] if drafts.estimate is not None else None

@@ -155,3 +155,11 @@ def test_online_correction_trusts_its_first_measurements_fully():
     for _ in range(500):
         online.observe(s, 2.0 * truth.predict(s))
     assert online.scale == pytest.approx(2.0, rel=1e-3)
+
+
+def test_online_observe_returns_the_prediction_it_made_before_learning():
+    online = OnlineCorrection(preset(TINY_MOE, "cpu", ep=2))
+    shape = StepShape(4, 8, 256)
+    before = online.predict(shape)
+    assert online.observe(shape, 3 * before) == before
+    assert online.predict(shape) > before  # it learned
