@@ -151,9 +151,10 @@ class Ingress:
         try:
             return schema.model_validate(data)
         except ValidationError as exc:
-            first = exc.errors()[0]
+            first = max(exc.errors(), key=lambda e: len(e["loc"]))  # of a union's branches, the deepest says most
             where = ".".join(str(p) for p in first["loc"])
-            raise ApiError(400, f"{where}: {first['msg']}", param=where) from None
+            message = f"{where}: {first['msg']}" if where else first["msg"].removeprefix("Value error, ")
+            raise ApiError(400, message, param=where or None) from None
 
     def _validate(self, body, prompts: list[str]) -> tuple[list[list[int]], SamplingParams]:
         s = self.settings
@@ -175,7 +176,7 @@ class Ingress:
             raise ApiError(400, f"at most {s.max_stop} non-empty stop strings", param="stop")
         try:
             params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                                    seed=body.seed, stop=stops)
+                                    seed=body.seed, stop=stops, ignore_eos=body.ignore_eos)
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
         return ids, params

@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, model_validator
 
 # Strict scalars: a JSON true is not the integer 1, "0.5" is not a number, 2.5 is not an integer
 # (ints are still numbers). Any integer size is accepted; the range checks say what fits.
@@ -25,11 +25,25 @@ Text = Annotated[str, AfterValidator(_unicode)]
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: StrictBool = False
+    continuous_usage_stats: Literal[False] = False  # usage in every chunk: not implemented yet
+
+
+# OpenAI fields this server does not implement yet: accepted at their neutral value (what a
+# client sends when it does not use the feature), refused with a 400 naming the field otherwise.
+# A field in neither this table nor the schema is refused too: nothing a client sends is ignored.
+NOT_IMPLEMENTED: dict[str, tuple] = {
+    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
+    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
+    "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none"),
+    "functions": (None, []), "function_call": (None, "none"), "best_of": (None, 1), "suffix": (None, ""),
+}
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # unknown OpenAI fields are accepted and ignored
+    model_config = ConfigDict(extra="forbid")  # an unknown field is a 400 that names it, never ignored
 
     model: str
     max_tokens: StrictInt | None = Field(None, ge=1)
@@ -42,6 +56,20 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     n: StrictInt = Field(1, ge=1, le=1)
     user: str | None = None
+    ignore_eos: StrictBool = Field(False, description="extension: generate max_tokens tokens, past the EOS token")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _not_implemented(cls, data):
+        """Drop not-yet-implemented OpenAI fields at their neutral value; refuse any other value."""
+        if isinstance(data, dict):
+            for name in NOT_IMPLEMENTED.keys() & data.keys():
+                value = data[name]
+                neutral = (value == n and isinstance(value, bool) == isinstance(n, bool) for n in NOT_IMPLEMENTED[name])
+                if not any(neutral):
+                    raise ValueError(f"{name}: not supported by this server yet (got {str(value)[:60]})")
+            data = {k: v for k, v in data.items() if k not in NOT_IMPLEMENTED}
+        return data
 
     def stops(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -53,9 +81,20 @@ class CompletionRequest(_Common):
     prompt: Text | list[Text]
 
 
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: Text
+
+
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: Text
+    content: Text | list[TextPart]  # a string, or text parts as many clients send (other parts: 400)
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
 class ChatRequest(_Common):
@@ -78,7 +117,7 @@ def now() -> int:
 
 def chat_prompt(messages: list[ChatMessage]) -> str:
     """The demo model has no chat template of its own: role-tagged lines, then the assistant's turn."""
-    return "".join(f"<|{m.role}|>\n{m.content}\n" for m in messages) + "<|assistant|>\n"
+    return "".join(f"<|{m.role}|>\n{m.text}\n" for m in messages) + "<|assistant|>\n"
 
 
 def publish_request_bodies(app, bodies: dict[str, type[BaseModel]]) -> None:

@@ -68,11 +68,12 @@ def test_an_error_mid_stream_arrives_in_band_and_ends_the_stream(fake):
 def test_the_engine_receives_one_typed_request(fake):
     client = openai.OpenAI(base_url=f"{BASE}/v1", api_key="unused", max_retries=0)
     out = client.completions.create(model="dcut-demo", prompt="w7 w8", max_tokens=3, temperature=0.5, seed=-9,
-                                    stop=["zz"])
+                                    stop=["zz"], extra_body={"ignore_eos": True})
     assert out.choices[0].text == " w7 w8 w7" and out.usage.completion_tokens == 3
     req = fake.last_request.remote().result()
     assert req.prompt == [7, 8] and req.resume == []
     assert (req.params.max_tokens, req.params.temperature, req.params.seed, req.params.stop) == (3, 0.5, -9, ("zz",))
+    assert req.params.ignore_eos
 
 
 def test_health_is_the_engines(fake):

@@ -319,3 +319,29 @@ def test_each_engine_unit_is_one_placement_group(server):
         assert len(pgs) == 1 and None not in pgs
         groups.append(pgs.pop())
     assert groups[0] != groups[1]
+
+
+def test_chat_content_as_text_parts_is_the_same_conversation(client):
+    plain = client.chat.completions.create(model="dcut-demo", max_tokens=6, temperature=0,
+                                           messages=[{"role": "user", "content": "w9 w10 w11"}])
+    parts = client.chat.completions.create(model="dcut-demo", max_tokens=6, temperature=0, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "w9 w10"}, {"type": "text", "text": " w11"}]}])
+    assert parts.choices[0].message.content == plain.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="type"):
+        client.chat.completions.create(model="dcut-demo", max_tokens=2, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}])
+
+
+@pytest.mark.parametrize(("field", "value"), [("logprobs", 2), ("presence_penalty", 0.5), ("logit_bias", {"5": 10}),
+                                              ("echo", True), ("best_of", 3), ("suffix", "w1"), ("x_unknown", 1)])
+def test_unimplemented_or_unknown_fields_are_refused_by_name_never_ignored(client, field, value):
+    with pytest.raises(openai.BadRequestError, match=field):
+        client.completions.create(model="dcut-demo", prompt="w1 w2", max_tokens=2, extra_body={field: value})
+    assert_still_serving(client)
+
+
+def test_unimplemented_fields_at_their_neutral_value_and_ignore_eos_are_accepted(client):
+    out = client.completions.create(model="dcut-demo", prompt="w1 w2", max_tokens=2, temperature=0, logprobs=None,
+                                    presence_penalty=0.0, frequency_penalty=0, echo=False, best_of=1,
+                                    extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 2
