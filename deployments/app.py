@@ -105,8 +105,7 @@ class Ingress:
         try:
             self._authorize(request)
             body = await self._parse(request, schema)
-            prompts = [chat_prompt(body.messages)] if chat else \
-                ([body.prompt] if isinstance(body.prompt, str) else list(body.prompt))
+            prompts = [chat_prompt(body.messages)] if chat else body.prompts()
             ids, params = self._validate(body, prompts)
             if body.stream:
                 if len(ids) != 1:
@@ -156,14 +155,18 @@ class Ingress:
             message = f"{where}: {first['msg']}" if where else first["msg"].removeprefix("Value error, ")
             raise ApiError(400, message, param=where or None) from None
 
-    def _validate(self, body, prompts: list[str]) -> tuple[list[list[int]], SamplingParams]:
+    def _validate(self, body, prompts: list[str | list[int]]) -> tuple[list[list[int]], SamplingParams]:
         s = self.settings
         if body.model != s.model_name:
             raise ApiError(404, f"model {body.model!r} does not exist; this server has {s.model_name!r}",
                            code="model_not_found", param="model")
-        ids = [self.tokenizer.encode(p).ids for p in prompts]
-        if not prompts or any(not p.strip() or not i for p, i in zip(prompts, ids, strict=True)):
+        ids = [self.tokenizer.encode(p).ids if isinstance(p, str) else p for p in prompts]
+        if not prompts or any(not i or (isinstance(p, str) and not p.strip()) for p, i in zip(prompts, ids,
+                                                                                             strict=True)):
             raise ApiError(400, "prompt must not be empty", param="prompt")
+        vocab = self.tokenizer.get_vocab_size()
+        if any(t < 0 or t >= vocab for i in ids for t in i):
+            raise ApiError(400, f"prompt: token ids must be in [0, {vocab})", param="prompt")
         if max(len(i) for i in ids) > s.max_prompt_tokens:
             raise ApiError(400, f"prompt has {max(len(i) for i in ids)} tokens; the limit is {s.max_prompt_tokens}",
                            code="context_length_exceeded", param="prompt")

@@ -78,7 +78,15 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: Text | list[Text]
+    # Text, several texts, token ids (scoring clients send them), or several lists of token ids.
+    prompt: Text | list[Text] | list[StrictInt] | list[list[StrictInt]]
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the request: a text, or token ids."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
 
 
 class TextPart(BaseModel):

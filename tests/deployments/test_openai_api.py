@@ -345,3 +345,16 @@ def test_unimplemented_fields_at_their_neutral_value_and_ignore_eos_are_accepted
                                     presence_penalty=0.0, frequency_penalty=0, echo=False, best_of=1,
                                     extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == 2
+
+
+def test_prompts_as_token_ids_and_several_prompts(client, reference):
+    one = client.completions.create(model="dcut-demo", prompt=PROMPT_IDS, max_tokens=12, temperature=0)
+    assert one.choices[0].text.strip() == words(reference)
+    assert one.usage.prompt_tokens == len(PROMPT_IDS)
+    many = client.completions.create(model="dcut-demo", prompt=[PROMPT_IDS, [9, 10, 11]], max_tokens=12,
+                                     temperature=0)
+    assert [c.index for c in many.choices] == [0, 1]
+    assert many.choices[0].text.strip() == words(reference)
+    for bad in ([], [[]], [5, 10**6], [5, -1]):
+        with pytest.raises(openai.BadRequestError, match="prompt"):
+            client.completions.create(model="dcut-demo", prompt=bad, max_tokens=2)
