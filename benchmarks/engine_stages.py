@@ -17,7 +17,7 @@ import os
 import pstats
 import time
 
-STAGES = ("schedule", "plan", "propose", "prune", "verify", "accept", "postprocess", "_release")
+STAGES = ("schedule", "plan", "propose", "prune", "verify", "accept", "commit", "_release")
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 lossless verification. `actors/engine/actor.py` wraps it as the `BatchCoordinator` Ray actor.
 
 One decode step is the list in DESIGN.md, one method per stage:
-schedule → plan → propose → prune → verify → accept → postprocess.
+schedule → plan → propose → prune → verify → accept → commit, handing a `Step` along.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from actors.engine.sequence import SamplingParams, Scheduler, Sequence, Status
 from actors.engine.stages import (
     Drafts,
     Feed,
+    Step,
     StepRecord,
     accept_tokens,
     advance_prefill,
@@ -134,13 +135,13 @@ class Engine:
             batch, feeding = self.schedule()
             if not batch and not feeding:
                 return None
-            t0 = time.perf_counter()
-            lengths = self.plan(batch)
-            drafts = self.propose(batch, lengths)
-            kept = self.prune(batch, drafts)
-            out = self.verify(batch, drafts, kept, feeding)
-            accepted, emitted = self.accept(batch, drafts, kept, out)
-            return self.postprocess(batch, drafts, kept, out, accepted, emitted, feeding, t0)
+            st = Step(batch, feeding, time.perf_counter(), sum(s.cached for s in batch))
+            st.lengths = self.plan(batch)
+            st.drafts = self.propose(batch, st.lengths)
+            st.kept = self.prune(batch, st.drafts)
+            st.out = self.verify(batch, st.drafts, st.kept, feeding)
+            st.accepted, st.emitted = self.accept(batch, st.drafts, st.kept, st.out)
+            return self.commit(st)
         except EPGroupError as exc:  # nothing of this step was committed: rebuild and go on
             self.recover_target(exc)
             return None
@@ -263,53 +264,64 @@ class Engine:
     def accept(self, batch: list[Sequence], drafts: Drafts, kept: np.ndarray, out):
         return accept_tokens(batch, drafts, kept, out)
 
-    def postprocess(self, batch, drafts: Drafts, kept, out, accepted, emitted, feeding: list[Feed],
-                    t0: float) -> StepRecord:
+    def commit(self, st: Step) -> StepRecord:
         """Roll back rejected KV, learn from the outcome, commit tokens (decoded, and the first
-        tokens of prompts whose prefill ended), retire finished requests."""
-        self.target.truncate({s.rid: s.cached + 1 + int(a) for s, a in zip(batch, accepted, strict=True)})
-        fed = advance_prefill(feeding, out, len(batch), self.scheduler, self.eos, self.text_of)
-        idx, ok = verify_outcomes(drafts.cu, kept, accepted)
-        if len(idx):
-            pos = ragged.positions(drafts.cu)[idx]
-            self.calibrator.observe(drafts.confidence[idx], drafts.margin[idx], pos, ok)
-        verify_tokens = int(len(batch) + kept.sum())
-        context = sum(s.cached for s in batch)
-        prefill_tokens = sum(len(f.tokens) for f in feeding)
-        shape = StepShape(len(batch) + len(feeding), verify_tokens + prefill_tokens,
-                          context + sum(f.start for f in feeding))
-        predicted = float("nan")
-        if self.cost and not feeding:  # the correction learns verification steps (pruning's curve)
-            predicted = self.cost.observe(shape, out.wall_s)
-        elif self.cost:
-            predicted = self.cost.predict(shape)
+        tokens of prompts whose prefill ended), retire finished requests, record the step."""
+        batch = st.batch
+        self.target.truncate({s.rid: s.cached + 1 + int(a) for s, a in zip(batch, st.accepted, strict=True)})
+        fed = advance_prefill(st.feeding, st.out, len(batch), self.scheduler, self.eos, self.text_of)
+        predicted = self._learn(st)
         committed, held, hidden = [], [], []
         for i, s in enumerate(batch):
-            beyond = drafts.estimate[drafts.cu[i] + kept[i]:drafts.cu[i + 1]] if drafts.estimate is not None else None
-            self.tracker.observe(s.rid, int(kept[i]), int(accepted[i]), beyond)
             s.steps += 1
-            s.drafted.append(int(drafts.cu[i + 1] - drafts.cu[i]))
-            s.kept.append(int(kept[i]))
-            s.accepted.append(int(accepted[i]))
-            committed.append(self.scheduler.append(s, emitted[i], self.eos, self.text_of))
+            s.drafted.append(int(st.drafts.cu[i + 1] - st.drafts.cu[i]))
+            s.kept.append(int(st.kept[i]))
+            s.accepted.append(int(st.accepted[i]))
+            committed.append(self.scheduler.append(s, st.emitted[i], self.eos, self.text_of))
             held.append(s.cached)  # its features exist up to here: on its rank, or here (drafted this step)
-            hidden.append({k: h[: 1 + int(accepted[i])] for k, h in out.captured[i].items()})
+            hidden.append({k: h[: 1 + int(st.accepted[i])] for k, h in st.out.captured[i].items()})
         live = [c for c in [*zip(batch, committed, held, hidden, strict=True), *((*f, None) for f in fed)]
                 if c[0].finish_reason is None]
         if live and self.policy.drafts:  # plain decoding keeps no drafter state
             self.drafters.commit(*map(list, zip(*live, strict=True)), self.target)
         self._release(self.scheduler.finish_done())
-        rec = StepRecord(len(batch), int(drafts.cu[-1]), int(kept.sum()), int(np.sum(accepted)), verify_tokens,
-                         predicted, out.wall_s, drafts.seconds, drafts.decision_seconds, drafts.probe_seconds,
-                         step_s=time.perf_counter() - t0,
-                         target_compute_s=max((st.total_s for st in out.rank_stats), default=0.0),
-                         draft_compute_s=drafts.compute_seconds, prefill_tokens=prefill_tokens)
+        return self._record(st, predicted)
+
+    def _learn(self, st: Step) -> float:
+        """Calibration, the acceptance tracker and the cost model's correction learn from the
+        step; returns the step's predicted verify time (made before learning)."""
+        drafts, kept = st.drafts, st.kept
+        idx, ok = verify_outcomes(drafts.cu, kept, st.accepted)
+        if len(idx):
+            pos = ragged.positions(drafts.cu)[idx]
+            self.calibrator.observe(drafts.confidence[idx], drafts.margin[idx], pos, ok)
+        for i, s in enumerate(st.batch):
+            beyond = drafts.estimate[drafts.cu[i] + kept[i]:drafts.cu[i + 1]] if drafts.estimate is not None else None
+            self.tracker.observe(s.rid, int(kept[i]), int(st.accepted[i]), beyond)
+        if self.cost is None:
+            return float("nan")
+        if st.feeding:  # the correction learns verification steps only (pruning's curve)
+            return self.cost.predict(self._shape(st))
+        return self.cost.observe(self._shape(st), st.out.wall_s)
+
+    @staticmethod
+    def _shape(st: Step) -> StepShape:
+        return StepShape(len(st.batch) + len(st.feeding), st.verify_tokens + st.prefill_tokens,
+                         st.context + sum(f.start for f in st.feeding))
+
+    def _record(self, st: Step, predicted: float) -> StepRecord:
+        drafts, out = st.drafts, st.out
+        rec = StepRecord(len(st.batch), int(drafts.cu[-1]), int(st.kept.sum()), int(np.sum(st.accepted)),
+                         st.verify_tokens, predicted, out.wall_s, drafts.seconds, drafts.decision_seconds,
+                         drafts.probe_seconds, step_s=time.perf_counter() - st.started,
+                         target_compute_s=max((r.total_s for r in out.rank_stats), default=0.0),
+                         draft_compute_s=drafts.compute_seconds, prefill_tokens=st.prefill_tokens)
         self.history.append(rec)
-        if not feeding:  # what drafting adds outside the passes (prefill chunks would blur it)
+        if not st.feeding:  # what drafting adds outside the passes (prefill chunks would blur it)
             self.overhead.observe(rec.drafted > 0, rec.step_s - rec.target_compute_s - rec.draft_s)
         if self.step_log is not None:
-            self.step_log.write(self.policy.name, np.diff(drafts.cu), drafts.survival, kept, accepted, context,
-                                predicted, out.wall_s, drafts.seconds)
+            self.step_log.write(self.policy.name, np.diff(drafts.cu), drafts.survival, st.kept, st.accepted,
+                                st.context, predicted, out.wall_s, drafts.seconds)
         return rec
 
     # -- helpers ----------------------------------------------------------------------------------

@@ -29,6 +29,30 @@ class Drafts:
 
 
 @dataclass
+class Step:
+    """One decode step as it passes through the stages; each stage fills its own part."""
+
+    batch: list[Sequence]  # decoding requests
+    feeding: list[Feed]  # this step's prefill chunks
+    started: float  # perf_counter at plan
+    context: int = 0  # tokens in the decoding requests' KV caches when the step began
+    lengths: np.ndarray | None = None  # plan: drafts asked of each request [R]
+    drafts: Drafts | None = None  # propose
+    kept: np.ndarray | None = None  # prune: drafts kept per request [R]
+    out: object = None  # verify: the target's TargetOutput
+    accepted: list[int] | None = None  # accept: drafts accepted per request
+    emitted: list[list[int]] | None = None  # accept: tokens each request gains
+
+    @property
+    def verify_tokens(self) -> int:
+        return int(len(self.batch) + self.kept.sum())
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(len(f.tokens) for f in self.feeding)
+
+
+@dataclass
 class StepRecord:
     """What one step did and how long it took (seconds)."""
 
@@ -42,7 +66,7 @@ class StepRecord:
     draft_s: float
     decision_s: float
     probe_s: float = 0.0
-    step_s: float = 0.0  # wall time of the step, plan to postprocess (its prefill chunks included)
+    step_s: float = 0.0  # wall time of the step, plan to commit (its prefill chunks included)
     target_compute_s: float = 0.0  # the slowest rank's own forward time
     draft_compute_s: float = 0.0  # the slowest replica's own drafting time
     prefill_tokens: int = 0  # prompt tokens fed in the same forward (chunked prefill)
