@@ -191,14 +191,20 @@ def best_budget(rate: np.ndarray, candidates: np.ndarray | None = None) -> int:
 # Policies
 
 
-@dataclass(frozen=True)
-class Ar:
-    """Plain autoregressive decoding: no draft is ever kept."""
+class Capabilities:
+    """What a policy needs of the engine (see `Policy`); most verify drafts and need nothing else."""
 
-    drafts: ClassVar[bool] = False
+    drafts: ClassVar[bool] = True
     needs_cost_model: ClassVar[bool] = False
     gated: ClassVar[bool] = False
     needs_truth: ClassVar[bool] = False
+
+
+@dataclass(frozen=True)
+class Ar(Capabilities):
+    """Plain autoregressive decoding: no draft is ever kept."""
+
+    drafts: ClassVar[bool] = False
 
     name: str = "ar"
 
@@ -207,13 +213,9 @@ class Ar:
 
 
 @dataclass(frozen=True)
-class Full:
+class Full(Capabilities):
     """Verify every draft."""
 
-    drafts: ClassVar[bool] = True
-    needs_cost_model: ClassVar[bool] = False
-    gated: ClassVar[bool] = False
-    needs_truth: ClassVar[bool] = False
 
     name: str = "full"
 
@@ -222,13 +224,9 @@ class Full:
 
 
 @dataclass(frozen=True)
-class FixedK:
+class FixedK(Capabilities):
     """Truncate every request to its first k drafts."""
 
-    drafts: ClassVar[bool] = True
-    needs_cost_model: ClassVar[bool] = False
-    gated: ClassVar[bool] = False
-    needs_truth: ClassVar[bool] = False
 
     k: int
     name: str = "fixed-K"
@@ -243,13 +241,9 @@ class FixedK:
 
 
 @dataclass(frozen=True)
-class Tetris:
+class Tetris(Capabilities):
     """Global top-C survivals with a fixed C = per_request · R (no cost model)."""
 
-    drafts: ClassVar[bool] = True
-    needs_cost_model: ClassVar[bool] = False
-    gated: ClassVar[bool] = False
-    needs_truth: ClassVar[bool] = False
 
     per_request: int
     name: str = "tetris"
@@ -261,13 +255,11 @@ class Tetris:
 
 
 @dataclass(frozen=True)
-class DcutBuckets:
+class DcutBuckets(Capabilities):
     """The paper's coarse D-Cut: global top-m with m restricted to a few keep ratios."""
 
-    drafts: ClassVar[bool] = True
     needs_cost_model: ClassVar[bool] = True
-    gated: ClassVar[bool] = False
-    needs_truth: ClassVar[bool] = False
+
 
     ratios: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)
     name: str = "dcut-buckets"
@@ -281,7 +273,7 @@ class DcutBuckets:
 
 
 @dataclass(frozen=True)
-class Dcut:
+class Dcut(Capabilities):
     """Exact budget scan (the default policy).
 
     max_budget: never keep more than this many drafts in one step (memory / latency cap).
@@ -292,10 +284,9 @@ class Dcut:
         when verification is nearly free a wrongly pruned draft costs more than it saves.
     """
 
-    drafts: ClassVar[bool] = True
     needs_cost_model: ClassVar[bool] = True
     gated: ClassVar[bool] = True
-    needs_truth: ClassVar[bool] = False
+
 
     max_budget: int | None = None
     fill_step: bool = True
@@ -338,13 +329,12 @@ class Dcut:
 
 
 @dataclass(frozen=True)
-class Oracle:
+class Oracle(Capabilities):
     """Knows each request's true accepted length; an upper bound for benchmarks only."""
 
-    drafts: ClassVar[bool] = True
     needs_cost_model: ClassVar[bool] = True
-    gated: ClassVar[bool] = False
     needs_truth: ClassVar[bool] = True
+
 
     name: str = "oracle"
 
@@ -383,54 +373,3 @@ def policy_from_name(name: str, block: int, **dcut_options) -> Policy:
     if name not in simple:
         raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}")
     return simple[name]()
-
-
-def choose_kept(
-    survival: Sequence[Sequence[float] | np.ndarray],
-    verify_cost: Callable[[int], float],
-    fixed_cost: float = 0.0,
-    max_budget: int | None = None,
-) -> np.ndarray:
-    """Exact D-Cut decision for plain inputs: kept counts [R] (int64).
-
-    survival: one 1-D array per request, non-increasing (or a 2-D array: requests × drafts,
-    which skips the per-row conversion). verify_cost: total verify tokens
-    (R + Σ kept) -> seconds. It is called once with an int64 array of every count the scan
-    needs when it answers one with an array of the same shape (numpy arithmetic does), and
-    otherwise once per count with a Python int. No guard and no step filling: this is the bare
-    optimum of the objective, the smallest budget among equals.
-    """
-    batch = DraftBatch.from_rows(survival)
-    batch.validate()
-    policy = Dcut(max_budget=max_budget, fill_step=False, guard_threshold=0.0)
-    return policy.choose(batch, StepCost(_as_curve(verify_cost), fixed_cost)).kept
-
-
-def _as_curve(verify_cost: Callable) -> Callable[[np.ndarray], np.ndarray]:
-    """A cost of one count as a cost of an array of counts: one call if it takes arrays, and
-    counts the previous call covered are answered from it (the decision asks for its own again)."""
-    takes_arrays = [True]
-    last = [np.zeros(0, dtype=np.int64), np.zeros(0)]  # counts (sorted: the scan asks in order), seconds
-
-    def ask(tokens: np.ndarray) -> np.ndarray:
-        if takes_arrays[0]:
-            try:
-                out = np.asarray(verify_cost(tokens), dtype=np.float64)
-                if out.shape == tokens.shape:
-                    return out
-            except (TypeError, ValueError, IndexError):  # math on ints only: ask count by count
-                pass
-            takes_arrays[0] = False
-        return np.array([float(verify_cost(int(n))) for n in tokens], dtype=np.float64)
-
-    def curve(tokens: np.ndarray) -> np.ndarray:
-        counts, seconds = last
-        at = np.minimum(np.searchsorted(counts, tokens), max(0, len(counts) - 1))
-        if len(counts) and np.array_equal(counts[at], tokens):
-            return seconds[at]
-        out = ask(tokens)
-        if np.all(np.diff(tokens) > 0):
-            last[:] = [np.asarray(tokens, dtype=np.int64), out]
-        return out
-
-    return curve

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dcut_core.decision import choose_kept
 from dcut_core.pruning import (
     Ar,
     Dcut,
@@ -19,7 +20,6 @@ from dcut_core.pruning import (
     Oracle,
     StepCost,
     Tetris,
-    choose_kept,
     policy_from_name,
 )
 
