@@ -32,9 +32,24 @@ class _Call:
         self.remote = method
 
 
+class Pending:
+    """A result owed by a peer outside Ray (a rank answering over its control group): `get()`
+    waits for it."""
+
+    __slots__ = ()
+
+    def get(self) -> Any:
+        raise NotImplementedError
+
+
 def resolve(result: Any) -> Any:
-    """The value of a call's result: `ray.get` for a reference (or a list of them), else as is."""
+    """The value of a call's result: `ray.get` for a reference (or a list of them), `get()` for a
+    `Pending`, else as is (a list may mix them)."""
     if isinstance(result, ray.ObjectRef) or (isinstance(result, list) and result
-                                             and isinstance(result[0], ray.ObjectRef)):
+                                             and all(isinstance(r, ray.ObjectRef) for r in result)):
         return ray.get(result)
+    if isinstance(result, Pending):
+        return result.get()
+    if isinstance(result, list):
+        return [resolve(r) for r in result]
     return result

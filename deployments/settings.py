@@ -25,9 +25,11 @@ class ServeSettings(BaseModel):
     policy: str = "dcut"
     block: int = Field(16, ge=2, le=16)
     ep: int = Field(1, ge=1)
-    drafters: int = Field(1, ge=1)
-    in_process: bool = Field(True, description="at EP 1, the target's rank and the drafters run in the engine "
-                                               "replica's own process: a step is function calls, no Ray call")
+    drafters: int = Field(1, ge=1, description="drafter replica actors (in_process=False; otherwise one per rank)")
+    in_process: bool = Field(True, description="the engine replica's process is EP rank 0 and drives the other "
+                                               "ranks over the unit's own process group; each rank hosts a "
+                                               "drafter (EP 1: a step is function calls). False: ranks and "
+                                               "`drafters` drafter replicas are Ray actors called every step")
     max_running: int = Field(64, ge=1)
     max_waiting: int = Field(256, ge=0, description="queued requests beyond max_running before 429")
     kv_capacity_tokens: int = Field(65536, ge=256)

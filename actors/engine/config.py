@@ -44,8 +44,9 @@ class EngineConfig:
     unit_placement: bool = False  # True: run inside the unit's placement group (Serve), ranks and
     # drafters pinned to its bundles (actors/engine/placement.py); False: the EP group reserves its own
     coordinator_cpus: float = COORDINATOR_CPUS
-    in_process: bool = True  # at EP 1, the rank and the drafters live in the coordinator's process (a step is
-    # function calls); False keeps them as Ray actors (fault-injection tests of a lone drafter's death)
+    in_process: bool = True  # the coordinator's process is EP rank 0 and drives the others over the unit's
+    # control group; each rank hosts a drafter replica (at EP 1 a step is function calls). False: every rank
+    # and `drafters` drafter replicas are Ray actors, called per step (fault tests of a lone drafter's death)
 
     @property
     def drafts(self) -> bool:
@@ -54,21 +55,19 @@ class EngineConfig:
 
         return policy_from_name(self.policy, self.block).drafts
 
-    @property
-    def single_process(self) -> bool:
-        """Target rank and drafters run in this process: EP 1 and `in_process`."""
-        return self.in_process and self.ep == 1
-
     def layout(self) -> UnitLayout:
-        return UnitLayout(self.ep, self.drafters if self.drafts else 0, self.coordinator_cpus,
-                          self.cpus_per_rank, self.gpus_per_rank, self.cpus_per_drafter, self.single_process)
+        drafters = (self.ep if self.in_process else self.drafters) if self.drafts else 0
+        return UnitLayout(self.ep, drafters, self.coordinator_cpus, self.cpus_per_rank, self.gpus_per_rank,
+                          self.cpus_per_drafter, self.in_process)
 
-    def ep_config(self, placement_group=None) -> EPConfig:
-        """The target's part: its EP group (in the unit's placement group when given one)."""
+    def ep_config(self, placement_group=None, guests: tuple = ()) -> EPConfig:
+        """The target's part: its EP group (in the unit's placement group when given one), with
+        `guests` built beside every rank."""
         return EPConfig(self.target_dir, world=self.ep, placement=self.ep_placement, cpus_per_rank=self.cpus_per_rank,
                         gpus_per_rank=self.gpus_per_rank, threads_per_rank=self.threads_per_rank,
                         kv_capacity_tokens=self.kv_capacity_tokens, placement_group=placement_group,
-                        bundle_offset=self.layout().rank_bundle(0) if placement_group is not None else 0)
+                        bundle_offset=self.layout().rank_bundle(0) if placement_group is not None else 0,
+                        guests=guests)
 
     def drafter_spec(self) -> DrafterSpec:
         """The drafter replicas' part."""

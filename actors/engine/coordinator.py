@@ -22,7 +22,7 @@ from actors.engine.costs import (
     startup_cost_model,
     startup_draft_cost,
 )
-from actors.engine.drafters import DrafterPool
+from actors.engine.drafters import DrafterPool, hosted_drafter
 from actors.engine.history import StepHistory
 from actors.engine.placement import unit_placement_group
 from actors.engine.sequence import SamplingParams, Scheduler, Sequence, Status
@@ -40,7 +40,7 @@ from actors.engine.stages import (
 from actors.engine.steplog import StepLog
 from actors.ray_env import whereabouts
 from actors.target.config import MoEConfig
-from actors.target.group import EPGroup, EPGroupError, InProcessGroup
+from actors.target.group import DriverGroup, EPGroup, EPGroupError, InProcessGroup
 from dcut_core import ragged
 from dcut_core.acceptance import Calibrator, survival, verify_outcomes
 from dcut_core.cost_model import StepShape
@@ -58,7 +58,7 @@ class Engine:
         self.policy = policy_from_name(cfg.policy, cfg.block, **cfg.dcut_options(cfg.policy))
         self.unit_pg = unit_placement_group() if cfg.unit_placement else None
         self.target = self._new_target()
-        self.drafters = DrafterPool(cfg, self.unit_pg)
+        self.drafters = DrafterPool(cfg, self.target, self.unit_pg)
         self.rebuilt = 0  # EP groups rebuilt after a failure
         self.eos = cfg.eos_token_id
         self.scheduler = Scheduler(cfg.max_running)
@@ -155,6 +155,7 @@ class Engine:
         log.warning("EP group failed (%s); rebuilding it and resuming %d requests", exc, len(running))
         self.rebuilt += 1
         self.target = self._new_target()
+        self.drafters.rebind(self.target)
         self.drafters.reset(running)
         for s in self.scheduler.running:
             s.fed, s.prefilled = 0, False
@@ -257,7 +258,10 @@ class Engine:
 
     def _keep_features(self, batch: list[Sequence], drafts: Drafts, feeding: list[Feed]) -> list[bool]:
         """Per forward row: True keeps its features on the rank (prefill, requests that did not
-        draft, orphans: bounded by the request and freed at its release); False ships them back."""
+        draft, orphans: bounded by the request and freed at its release); False ships them back.
+        Drafters hosted by the ranks read every feature where it is."""
+        if self.drafters.hosted:
+            return [True] * (len(batch) + len(feeding))
         drafted = np.diff(drafts.cu) > 0
         return [not (drafted[i] and self.drafters.drafting(s.rid)) for i, s in enumerate(batch)] + [True] * len(feeding)
 
@@ -331,7 +335,7 @@ class Engine:
         c = self.cfg
         if self.cost is None and self.policy.needs_cost_model:
             self.cost = online(startup_cost_model(self.target, c.target_dir, c.ep, c.threads_per_rank,
-                                                  c.cost_model_cache, c.single_process))
+                                                  c.cost_model_cache, c.in_process))
 
     def _profile_drafter(self) -> None:
         """Seed the drafting gate's cost learner from a start-up profile of the drafter (once)."""
@@ -343,9 +347,12 @@ class Engine:
         self._profiled_drafter = True
 
     def _new_target(self) -> EPGroup:
-        if self.cfg.single_process:
-            return InProcessGroup(self.cfg.ep_config())
-        return EPGroup(self.cfg.ep_config(self.unit_pg))
+        """The EP group: driven from this process (`in_process`, with the drafters as the ranks'
+        guests), or every rank a Ray actor called per step."""
+        cfg = self.cfg.ep_config(self.unit_pg, guests=hosted_drafter(self.cfg))
+        if not self.cfg.in_process:
+            return EPGroup(cfg)
+        return InProcessGroup(cfg) if self.cfg.ep == 1 else DriverGroup(cfg)
 
     def _release(self, seqs: list[Sequence]) -> None:
         if not seqs:

@@ -1,11 +1,17 @@
 """`DrafterPool`: an engine's drafter replicas and the per-request state around them.
 
-Which replica drafts for a request (its owner: requests are sharded by id), what context each
-request's drafter has not been sent (`Backlog`), and what happens when a drafter cannot draft:
-a replica that dies is replaced and its requests continue as plain decoding (orphans, still
-exact); so do requests whose context could not be fetched from the target's ranks. Both are
-logged and counted. When the target is rebuilt, every running request is refed from its first
-token and any replica can rebuild its context: orphans draft again.
+Where replicas live: with `in_process` (the default) every target rank hosts one, in its own
+process, and a request's owner is the rank that holds its KV — its drafter reads the features
+from that rank's store, and no features travel (DESIGN.md, "Where the step runs"). Otherwise
+(`in_process=False`) `drafters` Ray actors hold them, requests are sharded by id, and features
+are fetched from the ranks by reference.
+
+The pool also keeps what context each request's drafter has not been sent (`Backlog`), and what
+happens when a drafter cannot draft: a replica actor that dies is replaced and its requests
+continue as plain decoding (orphans, still exact); so do requests whose context could not be
+fetched from the target's ranks. Both are logged and counted. A hosted replica fails with its
+rank: the target is rebuilt, every running request is refed from its first token and any
+replica can rebuild its context: orphans draft again.
 """
 
 from __future__ import annotations
@@ -19,23 +25,32 @@ from actors.drafter.base import DraftOutput
 from actors.engine.backlog import Backlog, CatchUp
 from actors.engine.config import EngineConfig
 from actors.engine.placement import in_bundle
-from actors.engine.replica import Drafter, DrafterReplica
+from actors.engine.replica import LOCAL, Drafter, DrafterReplica
 from actors.engine.sequence import Sequence
 from actors.inprocess import InProcess, resolve
 
 log = logging.getLogger(__name__)
 
 ORPHAN = -1  # owner of requests that continue without drafts
+ONE_WAY = frozenset({"commit", "release"})  # replica calls nobody waits for
+
+
+def hosted_drafter(cfg: EngineConfig) -> tuple:
+    """The guest each target rank builds beside it when drafters are hosted (`in_process`)."""
+    return (("drafter", Drafter, (cfg.drafter_spec(),)),) if cfg.in_process and cfg.drafts else ()
 
 
 class DrafterPool:
     """The replicas (none for an `ar`-only engine), request ownership, and the backlog."""
 
-    def __init__(self, cfg: EngineConfig, unit_pg=None) -> None:
+    def __init__(self, cfg: EngineConfig, target, unit_pg=None) -> None:
         self.cfg = cfg
         self.unit_pg = unit_pg
         self.spec = cfg.drafter_spec()
-        self.replicas = [self._new_replica(r) for r in range(cfg.drafters)] if cfg.drafts else []
+        self.hosted = cfg.in_process  # one replica in each target rank's process
+        self.target = target
+        self.replicas = self._hosted() if self.hosted else \
+            [self._new_replica(r) for r in range(cfg.drafters)] if cfg.drafts else []
         self.layers: tuple[int, ...] = resolve(self.replicas[0].target_layers.remote()) if self.replicas else ()
         self.owner: dict[int, int] = {}  # request -> replica index, or ORPHAN
         self.backlog = Backlog(cfg.drafter_backlog_tokens, features=bool(self.layers))
@@ -45,7 +60,13 @@ class DrafterPool:
         return bool(self.replicas)
 
     def admit(self, rid: int) -> None:
-        self.owner[rid] = rid % max(1, len(self.replicas))
+        self.owner[rid] = self.target.rank_of(rid) if self.hosted else rid % max(1, len(self.replicas))
+
+    def rebind(self, target) -> None:
+        """The target was rebuilt: hosted replicas are those of its new ranks."""
+        self.target = target
+        if self.hosted:
+            self.replicas = self._hosted()
 
     def drafting(self, rid: int) -> bool:
         """Whether request rid has a drafter (not orphaned)."""
@@ -56,7 +77,7 @@ class DrafterPool:
         (features fetched by the replica from `target`'s ranks). Returns {replica: (batch
         indices, drafts)} of the replicas that answered, and the tokens caught up."""
         calls, caught_up = {}, 0
-        for r in range(len(self.replicas)):
+        for r in reversed(range(len(self.replicas))):  # replica 0 may be in this process: it runs last
             idx = [i for i, s in enumerate(batch) if self.owner[s.rid] == r and lengths[i] > 0]
             if idx:
                 rids = [batch[i].rid for i in idx]
@@ -69,7 +90,7 @@ class DrafterPool:
             try:
                 outs[r] = (idx, resolve(ref))
             except ray.exceptions.RayActorError as exc:  # its requests go on without drafts
-                self._replace(r, exc)
+                self._replace(r, exc)  # (a hosted replica fails with its rank: EPGroupError)
         self._orphan_lost([rid for _, out in outs.values() for rid in out.lost])
         return outs, caught_up
 
@@ -106,9 +127,16 @@ class DrafterPool:
             self.admit(rid)
 
     def whereabouts(self) -> list[dict]:
+        """Where each replica runs. A hosted one is where its rank is (known since the ranks
+        started: asking them would race the step loop for the control group)."""
+        if self.hosted:
+            return [{k: v for k, v in self.target.ranks[r].items() if k not in ("rank", "experts")}
+                    for r in range(len(self.replicas))]
         return resolve([r.whereabouts.remote() for r in self.replicas])
 
     def shutdown(self) -> None:
+        if self.hosted:  # they go with their ranks
+            return
         for r in self.replicas:
             if not isinstance(r, InProcess):
                 ray.kill(r)
@@ -120,11 +148,14 @@ class DrafterPool:
         fetches them; they never pass through the coordinator)."""
         if catchup is None or not catchup.spans:
             return catchup
-        return dataclasses.replace(catchup, sources=target.features(catchup.spans))
+        return dataclasses.replace(catchup, sources=LOCAL if self.hosted else target.features(catchup.spans))
+
+    def _hosted(self) -> list:
+        if not self.cfg.drafts:
+            return []
+        return [self.target.part(r, "drafter", one_way=ONE_WAY) for r in range(self.cfg.ep)]
 
     def _new_replica(self, r: int):
-        if self.cfg.single_process:
-            return InProcess(Drafter(self.spec))
         opts = {"num_cpus": self.cfg.cpus_per_drafter}
         if self.unit_pg is not None:
             opts["scheduling_strategy"] = in_bundle(self.unit_pg, self.cfg.layout().drafter_bundle(r))

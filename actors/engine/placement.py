@@ -1,7 +1,9 @@
 """One engine unit, one placement group: the bundles it reserves and who sits in which.
 
-Layout: bundle 0 holds the coordinator (under Serve: the engine replica itself), bundles
-1 .. EP hold the target's ranks, the next ones the drafter replicas. Reserving the whole unit at
+Layout: bundle 0 holds the coordinator (under Serve: the engine replica itself) with EP rank 0
+and its drafter (the driver rank: they share that process), bundles 1 .. EP-1 hold the other
+ranks, each with the drafter replica it hosts. With `in_process=False`, bundle 0 holds the
+coordinator alone, bundles 1 .. EP the ranks, the next ones the drafter replica actors. Reserving the whole unit at
 once means a unit either starts complete or not at all (no half-started engine holding ranks
 while its drafters wait for room), and scaling the engine deployment adds or removes whole units.
 Serve creates the group per replica from `bundles()` and captures the replica's child actors
@@ -29,8 +31,9 @@ def rank_resources(ep: int, cores: int | None = None) -> tuple[int, float]:
 
 @dataclass(frozen=True)
 class UnitLayout:
-    """Bundles of one engine unit: [coordinator, rank × ep, drafter × drafters]; or, single-process
-    (EP 1), one bundle holding all three, since they share the coordinator's process."""
+    """Bundles of one engine unit. Driven (`driver`): [coordinator + rank 0 + its drafter, (rank +
+    drafter) × (ep - 1)], `drafters` being one per rank or none. Otherwise [coordinator, rank × ep,
+    drafter × drafters]."""
 
     ep: int
     drafters: int
@@ -38,12 +41,14 @@ class UnitLayout:
     cpus_per_rank: float = 1.0
     gpus_per_rank: float = 0.0
     cpus_per_drafter: float = 0.5
-    single_process: bool = False
+    driver: bool = False
 
     def bundles(self) -> list[dict[str, float]]:
         rank = {"CPU": self.cpus_per_rank} | ({"GPU": self.gpus_per_rank} if self.gpus_per_rank else {})
-        if self.single_process:
-            return [rank | {"CPU": self.coordinator_cpus + self.cpus_per_rank + self.drafters * self.cpus_per_drafter}]
+        if self.driver:
+            hosted = self.cpus_per_rank + (self.cpus_per_drafter if self.drafters else 0.0)
+            return [rank | {"CPU": self.coordinator_cpus + hosted}] + [rank | {"CPU": hosted}
+                                                                       for _ in range(1, self.ep)]
         return [{"CPU": self.coordinator_cpus}] + [dict(rank) for _ in range(self.ep)] + \
             [{"CPU": self.cpus_per_drafter} for _ in range(self.drafters)]
 
@@ -53,9 +58,11 @@ class UnitLayout:
         return self.bundles()[0]
 
     def rank_bundle(self, rank: int) -> int:
-        return 1 + rank
+        return rank if self.driver else 1 + rank
 
     def drafter_bundle(self, replica: int) -> int:
+        if self.driver:
+            raise ValueError("a driven unit's drafters live in their ranks' processes")
         return 1 + self.ep + replica
 
 

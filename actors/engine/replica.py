@@ -68,14 +68,23 @@ def build_drafter(spec: DrafterSpec):
     raise ValueError(f"unknown drafter {spec.kind!r}; choose block or ngram")
 
 
+LOCAL = "local"  # a catch-up's `sources` when the features are in the hosting rank's own store
+
+
 class Drafter:
     """Holds a drafter and the per-request state it needs; drafts for the requests it is given.
-    `DrafterReplica` is it as a Ray actor; the in-process engine calls it directly."""
+    `DrafterReplica` is it as a Ray actor; the in-process engine calls it directly, and under a
+    driver rank each rank hosts one (`attach`) that drafts for the requests whose KV it holds."""
 
     def __init__(self, spec: DrafterSpec) -> None:
         torch.set_num_threads(spec.threads)
         self.drafter = build_drafter(spec)
         self.lost: set[int] = set()  # requests whose context could not be fetched: no drafts
+        self._local_features = None  # the hosting rank's `take_features`
+
+    def attach(self, rank) -> None:
+        """Live beside a target rank: catch-ups with `sources=LOCAL` read its feature store."""
+        self._local_features = rank.take_features
 
     def target_layers(self) -> tuple[int, ...]:
         return getattr(self.drafter, "target_layers", ())
@@ -102,7 +111,9 @@ class Drafter:
         """Commit a catch-up: per request, the rows sent along, then those fetched from the
         target's ranks (`c.sources`)."""
         fetched: dict[int, dict] = {}
-        if c.sources:
+        if c.sources == LOCAL:
+            fetched = self._local_features(c.spans) if c.spans else {}
+        elif c.sources:
             try:
                 for part in resolve(c.sources):
                     fetched.update(part)

@@ -2,11 +2,17 @@
 
 Each rank's model already holds only its experts (`checkpoint.load_model(first, count)`); this
 swaps every MoE block's local `Dispatch` for one that sends (token, expert) pairs to their owner
-with `all_to_all_single` (uneven splits) and brings the results back. The model code does not
-change: the same `Dispatch.__call__` runs, only the two exchanges become collectives.
+with an all-to-all (uneven splits) and brings the results back. The model code does not change:
+the same `Dispatch.__call__` runs, only the two exchanges become collectives.
+
+The group is a standalone torch.distributed backend (`join_groups`), not the process's default
+group: one process can hold several (the driver rank of an engine lives in the coordinator's
+process, and a test process may run two engines), and a failed group is dropped, not destroyed.
 """
 
 from __future__ import annotations
+
+import datetime
 
 import torch
 import torch.distributed as dist
@@ -18,20 +24,46 @@ from actors.target.moe import Dispatch
 class AllToAllDispatch(Dispatch):
     """Dispatch and combine over a torch.distributed group (gloo on CPU, nccl on GPU)."""
 
-    def __init__(self, rank: int, world: int, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, rank: int, world: int, group) -> None:
         self.rank, self.world, self.group = rank, world, group
 
     def exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
         # counts: [E] pairs for each global expert; equal splits of E / world per rank.
         out = torch.empty_like(counts)
-        dist.all_to_all_single(out, counts, group=self.group)
+        self.group.alltoall_base(out, counts, [], [], dist.AllToAllOptions()).wait()
         return out
 
     def exchange_rows(self, rows: torch.Tensor, recv: list[int], send: list[int]) -> torch.Tensor:
         out = rows.new_empty((sum(recv), rows.shape[1]))
-        dist.all_to_all_single(out, rows.contiguous(), output_split_sizes=recv, input_split_sizes=send,
-                               group=self.group)
+        self.group.alltoall_base(out, rows.contiguous(), recv, send, dist.AllToAllOptions()).wait()
         return out
+
+
+def join_groups(master: tuple[str, int], rank: int, world: int, backend: str, timeout_s: float):
+    """(store, data group, control group) of one EP unit. The data group (gloo, or nccl on GPUs)
+    carries the MoE exchanges and fails a collective after `timeout_s`; the control group (always
+    gloo, on CPU tensors) carries the driver's step plans (`link.RankLink`) and has no practical
+    timeout, since an idle rank waits on it for as long as no request comes. Rank 0 serves the
+    rendezvous store at `master`."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(master[0], master[1], world, rank == 0, timeout=timeout)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        data = dist.ProcessGroupNCCL(dist.PrefixStore("data", store), rank, world, opts)
+    else:
+        data = dist.ProcessGroupGloo(dist.PrefixStore("data", store), rank, world, timeout)
+    control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, world, datetime.timedelta(days=365))
+    return store, data, control
+
+
+def all_agree(group, ok: bool, device: str = "cpu") -> bool:
+    """True on every rank iff `ok` on every rank (one all-reduce of a flag)."""
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)  # nccl: device tensors only
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MIN
+    group.allreduce([flag], opts).wait()
+    return bool(flag.item())
 
 
 def expert_range(num_experts: int, rank: int, world: int) -> tuple[int, int]:
@@ -42,7 +74,7 @@ def expert_range(num_experts: int, rank: int, world: int) -> tuple[int, int]:
     return rank * per, per
 
 
-def apply_expert_parallel(model: MoETransformer, rank: int, world: int, group: dist.ProcessGroup | None = None) -> None:
+def apply_expert_parallel(model: MoETransformer, rank: int, world: int, group) -> None:
     """Make every MoE block of `model` exchange tokens with the other ranks."""
     first, count = expert_range(model.cfg.num_experts, rank, world)
     for block in model.moe_blocks():

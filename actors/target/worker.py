@@ -4,27 +4,35 @@ in-process engine calls a `TargetRank` directly).
 Each rank holds the dense weights, E/N experts, and the KV caches of the requests assigned to
 it (attention is data-parallel). Every forward is a collective: all ranks call it for the same
 step, each with its own requests (possibly none).
+
+A rank can host guests: objects living in its process beside it (the engine puts a drafter
+replica there, next to the features it drafts from). Under a driver rank (`group.DriverGroup`)
+the ranks other than 0 run `serve`: a loop that takes the driver's messages (a part, a method,
+its arguments) from the unit's control group and answers them; no Ray call per step.
 """
 
 from __future__ import annotations
 
-import datetime
+import logging
+import pickle
 import socket
 from dataclasses import dataclass, field
 
 import numpy as np
 import ray
 import torch
-import torch.distributed as dist
 
 from actors.ray_env import whereabouts
 from actors.target.checkpoint import load_model
 from actors.target.features import FeatureStore
 from actors.target.kv_cache import KVCacheFull
+from actors.target.link import RankLink
 from actors.target.model import ForwardBatch, Prepared
 from actors.target.moe import StepStats
-from actors.target.parallel import apply_expert_parallel, expert_range
+from actors.target.parallel import all_agree, apply_expert_parallel, expert_range, join_groups
 from actors.target.sampling import target_probs
+
+log = logging.getLogger(__name__)
 
 
 class BatchRejected(ValueError):
@@ -75,13 +83,22 @@ class RankResult:
 class TargetRank:
     """One EP rank: its expert slice, the shared dense weights, and its requests' KV caches."""
 
-    def __init__(self, spec: WorkerSpec) -> None:
+    def __init__(self, spec: WorkerSpec, guests: tuple = ()) -> None:
+        """`guests`: (name, class, args) of objects to build in this process beside the rank; one
+        with an `attach(rank)` method is handed the rank (a drafter reads its features)."""
         torch.set_num_threads(spec.threads)  # ranks share the machine's cores: set it, never guess
         self.spec = spec
         self.model = None
         self.cache = None
         self.features = FeatureStore()
         self._feature_layers: tuple[int, ...] = ()  # the layers side by side in stored rows
+        self.data = self.link = None  # the unit's data and control groups (world > 1)
+        self.parts: dict[str, object] = {"target": self}
+        for name, cls, args in guests:
+            self.parts[name] = cls(*args)
+            if hasattr(self.parts[name], "attach"):
+                self.parts[name].attach(self)
+        torch.set_num_threads(spec.threads)  # a guest may have set its own
 
     def master_address(self) -> tuple[str, int]:
         """Address for the process group's rendezvous (called on rank 0)."""
@@ -94,12 +111,12 @@ class TargetRank:
         """Join the process group and load this rank's slice of the model."""
         s = self.spec
         if s.world > 1:
-            dist.init_process_group(s.backend, init_method=f"tcp://{master[0]}:{master[1]}", rank=s.rank,
-                                    world_size=s.world, timeout=datetime.timedelta(seconds=s.group_timeout_s))
+            self._store, self.data, control = join_groups(master, s.rank, s.world, s.backend, s.group_timeout_s)
+            self.link = RankLink(control, s.rank)
         first, count = expert_range(_num_experts(s.model_dir), s.rank, s.world)
         self.model = load_model(s.model_dir, first, count).to(s.device)
         if s.world > 1:
-            apply_expert_parallel(self.model, s.rank, s.world)
+            apply_expert_parallel(self.model, s.rank, s.world, self.data)
         self.cache = self.model.new_cache(s.kv_capacity_tokens, s.kv_block_size)
         return {"rank": s.rank, "experts": (first, count)} | whereabouts()
 
@@ -163,11 +180,29 @@ class TargetRank:
         return out
 
     def _all_agree(self, ok: bool) -> bool:
-        if self.spec.world == 1:
-            return ok
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self.spec.device)  # nccl: GPU tensors only
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
+        return ok if self.spec.world == 1 else all_agree(self.data, ok, self.spec.device)
+
+    def serve(self) -> None:
+        """Ranks 1 .. N-1 under a driver rank: answer the driver's messages, one at a time, in
+        order, until it says stop (or its group fails). A message is (part, method, args, answer?);
+        the answer is (True, value) or (False, the exception) — a failure of one call is the
+        driver's to judge, the loop goes on."""
+        while True:
+            part, method, args, answer = self.link.recv(0)
+            if part is None:
+                return
+            try:
+                value, ok = getattr(self.parts[part], method)(*args), True
+            except Exception as exc:
+                value, ok = _picklable(exc), False
+            if answer:
+                self.link.send(0, (ok, value))
+            elif not ok:
+                log.error("rank %d: %s.%s failed: %r", self.spec.rank, part, method, value)
+
+    def ping(self) -> int:
+        """Liveness while `serve` runs (a threaded actor answers it beside the loop)."""
+        return self.spec.rank
 
     def truncate(self, lengths: dict[int, int]) -> None:
         """Roll back rejected tokens: request -> new length."""
@@ -184,6 +219,14 @@ class TargetRank:
 
 
 TargetWorker = ray.remote(TargetRank)
+
+
+def _picklable(exc: Exception) -> Exception:
+    try:
+        pickle.dumps(exc)
+        return exc
+    except Exception:
+        return RuntimeError(repr(exc))
 
 
 def _num_experts(model_dir: str) -> int:

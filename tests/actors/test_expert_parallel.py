@@ -1,4 +1,6 @@
-"""Expert parallelism across Ray actors: exactness against one process, failures, profiling."""
+"""Expert parallelism: exactness against one process, failures, profiling — for both ways of
+driving the ranks: every rank a Ray actor called per step (`EPGroup`), and rank 0 in this
+process driving the others over the unit's control group (`DriverGroup`)."""
 
 from __future__ import annotations
 
@@ -8,9 +10,10 @@ import numpy as np
 import pytest
 import ray
 
+from actors.inprocess import resolve
 from actors.target.checkpoint import load_model
 from actors.target.decode import greedy_decode
-from actors.target.group import EPConfig, EPGroup, EPGroupError
+from actors.target.group import DriverGroup, EPConfig, EPGroup, EPGroupError, InProcessGroup
 from actors.target.local import LocalTarget
 from actors.target.profile import ProfileGrid, fit_profile, run_profile
 from actors.target.worker import BatchRejected
@@ -19,6 +22,13 @@ PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9], [10, 11, 12], [40, 41, 42, 43], [77, 5]]
 
 
 pytestmark = pytest.mark.usefixtures("local_ray")  # tests/actors/conftest.py
+KINDS = ["actors", "driver"]
+
+
+def make_group(kind: str, cfg: EPConfig) -> EPGroup:
+    if kind == "actors":
+        return EPGroup(cfg)
+    return InProcessGroup(cfg) if cfg.world == 1 else DriverGroup(cfg)
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +41,11 @@ def reference(tiny_checkpoint):
     return first, second, greedy
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_ep_logits_and_greedy_tokens_equal_one_process(tiny_checkpoint, reference, world):
+def test_ep_logits_and_greedy_tokens_equal_one_process(tiny_checkpoint, reference, world, kind):
     first_ref, second_ref, greedy_ref = reference
-    group = EPGroup(EPConfig(tiny_checkpoint, world=world, cpus_per_rank=1))
+    group = make_group(kind, EPConfig(tiny_checkpoint, world=world, cpus_per_rank=1))
     try:
         first = group.forward(list(range(5)), PROMPTS, with_logits=True)
         second = group.forward(list(range(5)), [[3, 4], [5], [6, 7, 8], [9], [10, 11]], with_logits=True)
@@ -54,8 +65,9 @@ def test_ep_logits_and_greedy_tokens_equal_one_process(tiny_checkpoint, referenc
         group.shutdown()
 
 
-def test_rank_with_no_requests_still_takes_part(tiny_checkpoint, reference):
-    group = EPGroup(EPConfig(tiny_checkpoint, world=4))
+@pytest.mark.parametrize("kind", KINDS)
+def test_rank_with_no_requests_still_takes_part(tiny_checkpoint, reference, kind):
+    group = make_group(kind, EPConfig(tiny_checkpoint, world=4))
     try:
         out = group.forward([0], [PROMPTS[0]], with_logits=True)  # three ranks idle
         np.testing.assert_allclose(out.logits[0], reference[0].logits[0], rtol=1e-5, atol=1e-5)
@@ -63,8 +75,9 @@ def test_rank_with_no_requests_still_takes_part(tiny_checkpoint, reference):
         group.shutdown()
 
 
-def test_rejected_batch_leaves_the_group_serving(tiny_checkpoint):
-    group = EPGroup(EPConfig(tiny_checkpoint, world=2, kv_capacity_tokens=64, kv_block_size=16))
+@pytest.mark.parametrize("kind", KINDS)
+def test_rejected_batch_leaves_the_group_serving(tiny_checkpoint, kind):
+    group = make_group(kind, EPConfig(tiny_checkpoint, world=2, kv_capacity_tokens=64, kv_block_size=16))
     try:
         group.forward([1, 2], [[1] * 40, [2] * 40])  # one request per rank, 3 of 4 blocks each
         with pytest.raises(BatchRejected, match="KV cache full"):
@@ -80,11 +93,12 @@ def test_rejected_batch_leaves_the_group_serving(tiny_checkpoint):
         group.shutdown()
 
 
-def test_roll_backs_ride_on_the_next_forward_and_equal_one_process(tiny_checkpoint, reference):
+@pytest.mark.parametrize("kind", KINDS)
+def test_roll_backs_ride_on_the_next_forward_and_equal_one_process(tiny_checkpoint, reference, kind):
     """`truncate` sends nothing by itself: each rank applies it first thing in its next call
     (a forward, or `flush` before reading cache state). Logits after a roll-back equal a
     process that never saw the rolled-back tokens."""
-    group = EPGroup(EPConfig(tiny_checkpoint, world=2))
+    group = make_group(kind, EPConfig(tiny_checkpoint, world=2))
     try:
         group.forward(list(range(5)), PROMPTS)
         group.forward(list(range(5)), [[50, 51, 52]] * 5)  # drafts, all rejected
@@ -103,7 +117,8 @@ def test_roll_backs_ride_on_the_next_forward_and_equal_one_process(tiny_checkpoi
         group.shutdown()
 
 
-def test_ranks_keep_features_at_kv_positions_until_taken(tiny_checkpoint):
+@pytest.mark.parametrize("kind", KINDS)
+def test_ranks_keep_features_at_kv_positions_until_taken(tiny_checkpoint, kind):
     """With keep_features, captured states stay on each request's rank, rolled back with its
     KV; a span taken later equals what one process captures for the committed tokens."""
     layers = (1, 3)
@@ -111,7 +126,7 @@ def test_ranks_keep_features_at_kv_positions_until_taken(tiny_checkpoint):
     local = LocalTarget(load_model(tiny_checkpoint))
     want = [local.forward([i], [p + c], capture_layers=layers).captured[0] for i, (p, c) in
             enumerate(zip(PROMPTS, second, strict=True))]
-    group = EPGroup(EPConfig(tiny_checkpoint, world=2))
+    group = make_group(kind, EPConfig(tiny_checkpoint, world=2))
     try:
         keep = [True, True, True, True, False]
         out = group.forward(list(range(5)), PROMPTS, capture_layers=layers, keep_features=keep)
@@ -126,7 +141,7 @@ def test_ranks_keep_features_at_kv_positions_until_taken(tiny_checkpoint):
         rest = {i: (2, len(PROMPTS[i]) + len(second[i])) for i in range(4)}
         got = [{}, {}, {}, {}]
         for spans in (first, rest):  # in two takes, as a drafter catching up twice would
-            for part in ray.get(group.features(spans)):
+            for part in resolve(group.features(spans)):
                 for rid, rows in part.items():
                     for k, v in rows.items():
                         got[rid][k] = np.concatenate([got[rid].get(k, v[:0]), v])
@@ -136,14 +151,15 @@ def test_ranks_keep_features_at_kv_positions_until_taken(tiny_checkpoint):
                 np.testing.assert_allclose(got[i][k], want[i][k].astype(np.float16), rtol=1e-2, atol=1e-2)
         assert sum(i["feature_rows"] for i in group.cache_info()) == 0  # taken rows are dropped
         with pytest.raises(LookupError):  # request 4 kept nothing on its rank
-            ray.get(group.features({4: (0, 1)}))
+            resolve(group.features({4: (0, 1)}))
         group.release(list(range(5)))
     finally:
         group.shutdown()
 
 
-def test_dead_rank_fails_the_step_quickly_and_the_group_stays_down(tiny_checkpoint):
-    group = EPGroup(EPConfig(tiny_checkpoint, world=2, step_timeout_s=60, group_timeout_s=20))
+@pytest.mark.parametrize("kind", KINDS)
+def test_dead_rank_fails_the_step_quickly_and_the_group_stays_down(tiny_checkpoint, kind):
+    group = make_group(kind, EPConfig(tiny_checkpoint, world=2, step_timeout_s=60, group_timeout_s=20))
     group.forward([1, 2], [[1, 2], [3, 4]])
     ray.kill(group.workers[1])
     t0 = time.monotonic()
@@ -155,8 +171,9 @@ def test_dead_rank_fails_the_step_quickly_and_the_group_stays_down(tiny_checkpoi
         group.forward([1], [[7]])
 
 
-def test_profile_samples_fit_the_cost_model(tiny_checkpoint):
-    group = EPGroup(EPConfig(tiny_checkpoint, world=2))
+@pytest.mark.parametrize("kind", KINDS)
+def test_profile_samples_fit_the_cost_model(tiny_checkpoint, kind):
+    group = make_group(kind, EPConfig(tiny_checkpoint, world=2))
     try:
         grid = ProfileGrid(requests=(1, 4), tokens_per_request=(1, 4, 8), contexts=(16, 48), repeats=1)
         samples = run_profile(group, grid, vocab_size=96)

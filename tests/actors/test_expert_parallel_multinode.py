@@ -7,7 +7,7 @@ import pytest
 
 from actors.target.checkpoint import load_model
 from actors.target.decode import greedy_decode
-from actors.target.group import EPConfig, EPGroup
+from actors.target.group import DriverGroup, EPConfig, EPGroup
 from actors.target.local import LocalTarget
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9], [10, 11, 12], [40, 41, 42, 43]]
@@ -18,11 +18,12 @@ def cluster(multinode):
     yield from multinode(head_cpus=1, worker_cpus=[2, 2])
 
 
-def test_ep_ranks_on_distinct_nodes_match_one_process(cluster, tiny_checkpoint):
+@pytest.mark.parametrize("group_kind", [EPGroup, DriverGroup])
+def test_ep_ranks_on_distinct_nodes_match_one_process(cluster, tiny_checkpoint, group_kind):
     model = load_model(tiny_checkpoint)
     ref = LocalTarget(model).forward(list(range(4)), PROMPTS, with_logits=True)
     ref_greedy = greedy_decode(LocalTarget(model), list(range(4)), PROMPTS, max_new_tokens=10)
-    group = EPGroup(EPConfig(tiny_checkpoint, world=2, placement="STRICT_SPREAD"))
+    group = group_kind(EPConfig(tiny_checkpoint, world=2, placement="STRICT_SPREAD"))
     try:
         nodes = {r["node"] for r in group.ranks}
         assert len(nodes) == 2  # STRICT_SPREAD: one rank per node

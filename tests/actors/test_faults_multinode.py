@@ -4,12 +4,12 @@ under a running engine: nothing in flight is lost and greedy outputs stay those 
 from __future__ import annotations
 
 import pytest
-import ray
 from ray.cluster_utils import Cluster
 
 from actors.engine.config import EngineConfig
 from actors.engine.coordinator import Engine
 from actors.engine.sequence import SamplingParams
+from actors.inprocess import resolve
 from actors.target.checkpoint import load_model
 from actors.target.decode import greedy_decode
 from actors.target.local import LocalTarget
@@ -20,8 +20,9 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def cluster(multinode):
-    # The head holds no CPUs, so every actor lands on a worker node that a test can remove.
-    yield from multinode(head_cpus=0, worker_cpus=[1, 1, 1, 1])
+    # The head holds no CPUs, so every actor lands on a worker node that a test can remove (three
+    # tests remove one each, and each needs three nodes after that).
+    yield from multinode(head_cpus=0, worker_cpus=[1] * 6)
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,7 @@ def reference(tiny_bundle):
 
 
 def node_of(replica) -> str:
-    return ray.get(replica.whereabouts.remote())["node"]
+    return resolve(replica.whereabouts.remote())["node"]
 
 
 def remove(cluster: Cluster, node_id: str) -> None:
@@ -45,13 +46,20 @@ def engine(bundle: str, tmp_path, **kw) -> Engine:
     return Engine(EngineConfig(**(cfg | kw)))
 
 
+@pytest.mark.parametrize("in_process", [True, False])
 def test_losing_an_ep_ranks_node_rebuilds_the_group_elsewhere_and_requests_resume(cluster, tiny_bundle, reference,
-                                                                               tmp_path, with_fault):
-    eng = engine(tiny_bundle, tmp_path, ep=2, ep_placement="STRICT_SPREAD")
+                                                                               tmp_path, with_fault, in_process):
+    """Driven (in_process): rank 0 is this process (on the head), rank 1 and the drafter it hosts
+    on a worker node. Actors: both ranks and the drafter replica on worker nodes of their own."""
+    eng = engine(tiny_bundle, tmp_path, ep=2, ep_placement="STRICT_SPREAD", in_process=in_process)
     try:
         before = [r["node"] for r in eng.target.ranks]
         victim = before[1]
-        assert len(set(before)) == 2 and node_of(eng.replicas[0]) not in before
+        assert len(set(before)) == 2
+        if in_process:
+            assert [node_of(r) for r in eng.replicas] == before  # each rank hosts its drafter
+        else:
+            assert node_of(eng.replicas[0]) not in before
         out = with_fault(eng, PROMPTS, MAX_TOKENS, lambda: remove(cluster, victim))
         assert out == reference
         assert eng.degraded["ep_group_rebuilt"] == 1 and eng.target.healthy

@@ -38,6 +38,8 @@ def server(tiny_bundle, tmp_path_factory):
     serve.run(build_app(ServeSettings(**common)), name="main", route_prefix="/")
     serve.run(build_app(ServeSettings(**common, api_key="sekret", max_running=1, max_waiting=1, drafter="ngram")),
               name="guarded", route_prefix="/guarded")
+    serve.run(build_app(ServeSettings(**common, ep=2, threads_per_rank=1, cpus_per_rank=1, policy="full")), name="ep2",
+              route_prefix="/ep2")
     yield
     serve.shutdown()
     ray.shutdown()
@@ -319,6 +321,24 @@ def test_each_engine_unit_is_one_placement_group(server):
         assert len(pgs) == 1 and None not in pgs
         groups.append(pgs.pop())
     assert groups[0] != groups[1]
+
+
+def test_ep2_unit_is_driven_from_the_engine_replica_and_decodes_exactly(server, reference):
+    """EP 2 under Serve: the engine replica's own process is rank 0 (it drives rank 1 over the
+    unit's process group, no Ray call per step), each rank hosts its drafter, all in one placement
+    group; output equals plain greedy decoding, with speculation taking place."""
+    where = serve.get_deployment_handle("engine", app_name="ep2").placement.remote().result()
+    coordinator, ranks, drafters = where["coordinator"], where["ranks"], where["drafters"]
+    assert ranks[0]["pid"] == coordinator["pid"] != ranks[1]["pid"]
+    assert [d["pid"] for d in drafters] == [r["pid"] for r in ranks]
+    assert len({p["placement_group"] for p in [coordinator, *ranks]}) == 1
+    ep2 = openai.OpenAI(base_url=f"{BASE}/ep2/v1", api_key="unused", max_retries=0)
+    outs = [ep2.completions.create(model="dcut-demo", prompt=PROMPT, max_tokens=12, temperature=0)
+            for _ in range(2)]
+    for out in outs:
+        assert out.choices[0].text.strip() == words(reference)
+    stats = serve.get_deployment_handle("engine", app_name="ep2").stats.remote().result()
+    assert stats["steps"] > 0 and stats["keep_ratio"] > 0, stats  # policy full: every draft verified
 
 
 def test_chat_content_as_text_parts_is_the_same_conversation(client):
