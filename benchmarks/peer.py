@@ -4,7 +4,8 @@ Same bundled checkpoint, same held-out prompts, greedy, same new-token count:
 - `bare`: a single-process loop of our own model (`LocalTarget` + argmax, static batches of C);
 - `hf`: Hugging Face transformers `generate` on the same folder (batch 1, or left-padded batch C);
 - `hf-lookup`: its prompt-lookup speculative decoding (`prompt_lookup_num_tokens=10`, batch 1);
-- `engine-ar`, `engine-dcut`: our engine at EP 1 (closed loop, C in flight), and at EP 2.
+- `engine-ar`, `engine-dcut`: our engine at EP 1 (closed loop, C in flight), and at EP 2 — driven
+  from rank 0 (the default), and with every rank a Ray actor called per step (EP `2-actors`).
 Rounds alternate the order of the systems; each level's ratios are taken within a round, and the
 table reports medians over rounds. Also the engine's time per step by stage, and whether every
 system's tokens equal the bare loop's.
@@ -93,6 +94,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--ep2-concurrency", default="1,16", help="levels also run at EP 2 ('' to skip)")
+    p.add_argument("--ep2-actors", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run EP 2 with ranks and drafter as Ray actors (in_process=False)")
     p.add_argument("--num-prompts", type=int, default=12)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -118,6 +121,9 @@ def main() -> int:
     engines = {1: Engine(cfg1)}
     if ep2_levels:
         engines[2] = Engine(ServeSettings(ep=2, max_running=max(ep2_levels)).engine_config())
+        if args.ep2_actors:
+            engines["2-actors"] = Engine(ServeSettings(ep=2, max_running=max(ep2_levels),
+                                                       in_process=False).engine_config())
     from actors.target.checkpoint import load_model
 
     model = load_model(cfg1.target_dir).eval()
@@ -133,10 +139,11 @@ def main() -> int:
             prompts = all_prompts[: max(args.num_prompts, c)]
             systems = [("bare", 1), ("hf", 1), ("engine-ar", 1), ("engine-dcut", 1)]
             systems += [("hf-lookup", 1)] if c == 1 else []
-            systems += [("engine-ar", 2), ("engine-dcut", 2)] if c in ep2_levels else []
+            eps = [e for e in engines if e != 1] if c in ep2_levels else []
+            systems += [(f"engine-{p}", e) for e in eps for p in ("ar", "dcut")]
             k = rnd % len(systems)
             for name, ep in systems[k:] + systems[:k]:  # alternate who goes first
-                torch.set_num_threads(args.threads)
+                torch.set_num_threads(engines[ep].cfg.threads_per_rank if name.startswith("engine") else args.threads)
                 t0 = time.perf_counter()
                 extra = {}
                 if name == "bare":
@@ -171,7 +178,7 @@ def render(runs: list[dict]) -> str:
         rows.setdefault(key(r), []).append((r["tok_s"], r["tok_s"] / b["tok_s"], r["outputs"] == b["outputs"], r))
     lines = ["| system | EP | C | tok/s (median) | × bare loop (median of rounds) | range | same tokens as bare | "
              "step ms | outside the passes |", "|---|---|---|---|---|---|---|---|---|"]
-    for (name, ep, c), xs in sorted(rows.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][0])):
+    for (name, ep, c), xs in sorted(rows.items(), key=lambda kv: (kv[0][2], str(kv[0][1]), kv[0][0])):
         ratios = [x[1] for x in xs]
         last = xs[-1][3]
         step = f"{last['step_ms']:.1f}" if "step_ms" in last else ""

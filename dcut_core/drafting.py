@@ -230,6 +230,45 @@ class Exploration:
         return mask
 
 
+@dataclass(frozen=True)
+class GateInput:
+    """Everything one gate decision saw, in plain numbers: the step's requests, their caps,
+    remaining output and backlog, the drafting cost, and the verify cost sampled at every token
+    count the decision can ask about (R .. R + Σ caps). A step log keeps it (`as_dict`), and
+    `replay` feeds it back to a fresh gate."""
+
+    rids: list[int]
+    caps: np.ndarray
+    remaining: np.ndarray
+    backlog: np.ndarray
+    verify_table: np.ndarray  # verify.seconds(R + n) for n = 0 .. Σ caps
+    draft: DraftCost
+
+    @classmethod
+    def capture(cls, rids: list[int], caps, remaining, backlog, verify: StepCost, draft: DraftCost) -> GateInput:
+        caps = np.asarray(caps, dtype=np.int64)
+        tokens = len(rids) + np.arange(int(caps.sum()) + 1)
+        return cls(list(rids), caps, np.asarray(remaining, dtype=np.int64), np.asarray(backlog, dtype=np.float64),
+                   verify.seconds(tokens), draft)
+
+    def verify(self) -> StepCost:
+        """The captured verify cost as a curve (the same values at every count it holds)."""
+        table, r = self.verify_table, len(self.rids)
+        return StepCost(lambda n: table[np.asarray(n, dtype=np.int64) - r], 0.0)
+
+    def as_dict(self) -> dict:
+        d = self.draft
+        return {"rids": self.rids, "caps": self.caps.tolist(), "remaining": self.remaining.tolist(),
+                "backlog": self.backlog.tolist(), "verify_table": self.verify_table.tolist(),
+                "draft": [d.fixed, d.per_request, d.per_position, d.per_context]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> GateInput:
+        return cls(list(d["rids"]), np.asarray(d["caps"], dtype=np.int64), np.asarray(d["remaining"], dtype=np.int64),
+                   np.asarray(d["backlog"], dtype=np.float64), np.asarray(d["verify_table"], dtype=np.float64),
+                   DraftCost(*d["draft"]))
+
+
 @dataclass
 class DraftingGate:
     """The drafting gate as one object: before the drafters run, how many drafts each request of
@@ -243,11 +282,20 @@ class DraftingGate:
     max_budget: int | None = None
     slack: int = 2
     extend: bool = True
+    record: bool = False  # keep each decision's input and output in `last` (a step log asks for it)
+    last: tuple[GateInput, np.ndarray] | None = None
 
     def decide(self, rids: list[int], caps: np.ndarray, remaining: np.ndarray, backlog: np.ndarray,
                verify: StepCost, draft: DraftCost) -> np.ndarray:
         """Drafts [R] to ask for. caps: the most each request may draft; remaining: tokens each may
         still emit; backlog: tokens each request's drafter has yet to catch up on."""
+        captured = GateInput.capture(rids, caps, remaining, backlog, verify, draft) if self.record else None
+        lengths = self._decide(rids, caps, remaining, backlog, verify, draft)
+        if captured is not None:
+            self.last = (captured, lengths)
+        return lengths
+
+    def _decide(self, rids, caps, remaining, backlog, verify: StepCost, draft: DraftCost) -> np.ndarray:
         predicted = self.tracker.predict_batch(rids, caps)
         charge = self.catch_up_charge(predicted, np.asarray(backlog, dtype=np.float64), remaining)
         plan = plan_drafts(predicted, verify, draft, self.max_budget, self.slack, charge, extend=self.extend)
@@ -269,3 +317,24 @@ class DraftingGate:
         flat, cu = ragged.flatten(predicted)
         expected = 1.0 + ragged.segment_sums(ragged.segment_cumprod(flat, cu), cu)
         return backlog * np.minimum(1.0, expected / np.maximum(1.0, np.asarray(remaining, dtype=np.float64)))
+
+
+def replay(gate: DraftingGate, steps) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Run `gate` over a step log's records in order (dicts as `StepLog` writes them): each
+    logged decision's input is decided again, and each step's verification outcomes are observed
+    as the engine observed them. Returns (logged, replayed) plans: a gate with the engine's
+    settings reproduces every plan exactly; another setting shows what it would have asked for
+    on the same history."""
+    plans = []
+    for rec in steps:
+        if rec.get("gate"):
+            g = GateInput.from_dict(rec["gate"]["input"])
+            got = gate.decide(g.rids, g.caps, g.remaining, g.backlog, g.verify(), g.draft)
+            plans.append((np.asarray(rec["gate"]["lengths"], dtype=np.int64), got))
+        obs = rec.get("observed")
+        if obs:
+            beyond, cu = obs["beyond"], obs["beyond_cu"]
+            for i, rid in enumerate(obs["rids"]):
+                b = None if cu is None else np.asarray(beyond[cu[i]:cu[i + 1]], dtype=np.float64)
+                gate.tracker.observe(rid, obs["kept"][i], obs["accepted"][i], b)
+    return plans

@@ -65,7 +65,7 @@ class Engine:
         self.calibrator = Calibrator(block=cfg.block)
         self.tracker = AcceptanceTracker(block=cfg.block)
         self.gate = DraftingGate(self.tracker, Exploration(cfg.explore_every, cfg.explore_requests, cfg.explore_warmup),
-                                 cfg.max_budget, cfg.draft_slack, cfg.draft_extend)
+                                 cfg.max_budget, cfg.draft_slack, cfg.draft_extend, record=bool(cfg.step_log))
         self.draft_cost = DraftCostLearner(PRIOR_DRAFT_COST)
         self.overhead = StepOverhead()
         self.model_cfg = MoEConfig.load(cfg.target_dir)
@@ -137,6 +137,7 @@ class Engine:
                 return None
             st = Step(batch, feeding, time.perf_counter(), sum(s.cached for s in batch))
             st.lengths = self.plan(batch)
+            st.gate, self.gate.last = self.gate.last, None  # what the gate saw and chose (step log)
             st.drafts = self.propose(batch, st.lengths)
             st.kept = self.prune(batch, st.drafts)
             st.out = self.verify(batch, st.drafts, st.kept, feeding)
@@ -302,6 +303,14 @@ class Engine:
         for i, s in enumerate(st.batch):
             beyond = drafts.estimate[drafts.cu[i] + kept[i]:drafts.cu[i + 1]] if drafts.estimate is not None else None
             self.tracker.observe(s.rid, int(kept[i]), int(st.accepted[i]), beyond)
+        if self.step_log is not None:  # what the tracker learnt from, for `dcut_core.drafting.replay`
+            est = drafts.estimate
+            beyond = [] if est is None else [est[drafts.cu[i] + kept[i]:drafts.cu[i + 1]] for i in range(len(st.batch))]
+            st.observed = {"rids": [s.rid for s in st.batch], "kept": np.asarray(kept).tolist(),
+                           "accepted": [int(a) for a in st.accepted],
+                           "beyond": np.concatenate(beyond).tolist() if beyond else [],
+                           "beyond_cu": None if est is None else
+                           np.concatenate([[0], np.cumsum([len(b) for b in beyond])]).tolist()}
         if self.cost is None:
             return float("nan")
         if st.feeding:  # the correction learns verification steps only (pruning's curve)
@@ -325,7 +334,7 @@ class Engine:
             self.overhead.observe(rec.drafted > 0, rec.step_s - rec.target_compute_s - rec.draft_s)
         if self.step_log is not None:
             self.step_log.write(self.policy.name, np.diff(drafts.cu), drafts.survival, st.kept, st.accepted,
-                                st.context, predicted, out.wall_s, drafts.seconds)
+                                st.context, predicted, out.wall_s, drafts.seconds, st.gate, st.observed)
         return rec
 
     # -- helpers ----------------------------------------------------------------------------------

@@ -42,6 +42,8 @@ class Step:
     out: object = None  # verify: the target's TargetOutput
     accepted: list[int] | None = None  # accept: drafts accepted per request
     emitted: list[list[int]] | None = None  # accept: tokens each request gains
+    gate: tuple | None = None  # plan: the drafting gate's (GateInput, lengths), when a step log asks
+    observed: dict | None = None  # commit: what the acceptance tracker learnt (step log)
 
     @property
     def verify_tokens(self) -> int:

@@ -2,7 +2,9 @@
 
 Each record holds what `dcut_core` saw and decided — per request drafted count, survivals,
 kept and accepted counts — and the step's predicted and measured times, so a pruning policy can
-be re-run offline on real acceptance traces (`read_steps`). msgpack keeps this small and
+be re-run offline on real acceptance traces (`read_steps`). It also holds the drafting gate's
+whole input and plan (`gate`) and what its acceptance tracker learnt (`observed`), so
+`dcut_core.drafting.replay` re-runs the gate over the same history. msgpack keeps this small and
 streamable: one record per step, no framing of our own.
 """
 
@@ -24,7 +26,9 @@ class StepLog:
         self._pack = msgpack.Packer()
 
     def write(self, policy: str, drafted: np.ndarray, survival: np.ndarray | None, kept: np.ndarray,
-              accepted: np.ndarray, context: int, predicted_s: float, measured_s: float, draft_s: float) -> None:
+              accepted: np.ndarray, context: int, predicted_s: float, measured_s: float, draft_s: float,
+              gate: tuple | None = None, observed: dict | None = None) -> None:
+        """One step; `gate` is the drafting gate's (GateInput, lengths) when it decided."""
         self._f.write(self._pack.pack({
             "policy": policy,
             "drafted": np.asarray(drafted, dtype=np.int32).tolist(),
@@ -35,6 +39,9 @@ class StepLog:
             "predicted_s": float(predicted_s),
             "measured_s": float(measured_s),
             "draft_s": float(draft_s),
+            "gate": None if gate is None else {"input": gate[0].as_dict(),
+                                               "lengths": np.asarray(gate[1], dtype=np.int64).tolist()},
+            "observed": observed,
         }))
 
     def close(self) -> None:

@@ -122,6 +122,8 @@ class TargetRank:
 
     def forward(self, rb: RankBatch) -> RankResult:
         """Run this rank's part of one step (a collective when world > 1)."""
+        if torch.get_num_threads() != self.spec.threads:  # a rank in a shared process (the driver's)
+            torch.set_num_threads(self.spec.threads)  # must not oversubscribe the cores its peers use
         if rb.truncate:  # committed decisions of the previous step: applied whatever this batch does
             self.cache.truncate_all(rb.truncate)
         dev = self.spec.device

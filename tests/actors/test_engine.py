@@ -17,6 +17,7 @@ from actors.target.checkpoint import load_model
 from actors.target.decode import greedy_decode
 from actors.target.local import LocalTarget
 from actors.target.model import ForwardBatch
+from dcut_core.drafting import AcceptanceTracker, DraftingGate, Exploration, replay
 from dcut_core.pruning import POLICY_NAMES
 
 POLICIES = [p for p in POLICY_NAMES if p != "fixed-K"] + ["fixed-2"]
@@ -84,6 +85,16 @@ def test_step_log_records_every_step(tiny_bundle, reference, tmp_path):
     for s in steps:
         assert all(0 <= a <= k <= d for a, k, d in zip(s["accepted"], s["kept"], s["drafted"], strict=True))
         assert len(s["survival"]) in (0, sum(s["drafted"]))
+    # The drafting gate replays from the log: a fresh gate with the engine's settings asks for
+    # exactly what the engine's asked for, at every step — drafting steps and plain ones.
+    cfg = eng.cfg
+    fresh = DraftingGate(AcceptanceTracker(block=cfg.block), Exploration(cfg.explore_every, cfg.explore_requests,
+                                                                         cfg.explore_warmup),
+                         cfg.max_budget, cfg.draft_slack, cfg.draft_extend)
+    plans = replay(fresh, steps)
+    assert len(plans) == sum(s["gate"] is not None for s in steps) > 0
+    assert {bool(p.sum()) for p, _ in plans} == {True, False}
+    assert all(np.array_equal(logged, got) for logged, got in plans)
 
 
 def test_stop_conditions(tiny_bundle, reference, tmp_path):

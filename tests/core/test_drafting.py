@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from dcut_core.drafting import AcceptanceTracker, DraftCost, plan_drafts
+from dcut_core.drafting import AcceptanceTracker, DraftCost, GateInput, plan_drafts, replay
 from dcut_core.pruning import StepCost
 
 
@@ -242,3 +242,48 @@ def test_gate_explores_on_its_own_schedule_and_charges_catch_up_by_remaining_sha
     predicted = [np.array([0.5, 0.5]), np.array([0.5, 0.5]), np.array([0.5])]
     charge = g.catch_up_charge(predicted, np.array([10.0, 10.0, 10.0]), np.array([1, 3, 100]))
     assert np.allclose(charge, [10.0, 10.0 * 1.75 / 3, 10.0 * 1.5 / 100])
+
+
+def test_gate_input_holds_the_verify_cost_at_every_count_the_decision_can_ask():
+    curve = StepCost(lambda n: 0.002 + 1e-4 * n + 3e-6 * np.sqrt(n), 0.001)
+    g = GateInput.capture([4, 9, 2], np.array([3, 0, 5]), np.array([10, 1, 7]), np.array([0, 4, 2]), curve,
+                          DraftCost(1e-3, 2e-4, 1e-5, 1e-6))
+    counts = np.arange(3, 3 + 8 + 1)
+    assert np.array_equal(g.verify().seconds(counts), curve.seconds(counts))  # bit for bit
+    back = GateInput.from_dict(g.as_dict())
+    assert back.rids == g.rids and back.draft == g.draft
+    assert all(np.array_equal(a, b) for a, b in ((back.caps, g.caps), (back.verify_table, g.verify_table),
+                                                 (back.remaining, g.remaining), (back.backlog, g.backlog)))
+
+
+def test_replay_of_a_logged_history_reproduces_every_plan():
+    """A gate deciding and learning over a random history, logged as the engine logs it; a
+    fresh gate replaying the log asks for exactly the same drafts at every step, and one with
+    another setting asks for something else."""
+    rng = np.random.default_rng(3)
+    live = gate(record=True)
+    log, rids, next_rid = [], [0, 1, 2], 3
+    for step in range(300):
+        if rng.random() < 0.1:  # requests come and go
+            rids = [r for r in rids if rng.random() < 0.7] + [next_rid]
+            next_rid += 1
+        caps = rng.integers(0, 8, len(rids))
+        verify = StepCost(lambda n, a=rng.uniform(0.005, 0.02): a + 2e-4 * n, 0.0)
+        draft = DraftCost(rng.uniform(0, 0.01), 1e-4, 1e-5, 1e-6)
+        lengths = live.decide(rids, caps, rng.integers(1, 50, len(rids)), rng.integers(0, 30, len(rids)), verify,
+                              draft)
+        g, planned = live.last
+        kept = np.minimum(lengths, rng.integers(0, 8, len(rids)))
+        accepted = np.array([rng.integers(0, k + 1) for k in kept])
+        beyond = [rng.uniform(0, 1, int(n - k)) for n, k in zip(lengths, kept, strict=True)]
+        cu = np.concatenate([[0], np.cumsum([len(b) for b in beyond])]).tolist()
+        for rid, k, a, b in zip(rids, kept, accepted, beyond, strict=True):
+            live.tracker.observe(rid, int(k), int(a), b)
+        log.append({"gate": {"input": g.as_dict(), "lengths": planned.tolist()},
+                    "observed": {"rids": rids, "kept": kept.tolist(), "accepted": accepted.tolist(),
+                                 "beyond": np.concatenate(beyond).tolist(), "beyond_cu": cu}})
+    plans = replay(gate(), log)
+    assert len(plans) == 300 and sum(p.sum() > 0 for p, _ in plans) > 30
+    assert all(np.array_equal(logged, got) for logged, got in plans)
+    other = replay(gate(slack=0, extend=False), log)
+    assert any(not np.array_equal(logged, got) for logged, got in other)
