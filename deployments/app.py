@@ -33,6 +33,7 @@ from actors.engine.sequence import SamplingParams
 from deployments.bundle import Bundle
 from deployments.engine_deployment import EngineDeployment
 from deployments.errors import ApiError
+from deployments.logprobs_format import LogprobFormat
 from deployments.metrics import Metrics
 from deployments.openai_schema import ChatRequest, CompletionRequest, chat_prompt, new_id, now, publish_request_bodies
 from deployments.settings import ServeSettings
@@ -60,6 +61,7 @@ class Ingress:
         self.engine = engine
         self.settings = settings
         self.tokenizer = Tokenizer.from_file(Bundle(pathlib.Path(settings.model_root)).tokenizer)
+        self.logprobs = LogprobFormat(self.tokenizer)
         self.metrics = Metrics()
 
     # -- endpoints --------------------------------------------------------------------------------
@@ -110,12 +112,16 @@ class Ingress:
             if body.stream:
                 if len(ids) != 1:
                     raise ApiError(400, "streaming supports one prompt per request", param="prompt")
+                if not chat and body.echo:
+                    raise ApiError(400, "echo is not supported with stream", param="echo")
                 stream = self._deltas(ids[0], params)
                 first = await self._first(stream)  # errors surface as HTTP status, not mid-stream
                 self.metrics.request(endpoint, 200)
                 return StreamingResponse(self._sse(stream, first, body, chat, len(ids[0])),
                                          media_type="text/event-stream")
             results = await asyncio.gather(*(self._collect(self._deltas(i, params)) for i in ids))
+            for r, p, i in zip(results, prompts, ids, strict=True):
+                r["prompt"], r["prompt_ids"] = (p if isinstance(p, str) else self.tokenizer.decode(i)), i
             self.metrics.request(endpoint, 200)
             return self._full_response(body, chat, results)
         except ApiError as e:
@@ -170,16 +176,22 @@ class Ingress:
         if max(len(i) for i in ids) > s.max_prompt_tokens:
             raise ApiError(400, f"prompt has {max(len(i) for i in ids)} tokens; the limit is {s.max_prompt_tokens}",
                            code="context_length_exceeded", param="prompt")
-        max_tokens = body.max_completion_tokens or body.max_tokens or min(64, s.max_tokens_limit)
+        max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
+                          min(64, s.max_tokens_limit))
         if max_tokens > s.max_tokens_limit:
             raise ApiError(400, f"max_tokens {max_tokens} is above the limit {s.max_tokens_limit}",
                            param="max_tokens")
+        echo = getattr(body, "echo", False)
+        if max_tokens == 0 and not echo:
+            raise ApiError(400, "max_tokens 0 needs echo (it scores the prompt)", param="max_tokens")
         stops = body.stops()
         if len(stops) > s.max_stop or any(not x for x in stops):
             raise ApiError(400, f"at most {s.max_stop} non-empty stop strings", param="stop")
         try:
+            k = body.token_logprobs()
             params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                                    seed=body.seed, stop=stops, ignore_eos=body.ignore_eos)
+                                    seed=body.seed, stop=stops, ignore_eos=body.ignore_eos, logprobs=k,
+                                    prompt_logprobs=k if echo and k is not None else None)
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
         return ids, params
@@ -190,7 +202,7 @@ class Ingress:
         most twice): the client sees one stream."""
         produced: list[int] = []
         for attempt in range(RESUBMITS + 1):
-            if len(produced) >= params.max_tokens:  # it died after the last token, before saying so
+            if params.max_tokens and len(produced) >= params.max_tokens:  # it died after its last token
                 yield Delta("", [], True, "length", len(prompt), len(produced))
                 return
             stream = self.engine.options(stream=True).generate.remote(GenerateRequest(prompt, params, produced))
@@ -219,16 +231,19 @@ class Ingress:
             raise ApiError(500, "the engine ended the stream without output", "server_error") from None
 
     async def _collect(self, stream) -> dict:
-        text, tokens, last = [], [], None
+        text, tokens, logprobs, prompt_logprobs, last = [], [], [], None, None
         async for d in stream:
             text.append(d.text)
             tokens += d.token_ids
+            logprobs += d.logprobs if d.logprobs is not None else [None] * len(d.token_ids)
+            prompt_logprobs = prompt_logprobs or d.prompt_logprobs
             last = d
         if last is None:
             raise ApiError(500, "the engine ended the stream without output", "server_error")
         return {"text": "".join(text), "token_ids": tokens, "finish_reason": last.finish_reason,
                 "prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
-                "steps": last.steps, "accepted": last.accepted}
+                "steps": last.steps, "accepted": last.accepted, "logprobs": logprobs,
+                "prompt_logprobs": prompt_logprobs}
 
     def _full_response(self, body, chat: bool, results: list[dict]) -> dict:
         usage = {"prompt_tokens": sum(r["prompt_tokens"] for r in results),
@@ -238,28 +253,46 @@ class Ingress:
             self.metrics.tokens(r["completion_tokens"])
         if chat:
             r = results[0]
+            lp = self.logprobs.chat(r["token_ids"], r["logprobs"]) if body.logprobs else None
             choices = [{"index": 0, "message": {"role": "assistant", "content": r["text"]},
-                        "finish_reason": r["finish_reason"], "logprobs": None}]
+                        "finish_reason": r["finish_reason"], "logprobs": lp}]
             return {"id": new_id("chatcmpl"), "object": "chat.completion", "created": now(), "model": body.model,
                     "choices": choices, "usage": usage}
-        choices = [{"index": i, "text": r["text"], "finish_reason": r["finish_reason"], "logprobs": None}
+        choices = [{"index": i, "text": (r["prompt"] if body.echo else "") + r["text"],
+                    "finish_reason": r["finish_reason"], "logprobs": self._completion_logprobs(body, r)}
                    for i, r in enumerate(results)]
         return {"id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": body.model,
                 "choices": choices, "usage": usage,
                 "dcut": [{"token_ids": r["token_ids"], "steps": r["steps"], "accepted": r["accepted"]}
                          for r in results]}
 
+    def _completion_logprobs(self, body, r: dict) -> dict | None:
+        if body.logprobs is None:
+            return None
+        ids, entries = r["token_ids"], r["logprobs"]
+        if not body.echo:
+            return self.logprobs.completion(ids, entries)
+        prompt = r["prompt_ids"]  # the prompt's tokens first (its first token has no log-probability)
+        return self.logprobs.completion([*prompt, *ids], [*(r["prompt_logprobs"] or [None] * len(prompt)), *entries],
+                                        prompt=len(prompt))
+
     async def _sse(self, stream, first: dict, body, chat: bool, prompt_tokens: int):
         cid, created = new_id("chatcmpl" if chat else "cmpl"), now()
         kind = "chat.completion.chunk" if chat else "text_completion"
         t_start, t_prev, n_prev, last = time.perf_counter(), None, 0, first
 
-        def chunk(text: str | None, finish: str | None, role: bool = False) -> str:
+        sent: list[int] = []  # tokens streamed so far: each chunk's token texts continue them
+
+        def chunk(text: str | None, finish: str | None, role: bool = False, d: Delta | None = None) -> str:
+            lp = None
+            if d is not None and d.logprobs is not None and d.token_ids:
+                lp = (self.logprobs.chat if chat else self.logprobs.completion)(d.token_ids, d.logprobs, sent)
+                sent.extend(d.token_ids)
             if chat:
                 delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}
             else:
-                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": lp}
             return "data: " + json.dumps({"id": cid, "object": kind, "created": created, "model": body.model,
                                           "choices": [choice]}) + "\n\n"
 
@@ -274,8 +307,8 @@ class Ingress:
                 elif delta.completion_tokens > n_prev:
                     self.metrics.tpot((now_t - t_prev) / (delta.completion_tokens - n_prev))
                 t_prev, n_prev, last = now_t, delta.completion_tokens, delta
-                if delta.text or delta.finished:
-                    yield chunk(delta.text, delta.finish_reason if delta.finished else None)
+                if delta.text or delta.finished or (delta.logprobs and delta.token_ids):
+                    yield chunk(delta.text, delta.finish_reason if delta.finished else None, d=delta)
                 if delta.finished:
                     break
                 delta = await stream.__anext__()

@@ -35,7 +35,6 @@ class StreamOptions(BaseModel):
 # client sends when it does not use the feature), refused with a 400 naming the field otherwise.
 # A field in neither this table nor the schema is refused too: nothing a client sends is ignored.
 NOT_IMPLEMENTED: dict[str, tuple] = {
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
     "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
     "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "function_call": (None, "none"), "best_of": (None, 1), "suffix": (None, ""),
@@ -46,7 +45,7 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="forbid")  # an unknown field is a 400 that names it, never ignored
 
     model: str
-    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_tokens: StrictInt | None = Field(None, ge=0, description="0 only with echo (score the prompt)")
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     temperature: StrictFloat = Field(1.0, ge=0.0, le=2.0)
     top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
@@ -80,6 +79,13 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     # Text, several texts, token ids (scoring clients send them), or several lists of token ids.
     prompt: Text | list[Text] | list[StrictInt] | list[list[StrictInt]]
+    logprobs: StrictInt | None = Field(None, ge=0, le=20, description="each token's log-probability under the "
+                                                                      "target and this many alternatives")
+    echo: StrictBool = Field(False, description="return the prompt before the completion (with logprobs: the "
+                                                "prompt tokens' log-probabilities too)")
+
+    def token_logprobs(self) -> int | None:
+        return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """Each prompt of the request: a text, or token ids."""
@@ -107,6 +113,17 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20, description="alternatives per token (needs logprobs)")
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs set to true")
+        return self
+
+    def token_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class Usage(BaseModel):

@@ -26,7 +26,7 @@ class GenerateRequest:
     def __post_init__(self) -> None:
         if not self.prompt:
             raise ValueError("the prompt must not be empty")
-        if len(self.resume) >= self.params.max_tokens:
+        if self.params.max_tokens and len(self.resume) >= self.params.max_tokens:
             raise ValueError("nothing left to generate: resume already holds max_tokens tokens")
 
 
@@ -42,6 +42,8 @@ class Delta:
     completion_tokens: int = 0
     steps: int = 0
     accepted: int = 0
+    logprobs: list | None = None  # TokenLogprob per token of token_ids (when asked for)
+    prompt_logprobs: list | None = None  # per prompt token (the first None), in the request's first delta
 
 
 class ErrorKind(enum.Enum):

@@ -252,10 +252,12 @@ class Engine:
         seqs = [*batch, *(f.seq for f in feeding)]
         sampling = [(s.params.temperature, s.params.top_p) for s in seqs]
         capture = self.drafters.layers if self.policy.drafts else ()
+        logprobs = [s.params.logprobs is not None for s in batch] + [f.wants_logprobs for f in feeding]
         return self.target.forward([s.rid for s in seqs], chunks + [f.tokens for f in feeding], logits=rows,
                                    capture_layers=capture,
                                    sampling=sampling if any(t > 0 for t, _ in sampling) else None,
-                                   keep_features=self._keep_features(batch, drafts, feeding) if capture else None)
+                                   keep_features=self._keep_features(batch, drafts, feeding) if capture else None,
+                                   logprobs=logprobs if any(logprobs) else None)
 
     def _keep_features(self, batch: list[Sequence], drafts: Drafts, feeding: list[Feed]) -> list[bool]:
         """Per forward row: True keeps its features on the rank (prefill, requests that did not
@@ -282,7 +284,8 @@ class Engine:
             s.drafted.append(int(st.drafts.cu[i + 1] - st.drafts.cu[i]))
             s.kept.append(int(st.kept[i]))
             s.accepted.append(int(st.accepted[i]))
-            committed.append(self.scheduler.append(s, st.emitted[i], self.eos, self.text_of))
+            committed.append(self.scheduler.append(s, st.emitted[i], self.eos, self.text_of,
+                                                   st.out.logprobs[i] if st.out.logprobs is not None else None))
             held.append(s.cached)  # its features exist up to here: on its rank, or here (drafted this step)
             hidden.append({k: h[: 1 + int(st.accepted[i])] for k, h in st.out.captured[i].items()})
         live = [c for c in [*zip(batch, committed, held, hidden, strict=True), *((*f, None) for f in fed)]

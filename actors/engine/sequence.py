@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from actors.engine.logprobs import entries
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -18,10 +20,17 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # each committed token's log-probability and this many alternatives
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (echo); then max_tokens may be 0
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError("max_tokens must be at least 1")
+        if self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
+            raise ValueError("max_tokens must be at least 1 (0 only when the prompt's log-probabilities are asked "
+                             "for)")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not (isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= 20):
+                raise ValueError(f"{name} must be an integer in [0, 20]")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError("temperature must be a finite number >= 0")
         if not 0 < self.top_p <= 1:  # NaN fails this too
@@ -65,11 +74,15 @@ class Sequence:
     accepted: list[int] = field(default_factory=list)
     fed: int = 0  # tokens of `feed` already in the target's KV cache (while prefilling)
     prefilled: bool = False  # its feed is in the KV cache: it decodes from now on
+    logprobs: list = field(default_factory=list)  # TokenLogprob per output token (params.logprobs set)
+    prompt_logprobs: list = field(default_factory=list)  # per prompt token (the first: None), with echo
     _uniforms: list[float] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if self.rng is None:
             self.rng = np.random.default_rng(seed_sequence(self.params.seed))
+        if self.params.logprobs is not None and self.output and not self.logprobs:
+            self.logprobs = [None] * len(self.output)  # resumed: those tokens' entries went out before
 
     def uniforms(self, start: int, n: int) -> np.ndarray:
         """The sampling uniforms of output positions start .. start+n-1: drawn once per position,
@@ -147,8 +160,10 @@ class Scheduler:
     def footprint(seq: Sequence, block: int) -> int:
         return len(seq.prompt) + seq.params.max_tokens + block
 
-    def append(self, seq: Sequence, tokens: list[int], eos: int | None, text_of) -> list[int]:
-        """Commit tokens to seq, applying stop conditions; returns the tokens actually kept."""
+    def append(self, seq: Sequence, tokens: list[int], eos: int | None, text_of,
+               logprob_rows: np.ndarray | None = None) -> list[int]:
+        """Commit tokens to seq, applying stop conditions; returns the tokens actually kept.
+        `logprob_rows[t]`: the target's log-softmax row of tokens[t] (for requests that asked)."""
         kept: list[int] = []
         for t in tokens:
             if seq.remaining <= 0:
@@ -171,6 +186,8 @@ class Scheduler:
             seq.text, seq.finish_reason = seq.text[:at], "stop"
         if seq.finish_reason is None and seq.remaining <= 0:
             seq.finish_reason = "length"
+        if seq.params.logprobs is not None and logprob_rows is not None:
+            seq.logprobs.extend(entries(logprob_rows, kept, seq.params.logprobs))
         return kept
 
     def finish_done(self) -> list[Sequence]:

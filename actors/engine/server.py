@@ -173,8 +173,11 @@ class AsyncEngine:
                 continue
             text = seq.text[n_txt:] if done else _stable(seq.text[n_txt:], seq.params.stop)
             self._sent[seq.rid] = (len(seq.output), n_txt + len(text))
-            self._queues[seq.rid].put_nowait(Delta(text, seq.output[n_tok:], done, seq.finish_reason,
-                                                   len(seq.prompt), len(seq.output), seq.steps, sum(seq.accepted)))
+            p = seq.params
+            self._queues[seq.rid].put_nowait(Delta(
+                text, seq.output[n_tok:], done, seq.finish_reason, len(seq.prompt), len(seq.output), seq.steps,
+                sum(seq.accepted), seq.logprobs[n_tok:] if p.logprobs is not None else None,
+                seq.prompt_logprobs if p.prompt_logprobs is not None and n_tok == 0 else None))
             if done:
                 sched.finished.pop(seq.rid, None)
                 self._sent.pop(seq.rid, None)

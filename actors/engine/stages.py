@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from actors.drafter.base import DraftOutput
+from actors.engine.logprobs import entries
 from actors.engine.sequence import Scheduler, Sequence
 from dcut_core import rules
 
@@ -90,9 +91,18 @@ class Feed:
 
     @property
     def logit_rows(self) -> list[int]:
-        """The target's row is needed only where a fresh prompt ends (its first token)."""
+        """The target's row is needed only where a fresh prompt ends (its first token), and at
+        every position when the prompt's log-probabilities are asked for."""
+        if self.seq.params.prompt_logprobs is not None:
+            return list(range(len(self.tokens)))
         ends = self.start + len(self.tokens) == self.seq.feed_len
         return [len(self.tokens) - 1] if ends and not self.seq.output else []
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Its rows come back as log-probabilities: for the prompt's, or the first token's."""
+        p = self.seq.params
+        return p.prompt_logprobs is not None or (p.logprobs is not None and bool(self.logit_rows))
 
 
 def feed_chunks(seqs: list[Sequence], chunk: int, budget: int) -> list[Feed]:
@@ -116,6 +126,8 @@ def advance_prefill(feeding: list[Feed], out, offset: int, scheduler: Scheduler,
     commits, fresh, rows = [], [], {}
     for j, f in enumerate(feeding):
         s, tokens = f.seq, list(f.tokens)
+        if s.params.prompt_logprobs is not None and not s.output:
+            prompt_logprobs(s, f, out.logprobs[offset + j])
         s.fed += len(tokens)
         if s.fed == s.feed_len:
             s.prefilled = True
@@ -125,10 +137,24 @@ def advance_prefill(feeding: list[Feed], out, offset: int, scheduler: Scheduler,
                 fresh.append(s)
                 rows[s.rid] = (out.argmax[offset + j], None if out.probs is None else out.probs[offset + j])
         commits.append((s, tokens, s.fed))
+    lp_rows = {f.seq.rid: out.logprobs[offset + j][-1:] for j, f in enumerate(feeding)
+               if out.logprobs is not None and out.logprobs[offset + j] is not None}
     for s, tok in zip(fresh, first_tokens(fresh, rows), strict=True):
-        scheduler.append(s, [tok], eos, text_of)
-    first = {s.rid: s.output[-1] for s in fresh}
+        scheduler.append(s, [tok], eos, text_of, lp_rows.get(s.rid))
+    first = {s.rid: s.output[-1] for s in fresh if s.output}  # (max_tokens 0: none)
     return [(s, [*t, first[s.rid]] if s.rid in first else t, h) for s, t, h in commits]
+
+
+def prompt_logprobs(seq: Sequence, feed: Feed, rows: np.ndarray) -> None:
+    """Record the prompt tokens' log-probabilities from a prefill chunk's rows: row r (position
+    start + r) is the target's distribution of the token at start + r + 1; the first prompt
+    token has none (None)."""
+    if feed.start == 0:
+        seq.prompt_logprobs.append(None)
+    end = min(len(feed.tokens), len(seq.prompt) - 1 - feed.start)  # rows that predict a prompt token
+    if end > 0:
+        nxt = seq.prompt[feed.start + 1:feed.start + 1 + end]
+        seq.prompt_logprobs.extend(entries(rows[:end], nxt, seq.params.prompt_logprobs))
 
 
 def empty_drafts(r: int) -> Drafts:

@@ -64,6 +64,7 @@ class TargetOutput:
     rank_stats: list[StepStats] = field(default_factory=list)
     wall_s: float = 0.0
     probs: list[np.ndarray] | None = None  # [m_i, V] each, when sampling was asked for
+    logprobs: list[np.ndarray | None] | None = None  # [m_i, V] log-softmax each, for the requests that asked
 
 
 class EPGroup:
@@ -123,13 +124,14 @@ class EPGroup:
     def forward(self, request_ids: list[int], chunks: list[list[int]], logits: str | list[list[int]] = "all",
                 with_logits: bool = False, capture_layers: tuple[int, ...] = (),
                 sampling: list[tuple[float, float]] | None = None,
-                keep_features: list[bool] | None = None) -> TargetOutput:
+                keep_features: list[bool] | None = None, logprobs: list[bool] | None = None) -> TargetOutput:
         """Append chunks[i] to request_ids[i] on its rank; rows at `logits` ("all", "last", or
         per-request positions inside the chunk). `sampling[i]` = (temperature, top_p): requests
         with temperature > 0 get the target's sampling probabilities of their rows. With
         `keep_features`, the states at `capture_layers` of request i stay on its rank when
         keep_features[i] (fetched later by `features`; its `captured` is then empty) and come
-        back in `captured` otherwise."""
+        back in `captured` otherwise. With `logprobs[i]`, request i's rows also come back as the
+        log-softmax of the raw logits (`TargetOutput.logprobs`)."""
         t0 = time.perf_counter()
         if len(request_ids) != len(chunks) or len(set(request_ids)) != len(request_ids):
             raise ValueError("one chunk per request, each request once")
@@ -144,7 +146,7 @@ class EPGroup:
         else:
             rows = [len(p) for p in logits]
         batches = [self._rank_batch(idx, request_ids, chunks, logits, with_logits, capture_layers, rows, sampling,
-                                    truncate, keep_features)
+                                    truncate, keep_features, logprobs)
                    for idx, truncate in zip(per_rank, self._truncate, strict=True)]
         self._truncate = [{} for _ in range(self.cfg.world)]  # applied by every rank first, even on rejection
         try:
@@ -154,15 +156,17 @@ class EPGroup:
                 del self._owner[rid]
             raise
         out = TargetOutput([], [], [] if with_logits else None, [], [r.stats for r in results],
-                           time.perf_counter() - t0, [] if any(r.probs is not None for r in results) else None)
-        slots: list[tuple[int, int, int, int, int]] = [(0, 0, 0, 0, 0)] * len(request_ids)
+                           time.perf_counter() - t0, [] if any(r.probs is not None for r in results) else None,
+                           [] if logprobs is not None and any(logprobs) else None)
+        slots: list[tuple[int, int, int, int, int, int]] = [(0, 0, 0, 0, 0, 0)] * len(request_ids)
         for r, idx in enumerate(per_rank):
-            row = tok = 0
+            row = tok = lp = 0
             for i in idx:
                 n = 0 if keep_features is not None and keep_features[i] else len(chunks[i])  # rows shipped back
-                slots[i] = (r, row, row + rows[i], tok, tok + n)
+                slots[i] = (r, row, row + rows[i], tok, tok + n, lp)
                 row, tok = row + rows[i], tok + n
-        for r, a, b, ta, tb in slots:
+                lp += rows[i] if logprobs is not None and logprobs[i] else 0
+        for i, (r, a, b, ta, tb, lp) in enumerate(slots):
             res = results[r]
             out.argmax.append(res.argmax[a:b])
             out.top2_gap.append(res.top2_gap[a:b])
@@ -171,6 +175,8 @@ class EPGroup:
             if out.probs is not None:
                 out.probs.append(res.probs[a:b] if res.probs is not None else None)
             out.captured.append({layer: h[ta:tb] for layer, h in res.captured.items()} if tb > ta else {})
+            if out.logprobs is not None:
+                out.logprobs.append(res.logprobs[lp:lp + b - a] if logprobs[i] else None)
         return out
 
     def features(self, spans: dict[int, tuple[int, int]]) -> list:
@@ -186,7 +192,8 @@ class EPGroup:
 
     @staticmethod
     def _rank_batch(idx: list[int], request_ids, chunks, logits, with_logits, capture_layers, rows,
-                    sampling, truncate: dict[int, int], keep_features: list[bool] | None) -> RankBatch:
+                    sampling, truncate: dict[int, int], keep_features: list[bool] | None,
+                    logprobs: list[bool] | None = None) -> RankBatch:
         lengths = [len(chunks[i]) for i in idx]
         cu = np.zeros(len(idx) + 1, dtype=np.int64)
         np.cumsum(lengths, out=cu[1:])
@@ -202,8 +209,10 @@ class EPGroup:
             temp = np.repeat([sampling[i][0] for i in idx], [rows[i] for i in idx]).astype(np.float32)
             top_p = np.repeat([sampling[i][1] for i in idx], [rows[i] for i in idx]).astype(np.float32)
         keep = None if keep_features is None else np.array([keep_features[i] for i in idx], dtype=bool)
+        lp = None if logprobs is None else np.repeat(np.array([bool(logprobs[i]) for i in idx], dtype=bool),
+                                                     [rows[i] for i in idx])
         return RankBatch([request_ids[i] for i in idx], tokens, cu, index, with_logits, capture_layers, temp, top_p,
-                         truncate or None, keep)
+                         truncate or None, keep, lp)
 
     # -- cache management -----------------------------------------------------------------------
 

@@ -67,6 +67,7 @@ class RankBatch:
     truncate: dict[int, int] | None = None  # roll-backs of the last step (request -> length), applied first
     keep_features: np.ndarray | None = None  # [R] bool: captured rows stay in the rank's FeatureStore (the
     # other requests' rows come back in the result)
+    logprob_rows: np.ndarray | None = None  # [M] bool: these logit rows come back as log-softmax rows
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ class RankResult:
     # of every token, or with keep_features of the requests not kept only, in their order
     stats: StepStats = field(default_factory=StepStats)
     probs: np.ndarray | None = None  # [M, V] the target's sampling distribution, when any row samples
+    logprobs: np.ndarray | None = None  # [M', V] float32 log-softmax of the raw logits at the flagged rows
 
 
 class TargetRank:
@@ -153,12 +155,16 @@ class TargetRank:
         if rb.temperature is not None and len(rb.temperature) and float(rb.temperature.max()) > 0:
             temp = torch.from_numpy(rb.temperature).float().clamp_min(1e-6).to(dev)
             probs = target_probs(logits, temp, torch.from_numpy(rb.top_p).float().to(dev)).cpu().numpy()
+        logprobs = None
+        if rb.logprob_rows is not None and rb.logprob_rows.any():
+            rows = logits[torch.from_numpy(rb.logprob_rows).to(logits.device)]
+            logprobs = torch.log_softmax(rows.float(), dim=-1).cpu().numpy()
         return RankResult(
             logits.argmax(-1).cpu().numpy(), (top2[:, 0] - top2[:, 1]).cpu().numpy(),
             logits.float().cpu().numpy() if rb.with_logits else None,
             # float16: the drafter was trained on features of that precision, and half the bytes
             # keep a decode step's result under Ray's inline size at concurrency 64.
-            {k: v.half().cpu().numpy() for k, v in captured.items()}, stats, probs,
+            {k: v.half().cpu().numpy() for k, v in captured.items()}, stats, probs, logprobs,
         )
 
     def _keep(self, prepared: Prepared, captured: dict[int, torch.Tensor], keep: np.ndarray) -> None:

@@ -237,3 +237,55 @@ def test_local_ray_caps_the_gcs_task_event_store():
     """Regression (soak, 2026-11-29): with Ray's default cap of 100 000 task events the GCS grew
     6 MB a minute under serving load; local Ray must run with the lower cap."""
     assert ray._config.task_events_max_num_task_in_gcs() == 10000
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_logprobs_are_the_targets_whatever_the_policy(tiny_bundle, tmp_path, ep):
+    """Each committed token's log-probability and top alternatives, and the prompt's (echo), equal
+    a direct forward of the target over prompt + output (log-softmax of its logits), under `ar`,
+    `full` and `dcut`, greedy and sampled; and a scoring request (max_tokens 0) gets its prompt's
+    alone."""
+    model = load_model(f"{tiny_bundle}/target")
+
+    def direct(tokens: list[int]) -> np.ndarray:
+        with torch.no_grad():
+            logits, _ = model(ForwardBatch.from_lists([0], [tokens], "all"), model.new_cache(256))
+        return torch.log_softmax(logits.float(), -1).numpy()
+
+    eng = engine(tiny_bundle, tmp_path, drafter="ngram", ep=ep)
+    try:
+        prompts = PROMPTS[8:12]
+        params = [SamplingParams(max_tokens=MAX_TOKENS, logprobs=3, prompt_logprobs=2),
+                  SamplingParams(max_tokens=MAX_TOKENS, logprobs=0),
+                  SamplingParams(max_tokens=MAX_TOKENS, logprobs=5, temperature=0.8, seed=7),
+                  SamplingParams(max_tokens=0, prompt_logprobs=1)]
+        by_policy = {}
+        for policy in ("ar", "full", "dcut"):
+            eng.set_policy(policy)
+            out = eng.generate(prompts, params)
+            by_policy[policy] = out
+            for s, p in zip(out, params, strict=True):
+                rows = direct([*s.prompt, *s.output])
+                n = len(s.prompt)
+                assert len(s.logprobs) == (len(s.output) if p.logprobs is not None else 0)
+                for t, e in enumerate(s.logprobs):
+                    want = rows[n - 1 + t]
+                    assert e.token == s.output[t]
+                    assert e.logprob == pytest.approx(float(want[e.token]), abs=1e-4)
+                    assert [i for i, _ in e.top] == np.argsort(-want, kind="stable")[:p.logprobs].tolist()
+                    assert all(lp == pytest.approx(float(want[i]), abs=1e-4) for i, lp in e.top)
+                if p.prompt_logprobs is None:
+                    assert s.prompt_logprobs == []
+                    continue
+                assert len(s.prompt_logprobs) == n and s.prompt_logprobs[0] is None
+                for q, e in enumerate(s.prompt_logprobs[1:], start=1):
+                    assert e.token == s.prompt[q] and len(e.top) == p.prompt_logprobs
+                    assert e.logprob == pytest.approx(float(rows[q - 1][e.token]), abs=1e-4)
+        scoring = by_policy["dcut"][3]
+        assert scoring.output == [] and scoring.finish_reason == "length"
+        assert sum(sum(s.drafted) for s in by_policy["full"]) > 0  # speculation took place
+        for a, b in zip(by_policy["ar"], by_policy["dcut"], strict=True):
+            assert a.output == b.output
+            assert np.allclose([e.logprob for e in a.logprobs], [e.logprob for e in b.logprobs], atol=1e-5)
+    finally:
+        eng.shutdown()

@@ -352,8 +352,8 @@ def test_chat_content_as_text_parts_is_the_same_conversation(client):
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}])
 
 
-@pytest.mark.parametrize(("field", "value"), [("logprobs", 2), ("presence_penalty", 0.5), ("logit_bias", {"5": 10}),
-                                              ("echo", True), ("best_of", 3), ("suffix", "w1"), ("x_unknown", 1)])
+@pytest.mark.parametrize(("field", "value"), [("logprobs", 21), ("presence_penalty", 0.5), ("logit_bias", {"5": 10}),
+                                              ("top_logprobs", 2), ("best_of", 3), ("suffix", "w1"), ("x_unknown", 1)])
 def test_unimplemented_or_unknown_fields_are_refused_by_name_never_ignored(client, field, value):
     with pytest.raises(openai.BadRequestError, match=field):
         client.completions.create(model="dcut-demo", prompt="w1 w2", max_tokens=2, extra_body={field: value})
@@ -378,3 +378,70 @@ def test_prompts_as_token_ids_and_several_prompts(client, reference):
     for bad in ([], [[]], [5, 10**6], [5, -1]):
         with pytest.raises(openai.BadRequestError, match="prompt"):
             client.completions.create(model="dcut-demo", prompt=bad, max_tokens=2)
+
+
+@pytest.fixture(scope="module")
+def log_softmax(tiny_bundle):
+    """The target's log-probabilities at every position of a token sequence (a direct forward)."""
+    import torch
+
+    from actors.target.model import ForwardBatch
+
+    model = load_model(f"{tiny_bundle}/target")
+
+    def rows(tokens: list[int]):
+        with torch.no_grad():
+            logits, _ = model(ForwardBatch.from_lists([0], [tokens], "all"), model.new_cache(256))
+        return torch.log_softmax(logits.float(), -1).numpy()
+
+    return rows
+
+
+def test_completion_logprobs_and_echo_are_the_targets(client, reference, log_softmax):
+    """logprobs=k: each token's log-probability and k alternatives, equal to a direct forward of
+    the target; echo with max_tokens 0 (how scoring clients such as lm-eval ask) returns the
+    prompt and its tokens' log-probabilities, the first null."""
+    out = client.completions.create(model="dcut-demo", prompt=PROMPT, max_tokens=12, temperature=0, logprobs=2)
+    lp = out.choices[0].logprobs
+    rows = log_softmax([*PROMPT_IDS, *reference])
+    assert len(lp.token_logprobs) == 12 and all(len(t) == 2 for t in lp.top_logprobs)
+    for t, (got, tok) in enumerate(zip(lp.token_logprobs, reference, strict=True)):
+        assert got == pytest.approx(float(rows[len(PROMPT_IDS) - 1 + t][tok]), abs=1e-4)
+        assert max(lp.top_logprobs[t].values()) == pytest.approx(got, abs=1e-6)  # greedy: the best token
+    assert "".join(lp.tokens).strip() == out.choices[0].text.strip()
+    score = client.completions.create(model="dcut-demo", prompt=PROMPT, max_tokens=0, echo=True, logprobs=1)
+    c = score.choices[0]
+    assert c.text == PROMPT and score.usage.completion_tokens == 0
+    assert c.logprobs.token_logprobs[0] is None and c.logprobs.top_logprobs[0] is None
+    assert len(c.logprobs.token_logprobs) == len(PROMPT_IDS)
+    for q in range(1, len(PROMPT_IDS)):
+        assert c.logprobs.token_logprobs[q] == pytest.approx(float(rows[q - 1][PROMPT_IDS[q]]), abs=1e-4)
+    both = client.completions.create(model="dcut-demo", prompt=PROMPT, max_tokens=1, echo=True, logprobs=1)
+    assert len(both.choices[0].logprobs.token_logprobs) == len(PROMPT_IDS) + 1
+    assert both.choices[0].text.startswith(PROMPT)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model="dcut-demo", prompt=PROMPT, max_tokens=0)
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(model="dcut-demo", prompt=PROMPT, max_tokens=2, echo=True, stream=True)
+    assert_still_serving(client)
+
+
+def test_chat_logprobs_and_streamed_logprobs_match(client):
+    messages = [{"role": "user", "content": "w9 w10 w11"}]
+    out = client.chat.completions.create(model="dcut-demo", max_tokens=6, temperature=0, messages=messages,
+                                         logprobs=True, top_logprobs=3)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens and all(len(c.top_logprobs) == 3 for c in content)
+    assert "".join(c.token for c in content) == out.choices[0].message.content
+    streamed = [c for ch in client.chat.completions.create(model="dcut-demo", max_tokens=6, temperature=0,
+                                                            messages=messages, logprobs=True, top_logprobs=3,
+                                                            stream=True)
+                if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    plain = client.completions.create(model="dcut-demo", prompt="w5 w6", max_tokens=5, temperature=0, logprobs=1)
+    chunks = list(client.completions.create(model="dcut-demo", prompt="w5 w6", max_tokens=5, temperature=0,
+                                            logprobs=1, stream=True))
+    assert [x for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs] \
+        == plain.choices[0].logprobs.token_logprobs
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(model="dcut-demo", max_tokens=2, messages=messages, top_logprobs=2)
