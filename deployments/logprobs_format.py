@@ -2,8 +2,8 @@
 completions (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`) and chat
 (`content: [{token, logprob, bytes, top_logprobs}]`). A token's text is what it adds to the
 decoded text after the tokens before it (so the pieces join to the returned text); an
-alternative's is what decoding it alone gives. A position without an entry (the prompt's first token; tokens an earlier engine already
-reported before a resubmission) has `null` values."""
+alternative's is what decoding it alone gives. A position without an entry (the prompt's first
+token; tokens an earlier engine already reported before a resubmission) has `null` values."""
 
 from __future__ import annotations
 

@@ -263,12 +263,13 @@ def test_replay_of_a_logged_history_reproduces_every_plan():
     rng = np.random.default_rng(3)
     live = gate(record=True)
     log, rids, next_rid = [], [0, 1, 2], 3
-    for step in range(300):
+    for _ in range(300):
         if rng.random() < 0.1:  # requests come and go
             rids = [r for r in rids if rng.random() < 0.7] + [next_rid]
             next_rid += 1
         caps = rng.integers(0, 8, len(rids))
-        verify = StepCost(lambda n, a=rng.uniform(0.005, 0.02): a + 2e-4 * n, 0.0)
+        fixed = rng.uniform(0.005, 0.02)
+        verify = StepCost(lambda n, a=fixed: a + 2e-4 * n, 0.0)
         draft = DraftCost(rng.uniform(0, 0.01), 1e-4, 1e-5, 1e-6)
         lengths = live.decide(rids, caps, rng.integers(1, 50, len(rids)), rng.integers(0, 30, len(rids)), verify,
                               draft)
