@@ -14,6 +14,7 @@ with `Delta`s or an `EngineError` value, mapped to HTTP by one table (deployment
 
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -29,7 +30,7 @@ from ray.serve.handle import DeploymentHandle
 from tokenizers import Tokenizer
 
 from actors.engine.api import Delta, EngineError, GenerateRequest
-from actors.engine.sequence import SamplingParams
+from actors.engine.sequence import SamplingParams, choice_seed
 from deployments.bundle import Bundle
 from deployments.engine_deployment import EngineDeployment
 from deployments.errors import ApiError
@@ -52,6 +53,12 @@ HEALTH_TIMEOUT_S = 5.0
 # (and the module globals they see) when the class is created.
 def _reject_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
+
+
+def best(candidates: list[dict], n: int) -> list[dict]:
+    """best_of: the n candidates of highest log-probability (sum over their tokens), best first."""
+    score = lambda r: sum(e.logprob for e in r["logprobs"] if e is not None)  # noqa: E731
+    return sorted(candidates, key=score, reverse=True)[:n]
 
 
 @serve.deployment(name="ingress", max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0.25})
@@ -109,19 +116,36 @@ class Ingress:
             body = await self._parse(request, schema)
             prompts = [chat_prompt(body.messages)] if chat else body.prompts()
             ids, params = self._validate(body, prompts)
+            n, best_of = body.n, getattr(body, "best_of", None) or body.n
+            if len(ids) * best_of > self.settings.max_choices:
+                raise ApiError(400, f"n: {len(ids)} prompts × {best_of} choices each is above the limit of "
+                                    f"{self.settings.max_choices} choices per request", param="n")
+            if best_of > n and body.stream:
+                raise ApiError(400, "best_of above n is not supported with stream", param="best_of")
+            if best_of > n:  # rank candidates by their log-probability: every one needs it
+                params = dataclasses.replace(params, logprobs=params.logprobs or 0)
+            # Choice index = prompt × n + j; each choice of a prompt has its own seed from the request's.
+            runs = [(i * n + j, i, dataclasses.replace(params, seed=choice_seed(params.seed, j)))
+                    for i in range(len(ids)) for j in range(best_of)]
             if body.stream:
-                if len(ids) != 1:
-                    raise ApiError(400, "streaming supports one prompt per request", param="prompt")
                 if not chat and body.echo:
                     raise ApiError(400, "echo is not supported with stream", param="echo")
-                stream = self._deltas(ids[0], params)
-                first = await self._first(stream)  # errors surface as HTTP status, not mid-stream
+                streams = [(index, self._deltas(ids[i], p)) for index, i, p in runs]
+                try:  # errors before the first token surface as HTTP status, not mid-stream
+                    firsts = await asyncio.gather(*(self._first(st) for _, st in streams))
+                except BaseException:
+                    for _, st in streams:
+                        await st.aclose()
+                    raise
                 self.metrics.request(endpoint, 200)
-                return StreamingResponse(self._sse(stream, first, body, chat, len(ids[0])),
+                return StreamingResponse(self._sse(streams, firsts, body, chat, sum(len(i) for i in ids)),
                                          media_type="text/event-stream")
-            results = await asyncio.gather(*(self._collect(self._deltas(i, params)) for i in ids))
-            for r, p, i in zip(results, prompts, ids, strict=True):
-                r["prompt"], r["prompt_ids"] = (p if isinstance(p, str) else self.tokenizer.decode(i)), i
+            results = await asyncio.gather(*(self._collect(self._deltas(ids[i], p)) for _, i, p in runs))
+            for r, (_, i, _) in zip(results, runs, strict=True):
+                r["prompt"] = prompts[i] if isinstance(prompts[i], str) else self.tokenizer.decode(ids[i])
+                r["prompt_ids"] = ids[i]
+            if best_of > n:
+                results = [r for i in range(len(ids)) for r in best(results[i * best_of:(i + 1) * best_of], n)]
             self.metrics.request(endpoint, 200)
             return self._full_response(body, chat, results)
         except ApiError as e:
@@ -246,16 +270,16 @@ class Ingress:
                 "prompt_logprobs": prompt_logprobs}
 
     def _full_response(self, body, chat: bool, results: list[dict]) -> dict:
-        usage = {"prompt_tokens": sum(r["prompt_tokens"] for r in results),
+        usage = {"prompt_tokens": sum(r["prompt_tokens"] for r in results[::body.n]),  # each prompt once
                  "completion_tokens": sum(r["completion_tokens"] for r in results)}
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         for r in results:
             self.metrics.tokens(r["completion_tokens"])
         if chat:
-            r = results[0]
-            lp = self.logprobs.chat(r["token_ids"], r["logprobs"]) if body.logprobs else None
-            choices = [{"index": 0, "message": {"role": "assistant", "content": r["text"]},
-                        "finish_reason": r["finish_reason"], "logprobs": lp}]
+            choices = [{"index": i, "message": {"role": "assistant", "content": r["text"]},
+                        "finish_reason": r["finish_reason"],
+                        "logprobs": self.logprobs.chat(r["token_ids"], r["logprobs"]) if body.logprobs else None}
+                       for i, r in enumerate(results)]
             return {"id": new_id("chatcmpl"), "object": "chat.completion", "created": now(), "model": body.model,
                     "choices": choices, "usage": usage}
         choices = [{"index": i, "text": (r["prompt"] if body.echo else "") + r["text"],
@@ -276,56 +300,84 @@ class Ingress:
         return self.logprobs.completion([*prompt, *ids], [*(r["prompt_logprobs"] or [None] * len(prompt)), *entries],
                                         prompt=len(prompt))
 
-    async def _sse(self, stream, first: dict, body, chat: bool, prompt_tokens: int):
+    async def _sse(self, streams: list, firsts: list[Delta], body, chat: bool, prompt_tokens: int):
+        """One SSE response for every choice's stream: chunks go out as each choice's deltas
+        arrive, each carrying its choice's index; usage (when asked) after the last."""
         cid, created = new_id("chatcmpl" if chat else "cmpl"), now()
         kind = "chat.completion.chunk" if chat else "text_completion"
-        t_start, t_prev, n_prev, last = time.perf_counter(), None, 0, first
+        queue: asyncio.Queue = asyncio.Queue()
 
-        sent: list[int] = []  # tokens streamed so far: each chunk's token texts continue them
+        async def pump(index: int, stream, delta: Delta) -> None:
+            try:
+                while True:
+                    await queue.put((index, delta, None))
+                    if delta.finished:
+                        break
+                    delta = await stream.__anext__()
+            except StopAsyncIteration:
+                pass
+            except Exception as exc:
+                await queue.put((index, None, exc))
+                return
+            await queue.put((index, None, None))
 
-        def chunk(text: str | None, finish: str | None, role: bool = False, d: Delta | None = None) -> str:
+        sent = {index: [] for index, _ in streams}  # tokens streamed per choice: token texts continue them
+        timing = {index: (time.perf_counter(), None, 0) for index, _ in streams}  # start, last chunk, tokens then
+        last = dict(zip((i for i, _ in streams), firsts, strict=True))
+
+        def chunk(index: int, d: Delta | None, role: bool = False) -> str:
+            text, finish = (d.text, d.finish_reason if d.finished else None) if d is not None else (None, None)
             lp = None
             if d is not None and d.logprobs is not None and d.token_ids:
-                lp = (self.logprobs.chat if chat else self.logprobs.completion)(d.token_ids, d.logprobs, sent)
-                sent.extend(d.token_ids)
+                lp = (self.logprobs.chat if chat else self.logprobs.completion)(d.token_ids, d.logprobs, sent[index])
+                sent[index].extend(d.token_ids)
             if chat:
                 delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}
+                choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": lp}
             else:
-                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": lp}
+                choice = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": lp}
             return "data: " + json.dumps({"id": cid, "object": kind, "created": created, "model": body.model,
                                           "choices": [choice]}) + "\n\n"
 
-        if chat:
-            yield chunk(None, None, role=True)
-        delta = first
+        tasks = [asyncio.create_task(pump(index, st, first)) for (index, st), first in zip(streams, firsts,
+                                                                                              strict=True)]
+        live = len(tasks)
         try:
-            while True:
+            if chat:
+                for index, _ in streams:
+                    yield chunk(index, None, role=True)
+            while live:
+                index, delta, err = await queue.get()
+                if delta is None:
+                    live -= 1
+                    if err is None:
+                        continue
+                    body_ = err.body() if isinstance(err, ApiError) else \
+                        ApiError(500, f"internal error: {type(err).__name__}", "server_error").body()
+                    if not isinstance(err, ApiError):
+                        log.error("stream failed", exc_info=err)
+                    yield "data: " + json.dumps(body_) + "\n\n"  # the engine failed mid-stream: say so in-band
+                    break
+                t0, t_prev, n_prev = timing[index]
                 now_t = time.perf_counter()
                 if t_prev is None:
-                    self.metrics.ttft(now_t - t_start)
+                    self.metrics.ttft(now_t - t0)
                 elif delta.completion_tokens > n_prev:
                     self.metrics.tpot((now_t - t_prev) / (delta.completion_tokens - n_prev))
-                t_prev, n_prev, last = now_t, delta.completion_tokens, delta
+                timing[index], last[index] = (t0, now_t, delta.completion_tokens), delta
                 if delta.text or delta.finished or (delta.logprobs and delta.token_ids):
-                    yield chunk(delta.text, delta.finish_reason if delta.finished else None, d=delta)
-                if delta.finished:
-                    break
-                delta = await stream.__anext__()
-        except StopAsyncIteration:
-            pass
-        except ApiError as err:  # the engine failed mid-stream: tell the client in-band
-            yield "data: " + json.dumps(err.body()) + "\n\n"
-        except Exception as exc:
-            log.exception("stream failed")
-            yield "data: " + json.dumps(ApiError(500, f"internal error: {type(exc).__name__}",
-                                                 "server_error").body()) + "\n\n"
+                    yield chunk(index, delta)
         finally:
-            await stream.aclose()  # a client that went away frees the request's KV and drafter state
-        self.metrics.tokens(last.completion_tokens)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for _, st in streams:
+                await st.aclose()  # a client that went away frees each request's KV and drafter state
+        completion = sum(d.completion_tokens for d in last.values())
+        self.metrics.tokens(completion)
         if body.stream_options and body.stream_options.include_usage:
-            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": last.completion_tokens,
-                     "total_tokens": prompt_tokens + last.completion_tokens}
+            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                     "total_tokens": prompt_tokens + completion}
             yield "data: " + json.dumps({"id": cid, "object": kind, "created": created, "model": body.model,
                                          "choices": [], "usage": usage}) + "\n\n"
         yield "data: [DONE]\n\n"

@@ -37,7 +37,7 @@ class StreamOptions(BaseModel):
 NOT_IMPLEMENTED: dict[str, tuple] = {
     "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
     "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none"),
-    "functions": (None, []), "function_call": (None, "none"), "best_of": (None, 1), "suffix": (None, ""),
+    "functions": (None, []), "function_call": (None, "none"), "suffix": (None, ""),
 }
 
 
@@ -53,7 +53,7 @@ class _Common(BaseModel):
     stop: Text | list[Text] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: StrictInt = Field(1, ge=1, le=1)
+    n: StrictInt = Field(1, ge=1, description="choices per prompt, each with its own seed from the request's")
     user: str | None = None
     ignore_eos: StrictBool = Field(False, description="extension: generate max_tokens tokens, past the EOS token")
 
@@ -83,6 +83,14 @@ class CompletionRequest(_Common):
                                                                       "target and this many alternatives")
     echo: StrictBool = Field(False, description="return the prompt before the completion (with logprobs: the "
                                                 "prompt tokens' log-probabilities too)")
+    best_of: StrictInt | None = Field(None, ge=1, description="generate this many per prompt, return the n of "
+                                                              "highest log-probability (not with stream)")
+
+    @model_validator(mode="after")
+    def _best_of_covers_n(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError("best_of: must be at least n")
+        return self
 
     def token_logprobs(self) -> int | None:
         return self.logprobs

@@ -36,6 +36,7 @@ class ServeSettings(BaseModel):
     max_prompt_tokens: int = Field(1536, ge=1)
     max_tokens_limit: int = Field(512, ge=1)
     max_stop: int = Field(4, ge=0)
+    max_choices: int = Field(16, ge=1, description="prompts × max(n, best_of) one request may ask for")
     max_body_bytes: int = Field(1_000_000, ge=1024)
     api_key: str | None = Field(None, description="bearer token required on /v1/* when set")
     guard_threshold: float = Field(0.02, ge=0)

@@ -50,6 +50,17 @@ def seed_sequence(seed: int | None) -> np.random.SeedSequence | None:
     return np.random.SeedSequence(-seed, spawn_key=(1,))
 
 
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice `index` of a request that asks for several (`n`, `best_of`): the
+    request's own for the first (so n = 1 is unchanged), then a distinct one derived from it —
+    a seeded request reproduces every choice; an unseeded one stays unseeded."""
+    if seed is None or index == 0:
+        return seed
+    ss = seed_sequence(seed)
+    child = np.random.SeedSequence(ss.entropy, spawn_key=(*ss.spawn_key, 2, index))
+    return int(child.generate_state(1, np.uint64)[0])
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

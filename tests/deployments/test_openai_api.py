@@ -352,8 +352,12 @@ def test_chat_content_as_text_parts_is_the_same_conversation(client):
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}])
 
 
+TOOL = {"type": "function", "function": {"name": "f"}}
+
+
 @pytest.mark.parametrize(("field", "value"), [("logprobs", 21), ("presence_penalty", 0.5), ("logit_bias", {"5": 10}),
-                                              ("top_logprobs", 2), ("best_of", 3), ("suffix", "w1"), ("x_unknown", 1)])
+                                              ("top_logprobs", 2), ("tools", [TOOL]), ("suffix", "w1"),
+                                              ("x_unknown", 1)])
 def test_unimplemented_or_unknown_fields_are_refused_by_name_never_ignored(client, field, value):
     with pytest.raises(openai.BadRequestError, match=field):
         client.completions.create(model="dcut-demo", prompt="w1 w2", max_tokens=2, extra_body={field: value})
@@ -445,3 +449,43 @@ def test_chat_logprobs_and_streamed_logprobs_match(client):
         == plain.choices[0].logprobs.token_logprobs
     with pytest.raises(openai.BadRequestError, match="top_logprobs"):
         client.chat.completions.create(model="dcut-demo", max_tokens=2, messages=messages, top_logprobs=2)
+
+
+def test_n_choices_each_seeded_from_the_request_and_best_of(client, reference):
+    body = dict(model="dcut-demo", prompt="w1 w2", max_tokens=8, temperature=1.5, seed=5)
+    three = client.completions.create(n=3, **body)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert three.usage.prompt_tokens == 2 and three.usage.completion_tokens == sum(
+        len(d["token_ids"]) for d in three.model_extra["dcut"])
+    again = client.completions.create(n=3, **body)
+    assert [c.text for c in again.choices] == [c.text for c in three.choices]  # a seed reproduces every choice
+    assert len({c.text for c in three.choices}) > 1  # and each choice has its own seed
+    assert client.completions.create(**body).choices[0].text == three.choices[0].text  # choice 0: the request's
+    scored = client.completions.create(n=3, logprobs=0, **body)
+    sums = [sum(c.logprobs.token_logprobs) for c in scored.choices]
+    top = client.completions.create(n=1, best_of=3, **body)
+    assert len(top.choices) == 1 and top.choices[0].logprobs is None
+    assert top.choices[0].text == scored.choices[sums.index(max(sums))].text
+    greedy = client.chat.completions.create(model="dcut-demo", n=2, max_tokens=12, temperature=0,
+                                            messages=[{"role": "user", "content": PROMPT}])
+    assert [c.index for c in greedy.choices] == [0, 1]
+    assert greedy.choices[0].message.content == greedy.choices[1].message.content
+    with pytest.raises(openai.BadRequestError, match="n: 1 prompts × 17 choices"):
+        client.completions.create(n=17, **body)
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client.completions.create(n=2, best_of=1, **body)
+    assert_still_serving(client)
+
+
+def test_several_prompts_and_choices_stream_with_their_index(client, reference):
+    prompts = [PROMPT_IDS, [9, 10, 11]]
+    whole = client.completions.create(model="dcut-demo", prompt=prompts, max_tokens=12, temperature=0, n=2)
+    chunks = list(client.completions.create(model="dcut-demo", prompt=prompts, max_tokens=12, temperature=0, n=2,
+                                            stream=True, stream_options={"include_usage": True}))
+    text = {i: "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(4)}
+    assert [text[i] for i in range(4)] == [c.text for c in whole.choices]
+    assert text[0].strip() == text[1].strip() == words(reference)
+    finish = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(finish) == [0, 1, 2, 3]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens == len(PROMPT_IDS) + 3
