@@ -32,11 +32,12 @@ from tokenizers import Tokenizer
 from actors.engine.api import Delta, EngineError, GenerateRequest
 from actors.engine.sequence import SamplingParams, choice_seed
 from deployments.bundle import Bundle
+from deployments.chat_template import ChatTemplate, ChatTemplateError
 from deployments.engine_deployment import EngineDeployment
 from deployments.errors import ApiError
 from deployments.logprobs_format import LogprobFormat
 from deployments.metrics import Metrics
-from deployments.openai_schema import ChatRequest, CompletionRequest, chat_prompt, new_id, now, publish_request_bodies
+from deployments.openai_schema import ChatRequest, CompletionRequest, new_id, now, publish_request_bodies
 from deployments.settings import ServeSettings
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,9 @@ class Ingress:
     def __init__(self, engine: DeploymentHandle, settings: ServeSettings) -> None:
         self.engine = engine
         self.settings = settings
-        self.tokenizer = Tokenizer.from_file(Bundle(pathlib.Path(settings.model_root)).tokenizer)
+        bundle = Bundle(pathlib.Path(settings.model_root))
+        self.tokenizer = Tokenizer.from_file(bundle.tokenizer)
+        self.chat_template = ChatTemplate.load(bundle.root)  # beside tokenizer.json; None: chat is refused
         self.logprobs = LogprobFormat(self.tokenizer)
         self.metrics = Metrics()
 
@@ -114,7 +117,7 @@ class Ingress:
         try:
             self._authorize(request)
             body = await self._parse(request, schema)
-            prompts = [chat_prompt(body.messages)] if chat else body.prompts()
+            prompts = [self._chat_prompt(body.messages)] if chat else body.prompts()
             ids, params = self._validate(body, prompts)
             n, best_of = body.n, getattr(body, "best_of", None) or body.n
             if len(ids) * best_of > self.settings.max_choices:
@@ -155,6 +158,16 @@ class Ingress:
             log.exception("request failed")
             self.metrics.request(endpoint, 500)
             return ApiError(500, f"internal error: {type(exc).__name__}", "server_error").response()
+
+    def _chat_prompt(self, messages) -> str:
+        """The conversation through the model's own chat template."""
+        if self.chat_template is None:
+            raise ApiError(400, "this model has no chat template (tokenizer_config.json): use /v1/completions",
+                           param="messages")
+        try:
+            return self.chat_template.render([{"role": m.role, "content": m.text} for m in messages])
+        except ChatTemplateError as exc:
+            raise ApiError(400, str(exc), param="messages") from None
 
     def _authorize(self, request: Request) -> None:
         key = self.settings.api_key

@@ -148,11 +148,6 @@ def now() -> int:
     return int(time.time())
 
 
-def chat_prompt(messages: list[ChatMessage]) -> str:
-    """The demo model has no chat template of its own: role-tagged lines, then the assistant's turn."""
-    return "".join(f"<|{m.role}|>\n{m.text}\n" for m in messages) + "<|assistant|>\n"
-
-
 def publish_request_bodies(app, bodies: dict[str, type[BaseModel]]) -> None:
     """Declare each POST route's JSON body in the app's /openapi.json (the routes parse bodies
     themselves, to answer errors in OpenAI's format, so FastAPI cannot see them): clients and

@@ -9,8 +9,11 @@ from actors.ray_env import set_local_env
 
 set_local_env()
 
+import json  # noqa: E402
+
 import pytest  # noqa: E402  (after set_local_env on purpose)
 
+from actors.demo.tokenizer import tokenizer_config  # noqa: E402
 from actors.target.checkpoint import save_model  # noqa: E402
 from actors.target.config import MoEConfig  # noqa: E402
 from actors.target.model import MoETransformer  # noqa: E402
@@ -69,6 +72,7 @@ def tiny_bundle(tmp_path_factory) -> str:
     save_model(model, root / "target")
     tiny_drafter_weights(root / "drafter", model)
     tiny_tokenizer().save(str(root / "tokenizer.json"))
+    (root / "tokenizer_config.json").write_text(json.dumps(tokenizer_config()))  # the demo's chat template
     return str(root)
 
 

@@ -489,3 +489,14 @@ def test_several_prompts_and_choices_stream_with_their_index(client, reference):
     assert sorted(finish) == [0, 1, 2, 3]
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens == len(PROMPT_IDS) + 3
+
+
+def test_chat_prompt_is_the_models_own_template(client, tiny_bundle):
+    from tokenizers import Tokenizer
+
+    from deployments.chat_template import ChatTemplate
+
+    messages = [{"role": "system", "content": "w1"}, {"role": "user", "content": "w9 w10 w11"}]
+    out = client.chat.completions.create(model="dcut-demo", max_tokens=2, messages=messages)
+    rendered = ChatTemplate.load(tiny_bundle).render(messages)
+    assert out.usage.prompt_tokens == len(Tokenizer.from_file(f"{tiny_bundle}/tokenizer.json").encode(rendered).ids)
