@@ -159,6 +159,22 @@ class Ingress:
             self.metrics.request(endpoint, 500)
             return ApiError(500, f"internal error: {type(exc).__name__}", "server_error").response()
 
+    @staticmethod
+    def _logit_bias(bias: dict[str, float] | None, vocab: int) -> tuple[tuple[int, float], ...]:
+        """OpenAI's logit_bias (token ids as strings) as (id, bias) pairs, checked."""
+        if not bias:
+            return ()
+        if len(bias) > 1024:
+            raise ApiError(400, "logit_bias: at most 1024 tokens", param="logit_bias")
+        out = []
+        for key, value in bias.items():
+            if not (key.isdigit() and int(key) < vocab):
+                raise ApiError(400, f"logit_bias: {key[:20]!r} is not a token id in [0, {vocab})", param="logit_bias")
+            if not -100 <= value <= 100:
+                raise ApiError(400, f"logit_bias: {value} for token {key} is outside [-100, 100]", param="logit_bias")
+            out.append((int(key), float(value)))
+        return tuple(sorted(out))
+
     def _chat_prompt(self, messages) -> str:
         """The conversation through the model's own chat template."""
         if self.chat_template is None:
@@ -224,11 +240,21 @@ class Ingress:
         stops = body.stops()
         if len(stops) > s.max_stop or any(not x for x in stops):
             raise ApiError(400, f"at most {s.max_stop} non-empty stop strings", param="stop")
+        bias = self._logit_bias(body.logit_bias, vocab)
+        stop_ids = tuple(body.stop_token_ids or ())
+        if len(stop_ids) > 64 or any(not 0 <= t < vocab for t in stop_ids):
+            raise ApiError(400, f"stop_token_ids: at most 64 ids in [0, {vocab})", param="stop_token_ids")
+        if body.min_tokens > max_tokens:
+            raise ApiError(400, "min_tokens: must not exceed max_tokens", param="min_tokens")
         try:
             k = body.token_logprobs()
             params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                                     seed=body.seed, stop=stops, ignore_eos=body.ignore_eos, logprobs=k,
-                                    prompt_logprobs=k if echo and k is not None else None)
+                                    prompt_logprobs=k if echo and k is not None else None,
+                                    presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                                    repetition_penalty=body.repetition_penalty, top_k=max(0, body.top_k),
+                                    min_p=body.min_p, logit_bias=bias, stop_token_ids=stop_ids,
+                                    min_tokens=body.min_tokens)
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
         return ids, params

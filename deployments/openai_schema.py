@@ -35,7 +35,6 @@ class StreamOptions(BaseModel):
 # client sends when it does not use the feature), refused with a 400 naming the field otherwise.
 # A field in neither this table nor the schema is refused too: nothing a client sends is ignored.
 NOT_IMPLEMENTED: dict[str, tuple] = {
-    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
     "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "function_call": (None, "none"), "suffix": (None, ""),
 }
@@ -56,6 +55,16 @@ class _Common(BaseModel):
     n: StrictInt = Field(1, ge=1, description="choices per prompt, each with its own seed from the request's")
     user: str | None = None
     ignore_eos: StrictBool = Field(False, description="extension: generate max_tokens tokens, past the EOS token")
+    # Controls on the target's distribution, applied before verification (speculation stays exact).
+    presence_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, StrictFloat] | None = Field(None, description="token id (as a string) -> bias in "
+                                                                        "[-100, 100], added to its logit")
+    repetition_penalty: StrictFloat = Field(1.0, gt=0.0, le=10.0, description="extension (vLLM's)")
+    top_k: StrictInt = Field(0, ge=-1, description="extension: sample among the k most likely (0 or -1: all)")
+    min_p: StrictFloat = Field(0.0, ge=0.0, le=1.0, description="extension: drop tokens below min_p × the top one")
+    min_tokens: StrictInt = Field(0, ge=0, description="extension: no EOS, stop token or stop string before this")
+    stop_token_ids: list[StrictInt] | None = Field(None, description="extension: finish after any of these tokens")
 
     @model_validator(mode="before")
     @classmethod

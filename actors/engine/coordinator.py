@@ -41,6 +41,7 @@ from actors.engine.steplog import StepLog
 from actors.ray_env import whereabouts
 from actors.target.config import MoEConfig
 from actors.target.group import DriverGroup, EPGroup, EPGroupError, InProcessGroup
+from actors.target.sampling import RequestControls
 from dcut_core import ragged
 from dcut_core.acceptance import Calibrator, survival, verify_outcomes
 from dcut_core.cost_model import StepShape
@@ -186,6 +187,7 @@ class Engine:
         # Ranks fill unevenly (placement is by request count): keep a quarter of the KV in reserve.
         for s in self.scheduler.admit(int(0.75 * self.cfg.kv_capacity_tokens * self.cfg.ep), self.cfg.block):
             self.drafters.admit(s.rid)
+            s.controls = s.params.controls(self.eos)
         running = self.scheduler.running
         feeding = feed_chunks([s for s in running if not s.prefilled], self.cfg.prefill_chunk,
                               self.cfg.prefill_budget)
@@ -253,11 +255,17 @@ class Engine:
         sampling = [(s.params.temperature, s.params.top_p) for s in seqs]
         capture = self.drafters.layers if self.policy.drafts else ()
         logprobs = [s.params.logprobs is not None for s in batch] + [f.wants_logprobs for f in feeding]
+        controls = [None if s.controls is None else
+                    RequestControls(s.controls, np.asarray([*s.prompt, *s.output[:-1]]), len(s.prompt)) for s in batch]
+        controls += [None if f.seq.controls is None else
+                     RequestControls(f.seq.controls, np.asarray(f.seq.feed[:f.start]), len(f.seq.prompt))
+                     for f in feeding]
         return self.target.forward([s.rid for s in seqs], chunks + [f.tokens for f in feeding], logits=rows,
                                    capture_layers=capture,
                                    sampling=sampling if any(t > 0 for t, _ in sampling) else None,
                                    keep_features=self._keep_features(batch, drafts, feeding) if capture else None,
-                                   logprobs=logprobs if any(logprobs) else None)
+                                   logprobs=logprobs if any(logprobs) else None,
+                                   controls=controls if any(c is not None for c in controls) else None)
 
     def _keep_features(self, batch: list[Sequence], drafts: Drafts, feeding: list[Feed]) -> list[bool]:
         """Per forward row: True keeps its features on the rank (prefill, requests that did not

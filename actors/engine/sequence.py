@@ -22,6 +22,15 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # each committed token's log-probability and this many alternatives
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (echo); then max_tokens may be 0
+    # Controls on the target's distribution (actors/target/sampling.py), neutral by default:
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # finish (reason "stop") after any of these
+    min_tokens: int = 0  # no EOS or stop token id, and no stop string, before this many tokens
 
     def __post_init__(self) -> None:
         if self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
@@ -31,6 +40,24 @@ class SamplingParams:
             k = getattr(self, name)
             if k is not None and not (isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= 20):
                 raise ValueError(f"{name} must be an integer in [0, 20]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2]")
+        if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= 10):
+            raise ValueError("repetition_penalty must be in (0, 10]")
+        if self.top_k < 0 or not 0.0 <= self.min_p <= 1.0 or self.min_tokens < 0:
+            raise ValueError("top_k and min_tokens must be >= 0, min_p in [0, 1]")
+        if any(not (math.isfinite(b) and -100 <= b <= 100) for _, b in self.logit_bias):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+
+    def controls(self, eos: int | None):
+        """The controls the target applies to this request's rows, or None when all are neutral."""
+        from actors.target.sampling import Controls
+
+        banned = tuple({*((eos,) if eos is not None and not self.ignore_eos else ()), *self.stop_token_ids})
+        c = Controls(self.presence_penalty, self.frequency_penalty, self.repetition_penalty, self.logit_bias,
+                     self.min_tokens if banned else 0, banned if self.min_tokens else (), self.top_k, self.min_p)
+        return c if c.changes_logits or c.top_k or c.min_p else None
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError("temperature must be a finite number >= 0")
         if not 0 < self.top_p <= 1:  # NaN fails this too
@@ -83,6 +110,7 @@ class Sequence:
     drafted: list[int] = field(default_factory=list)
     kept: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
+    controls: object = None  # sampling.Controls, set at admission (None: the target's plain distribution)
     fed: int = 0  # tokens of `feed` already in the target's KV cache (while prefilling)
     prefilled: bool = False  # its feed is in the KV cache: it decodes from now on
     logprobs: list = field(default_factory=list)  # TokenLogprob per output token (params.logprobs set)
@@ -181,16 +209,17 @@ class Scheduler:
                 break
             seq.output.append(t)
             kept.append(t)
-            if eos is not None and t == eos and not seq.params.ignore_eos:
+            if (eos is not None and t == eos and not seq.params.ignore_eos) or t in seq.params.stop_token_ids:
                 seq.finish_reason = "stop"
                 break
         seq.text = text_of(seq.output)
-        hits = [(seq.text.find(s), s) for s in seq.params.stop if s in seq.text]
+        least = max(1, seq.params.min_tokens)  # no stop string before min_tokens
+        hits = [(seq.text.find(s), s) for s in seq.params.stop if s in seq.text] if len(seq.output) >= least else []
         if hits:
             # Keep the shortest output whose text holds the stop string: the tokens a step-by-step
             # decoder would have produced, whatever a speculative step committed past it.
-            n = next(n for n in range(1, len(seq.output) + 1) if any(s in text_of(seq.output[:n]) for s in
-                                                                      seq.params.stop))
+            n = next(n for n in range(least, len(seq.output) + 1) if any(s in text_of(seq.output[:n]) for s in
+                                                                          seq.params.stop))
             kept = kept[: max(0, len(kept) - (len(seq.output) - n))]
             del seq.output[n:]
             at = min(a for a, _ in hits)

@@ -124,14 +124,17 @@ class EPGroup:
     def forward(self, request_ids: list[int], chunks: list[list[int]], logits: str | list[list[int]] = "all",
                 with_logits: bool = False, capture_layers: tuple[int, ...] = (),
                 sampling: list[tuple[float, float]] | None = None,
-                keep_features: list[bool] | None = None, logprobs: list[bool] | None = None) -> TargetOutput:
+                keep_features: list[bool] | None = None, logprobs: list[bool] | None = None,
+                controls: list | None = None) -> TargetOutput:
         """Append chunks[i] to request_ids[i] on its rank; rows at `logits` ("all", "last", or
         per-request positions inside the chunk). `sampling[i]` = (temperature, top_p): requests
         with temperature > 0 get the target's sampling probabilities of their rows. With
         `keep_features`, the states at `capture_layers` of request i stay on its rank when
         keep_features[i] (fetched later by `features`; its `captured` is then empty) and come
         back in `captured` otherwise. With `logprobs[i]`, request i's rows also come back as the
-        log-softmax of the raw logits (`TargetOutput.logprobs`)."""
+        log-softmax of the raw logits (`TargetOutput.logprobs`). `controls[i]` (a
+        `sampling.RequestControls`, or None) adjusts request i's rows before the argmax and the
+        sampling distribution are taken."""
         t0 = time.perf_counter()
         if len(request_ids) != len(chunks) or len(set(request_ids)) != len(request_ids):
             raise ValueError("one chunk per request, each request once")
@@ -146,7 +149,7 @@ class EPGroup:
         else:
             rows = [len(p) for p in logits]
         batches = [self._rank_batch(idx, request_ids, chunks, logits, with_logits, capture_layers, rows, sampling,
-                                    truncate, keep_features, logprobs)
+                                    truncate, keep_features, logprobs, controls)
                    for idx, truncate in zip(per_rank, self._truncate, strict=True)]
         self._truncate = [{} for _ in range(self.cfg.world)]  # applied by every rank first, even on rejection
         try:
@@ -193,7 +196,7 @@ class EPGroup:
     @staticmethod
     def _rank_batch(idx: list[int], request_ids, chunks, logits, with_logits, capture_layers, rows,
                     sampling, truncate: dict[int, int], keep_features: list[bool] | None,
-                    logprobs: list[bool] | None = None) -> RankBatch:
+                    logprobs: list[bool] | None = None, controls: list | None = None) -> RankBatch:
         lengths = [len(chunks[i]) for i in idx]
         cu = np.zeros(len(idx) + 1, dtype=np.int64)
         np.cumsum(lengths, out=cu[1:])
@@ -211,8 +214,10 @@ class EPGroup:
         keep = None if keep_features is None else np.array([keep_features[i] for i in idx], dtype=bool)
         lp = None if logprobs is None else np.repeat(np.array([bool(logprobs[i]) for i in idx], dtype=bool),
                                                      [rows[i] for i in idx])
+        ctl = None if controls is None or not any(controls[i] is not None for i in idx) else \
+            tuple(controls[i] for i in idx)
         return RankBatch([request_ids[i] for i in idx], tokens, cu, index, with_logits, capture_layers, temp, top_p,
-                         truncate or None, keep, lp)
+                         truncate or None, keep, lp, ctl)
 
     # -- cache management -----------------------------------------------------------------------
 

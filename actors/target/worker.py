@@ -30,7 +30,7 @@ from actors.target.link import RankLink
 from actors.target.model import ForwardBatch, Prepared
 from actors.target.moe import StepStats
 from actors.target.parallel import all_agree, apply_expert_parallel, expert_range, join_groups
-from actors.target.sampling import target_probs
+from actors.target.sampling import apply_controls, target_probs
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,7 @@ class RankBatch:
     keep_features: np.ndarray | None = None  # [R] bool: captured rows stay in the rank's FeatureStore (the
     # other requests' rows come back in the result)
     logprob_rows: np.ndarray | None = None  # [M] bool: these logit rows come back as log-softmax rows
+    controls: tuple | None = None  # [R] RequestControls or None: sampling controls applied to its rows
 
 
 @dataclass(frozen=True)
@@ -150,15 +151,20 @@ class TargetRank:
             shipped = np.repeat(~rb.keep_features, np.diff(rb.cu))  # token rows of the requests not kept
             captured = {k: v[torch.from_numpy(shipped).to(v.device)] for k, v in captured.items()} \
                 if shipped.any() else {}
+        logprobs = None  # of the raw logits, before any control
+        if rb.logprob_rows is not None and rb.logprob_rows.any():
+            rows = logits[torch.from_numpy(rb.logprob_rows).to(logits.device)]
+            logprobs = torch.log_softmax(rows.float(), dim=-1).cpu().numpy()
+        top_k = min_p = None
+        if rb.controls is not None:
+            logits, top_k, min_p = self._controlled(logits, rb)
         top2 = torch.topk(logits, 2, dim=-1).values if logits.shape[-1] > 1 else logits.repeat(1, 2)
         probs = None
         if rb.temperature is not None and len(rb.temperature) and float(rb.temperature.max()) > 0:
             temp = torch.from_numpy(rb.temperature).float().clamp_min(1e-6).to(dev)
-            probs = target_probs(logits, temp, torch.from_numpy(rb.top_p).float().to(dev)).cpu().numpy()
-        logprobs = None
-        if rb.logprob_rows is not None and rb.logprob_rows.any():
-            rows = logits[torch.from_numpy(rb.logprob_rows).to(logits.device)]
-            logprobs = torch.log_softmax(rows.float(), dim=-1).cpu().numpy()
+            probs = target_probs(logits, temp, torch.from_numpy(rb.top_p).float().to(dev),
+                                 None if top_k is None else top_k.to(dev),
+                                 None if min_p is None else min_p.to(dev)).cpu().numpy()
         return RankResult(
             logits.argmax(-1).cpu().numpy(), (top2[:, 0] - top2[:, 1]).cpu().numpy(),
             logits.float().cpu().numpy() if rb.with_logits else None,
@@ -166,6 +172,27 @@ class TargetRank:
             # keep a decode step's result under Ray's inline size at concurrency 64.
             {k: v.half().cpu().numpy() for k, v in captured.items()}, stats, probs, logprobs,
         )
+
+    @staticmethod
+    def _controlled(logits: torch.Tensor, rb: RankBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each controlled request's rows with its sampling controls applied (actors/target/
+        sampling.py), and per-row top-k and min-p for the sampling distribution."""
+        logits = logits.clone()
+        top_k = torch.zeros(len(rb.logit_index), dtype=torch.long)
+        min_p = torch.zeros(len(rb.logit_index))
+        owner = np.searchsorted(rb.cu, rb.logit_index, side="right") - 1  # request of each logit row
+        for j, rc in enumerate(rb.controls):
+            if rc is None:
+                continue
+            mine = np.nonzero(owner == j)[0]
+            if not len(mine):
+                continue
+            sl = slice(int(mine[0]), int(mine[-1]) + 1)  # a request's rows are contiguous
+            if rc.controls.changes_logits:
+                chunk = rb.tokens[rb.cu[j]:rb.cu[j + 1]]
+                logits[sl] = apply_controls(logits[sl], chunk, rb.logit_index[sl] - rb.cu[j], rc).to(logits.dtype)
+            top_k[sl], min_p[sl] = rc.controls.top_k, rc.controls.min_p
+        return logits, top_k, min_p
 
     def _keep(self, prepared: Prepared, captured: dict[int, torch.Tensor], keep: np.ndarray) -> None:
         """Store each kept request's rows at its KV positions: one float16 block of every

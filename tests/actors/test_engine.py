@@ -289,3 +289,86 @@ def test_logprobs_are_the_targets_whatever_the_policy(tiny_bundle, tmp_path, ep)
             assert np.allclose([e.logprob for e in a.logprobs], [e.logprob for e in b.logprobs], atol=1e-5)
     finally:
         eng.shutdown()
+
+
+def plain_with_controls(model, prompt: list[int], params: SamplingParams, eos: int | None) -> list[int]:
+    """Plain greedy decoding with sampling controls, one token at a time, the controls applied
+    naively (tests/actors/test_sampling_controls.py's reference): what speculation must equal."""
+    from tests.actors.test_sampling_controls import naive
+
+    c = params.controls(eos)
+    out: list[int] = []
+    while len(out) < params.max_tokens:
+        with torch.no_grad():
+            logits, _ = model(ForwardBatch.from_lists([0], [[*prompt, *out]], "last"), model.new_cache(256))
+        row = logits[0].numpy() if c is None else naive(logits[0].numpy(), [*prompt, *out], len(prompt), c)
+        out.append(int(np.argmax(row)))
+        if out[-1] == eos or out[-1] in params.stop_token_ids:
+            break
+    return out
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_sampling_controls_are_lossless_under_every_policy(tiny_bundle, reference, tmp_path, ep):
+    """Penalties, logit bias, min_tokens and stop token ids change the target's distribution
+    before verification: greedy output under `ar`, `full` and `dcut` equals plain decoding with
+    the same controls (and differs from decoding without them)."""
+    model = load_model(f"{tiny_bundle}/target")
+    prompts = PROMPTS[16:20]
+    eos = reference[19][3]
+    params = [SamplingParams(max_tokens=MAX_TOKENS, frequency_penalty=1.5, presence_penalty=0.5),
+              SamplingParams(max_tokens=MAX_TOKENS, repetition_penalty=1.8, top_k=3, min_p=0.1),
+              SamplingParams(max_tokens=MAX_TOKENS, logit_bias=((5, 4.0), (int(reference[18][0]), -50.0))),
+              SamplingParams(max_tokens=MAX_TOKENS, min_tokens=6, stop_token_ids=(int(reference[19][1]),))]
+    want = [plain_with_controls(model, p, s, eos) for p, s in zip(prompts, params, strict=True)]
+    assert all(w != r for w, r in zip(want[:3], reference[16:19], strict=True))  # the controls bite
+    eng = engine(tiny_bundle, tmp_path, drafter="ngram", ep=ep)
+    eng.eos = eos
+    try:
+        for policy in ("ar", "full", "dcut"):
+            eng.set_policy(policy)
+            out = eng.generate(prompts, params)
+            assert [s.output for s in out] == want, policy
+            if policy == "full":
+                assert sum(sum(s.kept) for s in out) > 0  # speculation took place
+    finally:
+        eng.shutdown()
+
+
+def test_sampled_tokens_follow_the_adjusted_distribution(tiny_bundle, tmp_path):
+    """With top-k, min-p and a frequency penalty, the second token (the first one speculation
+    decides) follows the exact marginal of the adjusted distribution."""
+    from actors.target.sampling import RequestControls, apply_controls, target_probs
+
+    target = load_model(f"{tiny_bundle}/target")
+    prompt = PROMPTS[9]
+    temp = 0.9
+    params = [SamplingParams(max_tokens=3, temperature=temp, seed=s, top_k=12, min_p=0.02, frequency_penalty=1.0)
+              for s in range(640)]
+    c = params[0].controls(None)
+    one = torch.ones(1)
+
+    def probs(logits, history):
+        adj = apply_controls(logits[None], np.array(history[-1:]), np.array([0]),
+                             RequestControls(c, np.array(history[:-1]), len(prompt)))
+        return target_probs(adj, one * temp, one, torch.tensor([c.top_k]), torch.tensor([c.min_p]))[0]
+
+    with torch.no_grad():
+        logits, _ = target(ForwardBatch.from_lists([0], [prompt], "last"), target.new_cache(256))
+        p1 = probs(logits[0], prompt)
+        rows = [[*prompt, t] for t in range(96)]
+        l2, _ = target(ForwardBatch.from_lists(list(range(96)), rows, "last"), target.new_cache(96 * 32))
+        p2 = sum(p1[t] * probs(l2[t], rows[t]) for t in range(96) if p1[t] > 0).double().numpy()
+    eng = engine(tiny_bundle, tmp_path, drafter="block", policy="full", max_running=64)  # drafts every step
+    try:
+        out = eng.generate([prompt] * len(params), params)
+    finally:
+        eng.shutdown()
+    assert sum(sum(s.kept) for s in out) > 0
+    second = np.array([s.output[1] for s in out])
+    assert set(second) <= set(np.nonzero(p2)[0])  # nothing top-k or min-p removed
+    order = np.argsort(-p2)
+    big = order[np.cumsum(p2[order]) <= 0.9]
+    counts = np.array([(second == t).sum() for t in big] + [(~np.isin(second, big)).sum()])
+    expected = np.append(p2[big], 1 - p2[big].sum()) * len(params)
+    assert chisquare(counts, expected).pvalue > 1e-3

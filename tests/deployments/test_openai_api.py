@@ -355,10 +355,11 @@ def test_chat_content_as_text_parts_is_the_same_conversation(client):
 TOOL = {"type": "function", "function": {"name": "f"}}
 
 
-@pytest.mark.parametrize(("field", "value"), [("logprobs", 21), ("presence_penalty", 0.5), ("logit_bias", {"5": 10}),
-                                              ("top_logprobs", 2), ("tools", [TOOL]), ("suffix", "w1"),
-                                              ("x_unknown", 1)])
-def test_unimplemented_or_unknown_fields_are_refused_by_name_never_ignored(client, field, value):
+@pytest.mark.parametrize(("field", "value"), [("logprobs", 21), ("presence_penalty", 2.5), ("logit_bias", {"x": 1}),
+                                              ("logit_bias", {"5": 101}), ("top_logprobs", 2), ("tools", [TOOL]),
+                                              ("response_format", {"type": "json_object"}), ("suffix", "w1"),
+                                              ("stop_token_ids", [99999]), ("min_tokens", 3), ("x_unknown", 1)])
+def test_unimplemented_unknown_or_out_of_range_fields_are_refused_by_name(client, field, value):
     with pytest.raises(openai.BadRequestError, match=field):
         client.completions.create(model="dcut-demo", prompt="w1 w2", max_tokens=2, extra_body={field: value})
     assert_still_serving(client)
@@ -500,3 +501,26 @@ def test_chat_prompt_is_the_models_own_template(client, tiny_bundle):
     out = client.chat.completions.create(model="dcut-demo", max_tokens=2, messages=messages)
     rendered = ChatTemplate.load(tiny_bundle).render(messages)
     assert out.usage.prompt_tokens == len(Tokenizer.from_file(f"{tiny_bundle}/tokenizer.json").encode(rendered).ids)
+
+
+def test_sampling_controls_shape_the_output(client, reference):
+    """logit_bias, penalties and stop token ids act on the served output (their exactness under
+    speculation is tested at the engine: tests/actors/test_engine.py)."""
+    body = dict(model="dcut-demo", prompt=PROMPT, max_tokens=12, temperature=0)
+    forced = client.completions.create(logit_bias={"7": 100}, **body)
+    assert forced.model_extra["dcut"][0]["token_ids"] == [7] * 12
+    banned = client.completions.create(logit_bias={str(t): -100 for t in set(reference)}, **body)
+    assert not set(banned.model_extra["dcut"][0]["token_ids"]) & set(reference)
+    penalised = client.completions.create(frequency_penalty=2.0, presence_penalty=1.0, **body)
+    ids = penalised.model_extra["dcut"][0]["token_ids"]
+    assert ids != reference and max(ids.count(t) for t in ids) < max(reference.count(t) for t in reference)
+    stop = reference[3]
+    stopped = client.completions.create(extra_body={"stop_token_ids": [stop]}, **body)
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.model_extra["dcut"][0]["token_ids"] == reference[:reference.index(stop) + 1]
+    late = client.completions.create(extra_body={"stop_token_ids": [stop], "min_tokens": 10}, **body)
+    assert len(late.model_extra["dcut"][0]["token_ids"]) >= 10
+    sampled = client.completions.create(model="dcut-demo", prompt=PROMPT, max_tokens=6, temperature=1.0, seed=3,
+                                        extra_body={"top_k": 2, "min_p": 0.05, "repetition_penalty": 1.3})
+    assert sampled.usage.completion_tokens == 6
+    assert_still_serving(client)
