@@ -19,7 +19,6 @@ import hmac
 import json
 import logging
 import pathlib
-import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -37,7 +36,8 @@ from deployments.engine_deployment import EngineDeployment
 from deployments.errors import ApiError
 from deployments.logprobs_format import LogprobFormat
 from deployments.metrics import Metrics
-from deployments.openai_schema import ChatRequest, CompletionRequest, new_id, now, publish_request_bodies
+from deployments.openai_schema import ChatRequest, CompletionRequest, publish_request_bodies
+from deployments.responses import best, full_response, sse
 from deployments.settings import ServeSettings
 
 log = logging.getLogger(__name__)
@@ -54,12 +54,6 @@ HEALTH_TIMEOUT_S = 5.0
 # (and the module globals they see) when the class is created.
 def _reject_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
-
-
-def best(candidates: list[dict], n: int) -> list[dict]:
-    """best_of: the n candidates of highest log-probability (sum over their tokens), best first."""
-    score = lambda r: sum(e.logprob for e in r["logprobs"] if e is not None)  # noqa: E731
-    return sorted(candidates, key=score, reverse=True)[:n]
 
 
 @serve.deployment(name="ingress", max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0.25})
@@ -141,8 +135,8 @@ class Ingress:
                         await st.aclose()
                     raise
                 self.metrics.request(endpoint, 200)
-                return StreamingResponse(self._sse(streams, firsts, body, chat, sum(len(i) for i in ids)),
-                                         media_type="text/event-stream")
+                events = sse(streams, firsts, body, chat, sum(len(i) for i in ids), self.logprobs, self.metrics)
+                return StreamingResponse(events, media_type="text/event-stream")
             results = await asyncio.gather(*(self._collect(self._deltas(ids[i], p)) for _, i, p in runs))
             for r, (_, i, _) in zip(results, runs, strict=True):
                 r["prompt"] = prompts[i] if isinstance(prompts[i], str) else self.tokenizer.decode(ids[i])
@@ -150,7 +144,7 @@ class Ingress:
             if best_of > n:
                 results = [r for i in range(len(ids)) for r in best(results[i * best_of:(i + 1) * best_of], n)]
             self.metrics.request(endpoint, 200)
-            return self._full_response(body, chat, results)
+            return full_response(body, chat, results, self.logprobs, self.metrics)
         except ApiError as e:
             self.metrics.request(endpoint, e.status)
             return e.response()
@@ -247,6 +241,13 @@ class Ingress:
         if body.min_tokens > max_tokens:
             raise ApiError(400, "min_tokens: must not exceed max_tokens", param="min_tokens")
         try:
+            constraint = body.constraint()
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="response_format") from None
+        if constraint is not None and body.ignore_eos:
+            raise ApiError(400, "ignore_eos: cannot be combined with structured output (a complete output ends "
+                                "with EOS)", param="ignore_eos")
+        try:
             k = body.token_logprobs()
             params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                                     seed=body.seed, stop=stops, ignore_eos=body.ignore_eos, logprobs=k,
@@ -254,7 +255,7 @@ class Ingress:
                                     presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                                     repetition_penalty=body.repetition_penalty, top_k=max(0, body.top_k),
                                     min_p=body.min_p, logit_bias=bias, stop_token_ids=stop_ids,
-                                    min_tokens=body.min_tokens)
+                                    min_tokens=body.min_tokens, constraint=constraint)
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
         return ids, params
@@ -307,120 +308,6 @@ class Ingress:
                 "prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
                 "steps": last.steps, "accepted": last.accepted, "logprobs": logprobs,
                 "prompt_logprobs": prompt_logprobs}
-
-    def _full_response(self, body, chat: bool, results: list[dict]) -> dict:
-        usage = {"prompt_tokens": sum(r["prompt_tokens"] for r in results[::body.n]),  # each prompt once
-                 "completion_tokens": sum(r["completion_tokens"] for r in results)}
-        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-        for r in results:
-            self.metrics.tokens(r["completion_tokens"])
-        if chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": r["text"]},
-                        "finish_reason": r["finish_reason"],
-                        "logprobs": self.logprobs.chat(r["token_ids"], r["logprobs"]) if body.logprobs else None}
-                       for i, r in enumerate(results)]
-            return {"id": new_id("chatcmpl"), "object": "chat.completion", "created": now(), "model": body.model,
-                    "choices": choices, "usage": usage}
-        choices = [{"index": i, "text": (r["prompt"] if body.echo else "") + r["text"],
-                    "finish_reason": r["finish_reason"], "logprobs": self._completion_logprobs(body, r)}
-                   for i, r in enumerate(results)]
-        return {"id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": body.model,
-                "choices": choices, "usage": usage,
-                "dcut": [{"token_ids": r["token_ids"], "steps": r["steps"], "accepted": r["accepted"]}
-                         for r in results]}
-
-    def _completion_logprobs(self, body, r: dict) -> dict | None:
-        if body.logprobs is None:
-            return None
-        ids, entries = r["token_ids"], r["logprobs"]
-        if not body.echo:
-            return self.logprobs.completion(ids, entries)
-        prompt = r["prompt_ids"]  # the prompt's tokens first (its first token has no log-probability)
-        return self.logprobs.completion([*prompt, *ids], [*(r["prompt_logprobs"] or [None] * len(prompt)), *entries],
-                                        prompt=len(prompt))
-
-    async def _sse(self, streams: list, firsts: list[Delta], body, chat: bool, prompt_tokens: int):
-        """One SSE response for every choice's stream: chunks go out as each choice's deltas
-        arrive, each carrying its choice's index; usage (when asked) after the last."""
-        cid, created = new_id("chatcmpl" if chat else "cmpl"), now()
-        kind = "chat.completion.chunk" if chat else "text_completion"
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(index: int, stream, delta: Delta) -> None:
-            try:
-                while True:
-                    await queue.put((index, delta, None))
-                    if delta.finished:
-                        break
-                    delta = await stream.__anext__()
-            except StopAsyncIteration:
-                pass
-            except Exception as exc:
-                await queue.put((index, None, exc))
-                return
-            await queue.put((index, None, None))
-
-        sent = {index: [] for index, _ in streams}  # tokens streamed per choice: token texts continue them
-        timing = {index: (time.perf_counter(), None, 0) for index, _ in streams}  # start, last chunk, tokens then
-        last = dict(zip((i for i, _ in streams), firsts, strict=True))
-
-        def chunk(index: int, d: Delta | None, role: bool = False) -> str:
-            text, finish = (d.text, d.finish_reason if d.finished else None) if d is not None else (None, None)
-            lp = None
-            if d is not None and d.logprobs is not None and d.token_ids:
-                lp = (self.logprobs.chat if chat else self.logprobs.completion)(d.token_ids, d.logprobs, sent[index])
-                sent[index].extend(d.token_ids)
-            if chat:
-                delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text else {})
-                choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": lp}
-            else:
-                choice = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": lp}
-            return "data: " + json.dumps({"id": cid, "object": kind, "created": created, "model": body.model,
-                                          "choices": [choice]}) + "\n\n"
-
-        tasks = [asyncio.create_task(pump(index, st, first)) for (index, st), first in zip(streams, firsts,
-                                                                                              strict=True)]
-        live = len(tasks)
-        try:
-            if chat:
-                for index, _ in streams:
-                    yield chunk(index, None, role=True)
-            while live:
-                index, delta, err = await queue.get()
-                if delta is None:
-                    live -= 1
-                    if err is None:
-                        continue
-                    body_ = err.body() if isinstance(err, ApiError) else \
-                        ApiError(500, f"internal error: {type(err).__name__}", "server_error").body()
-                    if not isinstance(err, ApiError):
-                        log.error("stream failed", exc_info=err)
-                    yield "data: " + json.dumps(body_) + "\n\n"  # the engine failed mid-stream: say so in-band
-                    break
-                t0, t_prev, n_prev = timing[index]
-                now_t = time.perf_counter()
-                if t_prev is None:
-                    self.metrics.ttft(now_t - t0)
-                elif delta.completion_tokens > n_prev:
-                    self.metrics.tpot((now_t - t_prev) / (delta.completion_tokens - n_prev))
-                timing[index], last[index] = (t0, now_t, delta.completion_tokens), delta
-                if delta.text or delta.finished or (delta.logprobs and delta.token_ids):
-                    yield chunk(index, delta)
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            for _, st in streams:
-                await st.aclose()  # a client that went away frees each request's KV and drafter state
-        completion = sum(d.completion_tokens for d in last.values())
-        self.metrics.tokens(completion)
-        if body.stream_options and body.stream_options.include_usage:
-            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                     "total_tokens": prompt_tokens + completion}
-            yield "data: " + json.dumps({"id": cid, "object": kind, "created": created, "model": body.model,
-                                         "choices": [], "usage": usage}) + "\n\n"
-        yield "data: [DONE]\n\n"
-
 
 def build_app(args: ServeSettings) -> serve.Application:
     """App builder for `serve run` / `serve deploy` and `dcut serve`: typed settings in."""

@@ -35,9 +35,49 @@ class StreamOptions(BaseModel):
 # client sends when it does not use the feature), refused with a 400 naming the field otherwise.
 # A field in neither this table nor the schema is refused too: nothing a client sends is ignored.
 NOT_IMPLEMENTED: dict[str, tuple] = {
-    "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none"),
+    "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "function_call": (None, "none"), "suffix": (None, ""),
 }
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: Text = "response"
+    description: Text | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema: given exactly when type is json_schema")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """Extension (vLLM's field): one constraint on the output."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict | Text | None = Field(None, alias="json", description="a JSON schema")
+    regex: Text | None = None
+    choice: list[Text] | None = Field(None, min_length=1)
+    grammar: Text | None = Field(None, description="a Lark grammar (llguidance's dialect)")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [k for k in ("json_", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError("structured_outputs: give exactly one of json, regex, choice, grammar")
+        return self
 
 
 class _Common(BaseModel):
@@ -65,6 +105,29 @@ class _Common(BaseModel):
     min_p: StrictFloat = Field(0.0, ge=0.0, le=1.0, description="extension: drop tokens below min_p × the top one")
     min_tokens: StrictInt = Field(0, ge=0, description="extension: no EOS, stop token or stop string before this")
     stop_token_ids: list[StrictInt] | None = Field(None, description="extension: finish after any of these tokens")
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+    def constraint(self) -> tuple[str, str] | None:
+        """The output's constraint as (kind, spec) for the engine, or None."""
+        import json
+
+        rf, so = self.response_format, self.structured_outputs
+        if rf is not None and rf.type != "text" and so is not None:
+            raise ValueError("response_format and structured_outputs: give one")
+        if rf is not None and rf.type == "json_object":
+            return "json_object", ""
+        if rf is not None and rf.type == "json_schema":
+            return "json_schema", json.dumps(rf.json_schema.schema_ or {})
+        if so is None:
+            return None
+        if so.json_ is not None:
+            return "json_schema", so.json_ if isinstance(so.json_, str) else json.dumps(so.json_)
+        if so.regex is not None:
+            return "regex", so.regex
+        if so.choice is not None:
+            return "choice", json.dumps(so.choice)
+        return "lark", so.grammar
 
     @model_validator(mode="before")
     @classmethod

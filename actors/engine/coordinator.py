@@ -14,6 +14,7 @@ import time
 import numpy as np
 
 from actors.engine.config import EngineConfig
+from actors.engine.constraints import grammar_allowed, request_controls
 from actors.engine.costs import (
     PRIOR_DRAFT_COST,
     DraftCostLearner,
@@ -23,6 +24,7 @@ from actors.engine.costs import (
     startup_draft_cost,
 )
 from actors.engine.drafters import DrafterPool, hosted_drafter
+from actors.engine.grammar import Grammars
 from actors.engine.history import StepHistory
 from actors.engine.placement import unit_placement_group
 from actors.engine.sequence import SamplingParams, Scheduler, Sequence, Status
@@ -37,11 +39,11 @@ from actors.engine.stages import (
     feed_chunks,
     merge_drafts,
 )
-from actors.engine.steplog import StepLog
+from actors.engine.steplog import StepLog, observed
 from actors.ray_env import whereabouts
 from actors.target.config import MoEConfig
-from actors.target.group import DriverGroup, EPGroup, EPGroupError, InProcessGroup
-from actors.target.sampling import RequestControls
+from actors.target.driver import DriverGroup
+from actors.target.group import EPGroup, EPGroupError, InProcessGroup
 from dcut_core import ragged
 from dcut_core.acceptance import Calibrator, survival, verify_outcomes
 from dcut_core.cost_model import StepShape
@@ -78,6 +80,7 @@ class Engine:
         self.history = StepHistory()
         self.step_log = StepLog(cfg.step_log) if cfg.step_log else None
         self._next_rid = 0
+        self._grammars: Grammars | None = None
 
     def set_policy(self, name: str) -> None:
         """Switch the pruning policy between runs (same engine, same drafter; benchmarks)."""
@@ -188,6 +191,8 @@ class Engine:
         for s in self.scheduler.admit(int(0.75 * self.cfg.kv_capacity_tokens * self.cfg.ep), self.cfg.block):
             self.drafters.admit(s.rid)
             s.controls = s.params.controls(self.eos)
+            if s.params.constraint is not None and s.grammar is None:
+                s.grammar = self.grammars().matcher(*s.params.constraint, committed=s.output)
         running = self.scheduler.running
         feeding = feed_chunks([s for s in running if not s.prefilled], self.cfg.prefill_chunk,
                               self.cfg.prefill_budget)
@@ -229,6 +234,9 @@ class Engine:
         t0 = time.perf_counter()
         pos = ragged.positions(drafts.cu)
         p = self.calibrator.estimate(drafts.confidence, drafts.margin, pos)
+        allowed = grammar_allowed(batch, drafts)
+        if allowed is not None:  # a draft the grammar forbids (and all after it) can never be accepted
+            p = np.where(pos < np.repeat(allowed, np.diff(drafts.cu)), p, 0.0)
         accepted_len = None
         if self.policy.needs_truth:
             t_probe = time.perf_counter()
@@ -241,7 +249,7 @@ class Engine:
         decision = self.policy.choose(db, curve)
         drafts.survival, drafts.decision, drafts.estimate = db.survival, decision, p
         drafts.decision_seconds = time.perf_counter() - t0
-        return decision.kept
+        return decision.kept if allowed is None else np.minimum(decision.kept, allowed)  # for every policy
 
     def verify(self, batch: list[Sequence], drafts: Drafts, kept: np.ndarray, feeding: list[Feed] = ()):
         """One forward for the step: each decoding request's last token and kept drafts (every row
@@ -255,17 +263,23 @@ class Engine:
         sampling = [(s.params.temperature, s.params.top_p) for s in seqs]
         capture = self.drafters.layers if self.policy.drafts else ()
         logprobs = [s.params.logprobs is not None for s in batch] + [f.wants_logprobs for f in feeding]
-        controls = [None if s.controls is None else
-                    RequestControls(s.controls, np.asarray([*s.prompt, *s.output[:-1]]), len(s.prompt)) for s in batch]
-        controls += [None if f.seq.controls is None else
-                     RequestControls(f.seq.controls, np.asarray(f.seq.feed[:f.start]), len(f.seq.prompt))
-                     for f in feeding]
+        controls = [request_controls(s, drafts=chunks[i][1:]) for i, s in enumerate(batch)]
+        controls += [request_controls(f.seq, feed=f) for f in feeding]
         return self.target.forward([s.rid for s in seqs], chunks + [f.tokens for f in feeding], logits=rows,
                                    capture_layers=capture,
                                    sampling=sampling if any(t > 0 for t, _ in sampling) else None,
                                    keep_features=self._keep_features(batch, drafts, feeding) if capture else None,
                                    logprobs=logprobs if any(logprobs) else None,
                                    controls=controls if any(c is not None for c in controls) else None)
+
+    def grammars(self) -> Grammars:
+        """The compiler of structured-output constraints for this model's tokenizer (built at the
+        first constrained request)."""
+        if self._grammars is None:
+            if self.cfg.tokenizer_path is None or self.eos is None:
+                raise ValueError("structured output needs the model's tokenizer and EOS token")
+            self._grammars = Grammars(self.cfg.tokenizer_path, self.model_cfg.vocab_size, self.eos)
+        return self._grammars
 
     def _keep_features(self, batch: list[Sequence], drafts: Drafts, feeding: list[Feed]) -> list[bool]:
         """Per forward row: True keeps its features on the rank (prefill, requests that did not
@@ -315,13 +329,7 @@ class Engine:
             beyond = drafts.estimate[drafts.cu[i] + kept[i]:drafts.cu[i + 1]] if drafts.estimate is not None else None
             self.tracker.observe(s.rid, int(kept[i]), int(st.accepted[i]), beyond)
         if self.step_log is not None:  # what the tracker learnt from, for `dcut_core.drafting.replay`
-            est = drafts.estimate
-            beyond = [] if est is None else [est[drafts.cu[i] + kept[i]:drafts.cu[i + 1]] for i in range(len(st.batch))]
-            st.observed = {"rids": [s.rid for s in st.batch], "kept": np.asarray(kept).tolist(),
-                           "accepted": [int(a) for a in st.accepted],
-                           "beyond": np.concatenate(beyond).tolist() if beyond else [],
-                           "beyond_cu": None if est is None else
-                           np.concatenate([[0], np.cumsum([len(b) for b in beyond])]).tolist()}
+            st.observed = observed(st)
         if self.cost is None:
             return float("nan")
         if st.feeding:  # the correction learns verification steps only (pruning's curve)
@@ -387,6 +395,8 @@ class Engine:
         """True accepted lengths, learned by verifying every draft and rolling back (benchmarks only;
         this extra pass is not counted in the step's measured time)."""
         all_kept = np.diff(drafts.cu)
+        allowed = grammar_allowed(batch, drafts)
+        all_kept = all_kept if allowed is None else allowed
         out = self.verify(batch, drafts, all_kept)
         accepted, _ = accept_tokens(batch, drafts, all_kept, out)
         self.target.truncate({s.rid: s.cached for s in batch})

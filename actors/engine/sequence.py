@@ -31,6 +31,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     stop_token_ids: tuple[int, ...] = ()  # finish (reason "stop") after any of these
     min_tokens: int = 0  # no EOS or stop token id, and no stop string, before this many tokens
+    constraint: tuple[str, str] | None = None  # structured output: (kind, spec), actors/engine/grammar.py
 
     def __post_init__(self) -> None:
         if self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
@@ -49,6 +50,12 @@ class SamplingParams:
             raise ValueError("top_k and min_tokens must be >= 0, min_p in [0, 1]")
         if any(not (math.isfinite(b) and -100 <= b <= 100) for _, b in self.logit_bias):
             raise ValueError("logit_bias values must be in [-100, 100]")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError("temperature must be a finite number >= 0")
+        if not 0 < self.top_p <= 1:  # NaN fails this too
+            raise ValueError("top_p must be in (0, 1]")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError("seed must be an integer")
 
     def controls(self, eos: int | None):
         """The controls the target applies to this request's rows, or None when all are neutral."""
@@ -58,12 +65,6 @@ class SamplingParams:
         c = Controls(self.presence_penalty, self.frequency_penalty, self.repetition_penalty, self.logit_bias,
                      self.min_tokens if banned else 0, banned if self.min_tokens else (), self.top_k, self.min_p)
         return c if c.changes_logits or c.top_k or c.min_p else None
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError("temperature must be a finite number >= 0")
-        if not 0 < self.top_p <= 1:  # NaN fails this too
-            raise ValueError("top_p must be in (0, 1]")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError("seed must be an integer")
 
 
 def seed_sequence(seed: int | None) -> np.random.SeedSequence | None:
@@ -111,6 +112,7 @@ class Sequence:
     kept: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
     controls: object = None  # sampling.Controls, set at admission (None: the target's plain distribution)
+    grammar: object = None  # grammar.RequestGrammar, set at admission for a constrained request
     fed: int = 0  # tokens of `feed` already in the target's KV cache (while prefilling)
     prefilled: bool = False  # its feed is in the KV cache: it decodes from now on
     logprobs: list = field(default_factory=list)  # TokenLogprob per output token (params.logprobs set)
@@ -228,6 +230,8 @@ class Scheduler:
             seq.finish_reason = "length"
         if seq.params.logprobs is not None and logprob_rows is not None:
             seq.logprobs.extend(entries(logprob_rows, kept, seq.params.logprobs))
+        if seq.grammar is not None:
+            seq.grammar.commit(kept)
         return kept
 
     def finish_done(self) -> list[Sequence]:

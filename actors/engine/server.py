@@ -92,6 +92,13 @@ class AsyncEngine:
         ids = np.asarray([*request.prompt, *request.resume])
         if ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= vocab:
             return EngineError(ErrorKind.INVALID, f"token ids must be integers in [0, {vocab})")
+        if request.params.constraint is not None:
+            try:
+                why = self.engine.grammars().check(*request.params.constraint)
+            except (ValueError, OSError) as exc:  # no tokenizer or EOS to constrain with
+                why = str(exc)
+            if why is not None:
+                return EngineError(ErrorKind.INVALID, f"structured output: {why}")
         return None
 
     def _ensure_loop(self) -> None:

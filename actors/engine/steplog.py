@@ -51,3 +51,15 @@ class StepLog:
 def read_steps(path: str | pathlib.Path) -> Iterator[dict]:
     with open(path, "rb") as f:
         yield from msgpack.Unpacker(f, raw=False)
+
+
+def observed(st) -> dict:
+    """What the acceptance tracker learnt from a step (`dcut_core.drafting.replay` feeds it back):
+    per request kept and accepted counts, and the calibrated estimates of the drafts past the kept
+    ones (ragged, `beyond_cu`; None when nothing was drafted)."""
+    drafts, kept, est = st.drafts, st.kept, st.drafts.estimate
+    beyond = [] if est is None else [est[drafts.cu[i] + kept[i]:drafts.cu[i + 1]] for i in range(len(st.batch))]
+    return {"rids": [s.rid for s in st.batch], "kept": np.asarray(kept).tolist(),
+            "accepted": [int(a) for a in st.accepted],
+            "beyond": np.concatenate(beyond).tolist() if beyond else [],
+            "beyond_cu": None if est is None else np.concatenate([[0], np.cumsum([len(b) for b in beyond])]).tolist()}

@@ -37,6 +37,9 @@ class Controls:
                     or self.logit_bias or (self.min_tokens and self.banned))
 
 
+NEUTRAL = Controls()
+
+
 @dataclass(frozen=True)
 class RequestControls:
     """A request's controls for one step, with what the rank needs to count its tokens."""
@@ -44,6 +47,7 @@ class RequestControls:
     controls: Controls
     history: np.ndarray  # token ids in the KV cache before this step's chunk
     prompt_len: int  # the first prompt_len positions are prompt, the rest output
+    allowed: np.ndarray | None = None  # [m, ceil(V / 32)] int32 bitmasks of the tokens a grammar allows per row
 
 
 def apply_controls(logits: torch.Tensor, chunk: np.ndarray, rows: np.ndarray, rc: RequestControls) -> torch.Tensor:
@@ -52,6 +56,9 @@ def apply_controls(logits: torch.Tensor, chunk: np.ndarray, rows: np.ndarray, rc
     c, vocab = rc.controls, logits.shape[-1]
     out = logits.float().clone()
     rows = np.asarray(rows, dtype=np.int64)
+    if rc.allowed is not None:  # a grammar's mask comes first: nothing else can bring a forbidden token back
+        bits = np.unpackbits(np.ascontiguousarray(rc.allowed).view(np.uint8), axis=-1, bitorder="little")
+        out[torch.from_numpy(~bits[:, :vocab].astype(bool)).to(out.device)] = float("-inf")
     if c.logit_bias:
         ids, bias = zip(*c.logit_bias, strict=True)
         out[:, list(ids)] += torch.tensor(bias, dtype=out.dtype, device=out.device)

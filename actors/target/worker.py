@@ -188,7 +188,7 @@ class TargetRank:
             if not len(mine):
                 continue
             sl = slice(int(mine[0]), int(mine[-1]) + 1)  # a request's rows are contiguous
-            if rc.controls.changes_logits:
+            if rc.controls.changes_logits or rc.allowed is not None:
                 chunk = rb.tokens[rb.cu[j]:rb.cu[j + 1]]
                 logits[sl] = apply_controls(logits[sl], chunk, rb.logit_index[sl] - rb.cu[j], rc).to(logits.dtype)
             top_k[sl], min_p[sl] = rc.controls.top_k, rc.controls.min_p

@@ -13,7 +13,8 @@ import ray
 from actors.inprocess import resolve
 from actors.target.checkpoint import load_model
 from actors.target.decode import greedy_decode
-from actors.target.group import DriverGroup, EPConfig, EPGroup, EPGroupError, InProcessGroup
+from actors.target.driver import DriverGroup
+from actors.target.group import EPConfig, EPGroup, EPGroupError, InProcessGroup
 from actors.target.local import LocalTarget
 from actors.target.profile import ProfileGrid, fit_profile, run_profile
 from actors.target.worker import BatchRejected

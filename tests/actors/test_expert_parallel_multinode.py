@@ -7,7 +7,8 @@ import pytest
 
 from actors.target.checkpoint import load_model
 from actors.target.decode import greedy_decode
-from actors.target.group import DriverGroup, EPConfig, EPGroup
+from actors.target.driver import DriverGroup
+from actors.target.group import EPConfig, EPGroup
 from actors.target.local import LocalTarget
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9], [10, 11, 12], [40, 41, 42, 43]]

@@ -20,6 +20,7 @@ from actors.target.checkpoint import load_model
 from actors.target.decode import greedy_decode
 from actors.target.local import LocalTarget
 from deployments.app import build_app
+from deployments.bundle import BUNDLED
 from deployments.settings import ServeSettings
 
 PORT = 8127
@@ -30,7 +31,7 @@ PROMPT_IDS = [5, 6, 7, 5, 6, 7, 5]
 
 @pytest.fixture(scope="module")
 def server(tiny_bundle, tmp_path_factory):
-    start_local_ray(num_cpus=8)
+    start_local_ray(num_cpus=12)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     cache = str(tmp_path_factory.mktemp("cache"))
     common = dict(model_root=tiny_bundle, block=6, cost_model_cache=cache, max_prompt_tokens=64,
@@ -40,6 +41,9 @@ def server(tiny_bundle, tmp_path_factory):
               name="guarded", route_prefix="/guarded")
     serve.run(build_app(ServeSettings(**common, ep=2, threads_per_rank=1, cpus_per_rank=1, policy="full")), name="ep2",
               route_prefix="/ep2")
+    # The bundled demo model: a byte-level BPE tokenizer that can spell JSON (structured output).
+    serve.run(build_app(ServeSettings(**(common | {"model_root": str(BUNDLED)}), drafter="ngram", policy="full")),
+              name="demo", route_prefix="/demo")
     yield
     serve.shutdown()
     ray.shutdown()
@@ -357,7 +361,7 @@ TOOL = {"type": "function", "function": {"name": "f"}}
 
 @pytest.mark.parametrize(("field", "value"), [("logprobs", 21), ("presence_penalty", 2.5), ("logit_bias", {"x": 1}),
                                               ("logit_bias", {"5": 101}), ("top_logprobs", 2), ("tools", [TOOL]),
-                                              ("response_format", {"type": "json_object"}), ("suffix", "w1"),
+                                              ("tool_choice", "auto"), ("suffix", "w1"),
                                               ("stop_token_ids", [99999]), ("min_tokens", 3), ("x_unknown", 1)])
 def test_unimplemented_unknown_or_out_of_range_fields_are_refused_by_name(client, field, value):
     with pytest.raises(openai.BadRequestError, match=field):
@@ -524,3 +528,29 @@ def test_sampling_controls_shape_the_output(client, reference):
                                         extra_body={"top_k": 2, "min_p": 0.05, "repetition_penalty": 1.3})
     assert sampled.usage.completion_tokens == 6
     assert_still_serving(client)
+
+
+def test_structured_output_parses_and_bad_constraints_are_400s():
+    demo = openai.OpenAI(base_url=f"{BASE}/demo/v1", api_key="unused", max_retries=0)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "size": {"type": "integer"}},
+              "required": ["name", "size"], "additionalProperties": False}
+    out = demo.chat.completions.create(model="dcut-demo", max_tokens=48, temperature=0,
+                                       messages=[{"role": "user", "content": "config = "}],
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "cfg", "schema": schema}})
+    assert out.choices[0].finish_reason == "stop"
+    assert set(json.loads(out.choices[0].message.content)) == {"name", "size"}
+    regex = demo.completions.create(model="dcut-demo", prompt="def ", max_tokens=24, temperature=0,
+                                    extra_body={"structured_outputs": {"regex": r"[a-z_]{1,10}\(\)"}})
+    assert re.fullmatch(r"[a-z_]{1,10}\(\)", regex.choices[0].text)
+    choice = demo.completions.create(model="dcut-demo", prompt="import ", max_tokens=8, temperature=0,
+                                     extra_body={"structured_outputs": {"choice": ["os", "sys"]}})
+    assert choice.choices[0].text in ("os", "sys")
+    for bad, field in (({"structured_outputs": {"regex": "[a-z"}}, "structured output"),
+                       ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one"),
+                       ({"response_format": {"type": "json_schema"}}, "json_schema"),
+                       ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos")):
+        with pytest.raises(openai.BadRequestError, match=field):
+            demo.completions.create(model="dcut-demo", prompt="x = ", max_tokens=8, extra_body=bad)
+    assert demo.completions.create(model="dcut-demo", prompt="x = ", max_tokens=2).usage.completion_tokens == 2
