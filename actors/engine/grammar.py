@@ -25,6 +25,17 @@ import json
 import numpy as np
 
 KINDS = ("json_object", "json_schema", "regex", "lark", "choice")
+# JSON as `json.dumps` writes it (", " and ": ", no newlines): without it a model may spend its
+# whole budget on whitespace the grammar allows. A schema's own "x-guidance" options win.
+COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _json_grammar(schema: dict) -> str:
+    import llguidance as llg
+
+    if isinstance(schema, dict) and "x-guidance" not in schema:
+        schema = schema | {"x-guidance": COMPACT}
+    return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema))
 
 
 def grammar_source(kind: str, spec: str) -> str:
@@ -33,9 +44,13 @@ def grammar_source(kind: str, spec: str) -> str:
     import llguidance as llg
 
     if kind == "json_object":
-        return llg.LLMatcher.grammar_from_json_schema(json.dumps({"type": "object"}))
+        return _json_grammar({"type": "object"})
     if kind == "json_schema":
-        return llg.LLMatcher.grammar_from_json_schema(spec)
+        try:
+            schema = json.loads(spec)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"the JSON schema is not JSON: {exc}") from None
+        return _json_grammar(schema)
     if kind == "regex":
         return llg.LLMatcher.grammar_from_regex(spec)
     if kind == "lark":
@@ -62,10 +77,11 @@ class Grammars:
         import llguidance as llg
 
         try:
-            ok, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar_source(kind, spec), self.tokenizer)
+            failed, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar_source(kind, spec),
+                                                                            self.tokenizer)
         except (ValueError, RuntimeError) as exc:
             return str(exc)
-        return None if ok else "; ".join(messages)[:500]
+        return "; ".join(messages)[:500] if failed else None  # (warnings alone do not refuse it)
 
     def matcher(self, kind: str, spec: str, committed: list[int] = ()) -> RequestGrammar:
         """A request's grammar state, after the tokens it has already `committed` (a resumed request)."""

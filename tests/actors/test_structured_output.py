@@ -104,3 +104,11 @@ def test_sampled_constrained_output_always_parses(demo):
     for s in done:
         obj = json.loads(tok.decode(s.output[:-1]))
         assert set(obj) == {"name", "size", "tags"} and len(obj["name"]) <= 10
+
+
+def test_constraints_are_checked_before_they_reach_a_step(demo):
+    grammars = Grammars(demo.tokenizer_path, 4096, demo.eos_token_id)
+    assert all(grammars.check(kind, spec) is None for kind, spec in CONSTRAINTS)
+    assert "regex" in grammars.check("regex", "[a-z")
+    assert grammars.check("json_schema", "{not json") is not None
+    assert grammars.check("lark", "start: undefined_rule") is not None

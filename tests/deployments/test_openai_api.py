@@ -42,8 +42,8 @@ def server(tiny_bundle, tmp_path_factory):
     serve.run(build_app(ServeSettings(**common, ep=2, threads_per_rank=1, cpus_per_rank=1, policy="full")), name="ep2",
               route_prefix="/ep2")
     # The bundled demo model: a byte-level BPE tokenizer that can spell JSON (structured output).
-    serve.run(build_app(ServeSettings(**(common | {"model_root": str(BUNDLED)}), drafter="ngram", policy="full")),
-              name="demo", route_prefix="/demo")
+    demo = common | {"model_root": str(BUNDLED), "max_tokens_limit": 64}
+    serve.run(build_app(ServeSettings(**demo, drafter="ngram", policy="full")), name="demo", route_prefix="/demo")
     yield
     serve.shutdown()
     ray.shutdown()
@@ -530,7 +530,7 @@ def test_sampling_controls_shape_the_output(client, reference):
     assert_still_serving(client)
 
 
-def test_structured_output_parses_and_bad_constraints_are_400s():
+def test_structured_output_parses_and_bad_constraints_are_400s(server):
     demo = openai.OpenAI(base_url=f"{BASE}/demo/v1", api_key="unused", max_retries=0)
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                                "size": {"type": "integer"}},
@@ -539,7 +539,7 @@ def test_structured_output_parses_and_bad_constraints_are_400s():
                                        messages=[{"role": "user", "content": "config = "}],
                                        response_format={"type": "json_schema",
                                                         "json_schema": {"name": "cfg", "schema": schema}})
-    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].finish_reason == "stop", out.choices[0].message.content
     assert set(json.loads(out.choices[0].message.content)) == {"name", "size"}
     regex = demo.completions.create(model="dcut-demo", prompt="def ", max_tokens=24, temperature=0,
                                     extra_body={"structured_outputs": {"regex": r"[a-z_]{1,10}\(\)"}})
