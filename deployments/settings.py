@@ -21,7 +21,7 @@ class ServeSettings(BaseModel):
 
     model_root: str = Field(str(BUNDLED), description="bundle folder: target/, drafter/, tokenizer.json")
     model_name: str = "dcut-demo"
-    drafter: Literal["block", "ngram"] = "block"
+    drafter: Literal["block", "ngram", "mtp"] = "block"
     policy: str = "dcut"
     block: int = Field(16, ge=2, le=16)
     ep: int = Field(1, ge=1)
@@ -90,10 +90,10 @@ class ServeSettings(BaseModel):
         from dcut_core.pruning import policy_from_name
 
         bundle = Bundle(pathlib.Path(self.model_root))
-        bundle.check(need_drafter=self.drafter == "block" and policy_from_name(self.policy, self.block).drafts)
+        bundle.check(self.drafter if policy_from_name(self.policy, self.block).drafts else None)
         s = self.resolved()
         return EngineConfig(
-            bundle.target, bundle.tokenizer, s.drafter, bundle.drafter, s.block, s.policy, ep=s.ep,
+            bundle.target, bundle.tokenizer, s.drafter, bundle.drafter_dir(s.drafter), s.block, s.policy, ep=s.ep,
             drafters=s.drafters, max_running=s.max_running, kv_capacity_tokens=s.kv_capacity_tokens,
             threads_per_rank=s.threads_per_rank, cpus_per_rank=s.cpus_per_rank, gpus_per_rank=s.gpus_per_rank,
             cpus_per_drafter=s.cpus_per_drafter, eos_token_id=MoEConfig.load(bundle.target).eos_token_id,

@@ -14,7 +14,7 @@ from actors.target.group import EPConfig
 class EngineConfig:
     target_dir: str
     tokenizer_path: str | None = None
-    drafter: str = "block"  # "block" or "ngram"
+    drafter: str = "block"  # "block", "mtp" or "ngram"
     drafter_dir: str | None = None
     block: int = 16
     policy: str = "dcut"

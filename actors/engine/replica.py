@@ -57,15 +57,38 @@ def shared_embeddings(target_dir: str) -> tuple[torch.nn.Embedding, torch.nn.Lin
     return embed, head
 
 
+def target_final_norm(target_dir: str):
+    """The target's final RMSNorm (`model.norm`): the MTP drafter conditions on normed states."""
+    from actors.target.layers import RMSNorm
+
+    cfg = MoEConfig.load(target_dir)
+    path = pathlib.Path(target_dir)
+    index = path / "model.safetensors.index.json"
+    f = path / (json.loads(index.read_text())["weight_map"]["model.norm.weight"] if index.exists()
+                else "model.safetensors")
+    norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+    with safe_open(str(f), framework="pt") as h:
+        norm.weight = torch.nn.Parameter(h.get_tensor("model.norm.weight").float(), requires_grad=False)
+    return norm
+
+
 def build_drafter(spec: DrafterSpec):
     if spec.kind == "ngram":
         return NgramDrafter(block_size=spec.block)
+    if spec.kind == "mtp":
+        from actors.drafter.mtp import CONFIG, MTPDrafter, MTPModule
+
+        if not spec.drafter_dir or not (pathlib.Path(spec.drafter_dir) / CONFIG).exists():
+            raise ValueError(f"the mtp drafter needs a folder with {CONFIG} and its weights (drafter_dir)")
+        embed, head = shared_embeddings(spec.target_dir)
+        return MTPDrafter(MTPModule.load(spec.drafter_dir, embed, head), target_final_norm(spec.target_dir),
+                          MoEConfig.load(spec.target_dir).num_hidden_layers, spec.capacity_tokens, spec.block)
     if spec.kind == "block":
         if not spec.drafter_dir:
             raise ValueError("the block drafter needs drafter weights (drafter_dir)")
         embed, head = shared_embeddings(spec.target_dir)
         return BlockDrafter(DraftModel.load(spec.drafter_dir, embed, head), spec.capacity_tokens, spec.block)
-    raise ValueError(f"unknown drafter {spec.kind!r}; choose block or ngram")
+    raise ValueError(f"unknown drafter {spec.kind!r}; choose block, mtp or ngram")
 
 
 LOCAL = "local"  # a catch-up's `sources` when the features are in the hosting rank's own store

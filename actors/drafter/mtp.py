@@ -1,0 +1,226 @@
+"""The multi-token-prediction drafter: DeepSeek-V3's "next-n" module, chained one token a pass.
+
+One module (`MTPModule`, weights named as in a DeepSeek-V3 checkpoint's layer `num_hidden_layers`:
+`enorm`, `hnorm`, `eh_proj`, `input_layernorm`, `self_attn.{q,k,v,o}_proj`,
+`post_attention_layernorm`, `mlp.{gate,up,down}_proj`, `shared_head.norm`, `shared_head.head`)
+predicts token j + 1 from the embedding of token j and a hidden state of position j − 1:
+
+    x_j = eh_proj([enorm(embed(t_j)) ; hnorm(h_{j-1})]),   g_j = layer(x_j),   logits = head(norm(g_j))
+
+where h is the target's final hidden state (after its final norm, as DeepSeek's main model hands
+it over) for committed positions, and the module's own output g for drafted ones. Its attention
+runs over the cached keys and values of every committed pair (`MTPDrafter`), so a pass costs one
+decoder layer over one token per request: the first draft comes from the last committed pair's
+output (kept at commit), each further one from one more pass.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from actors.drafter.base import DraftOutput
+from actors.drafter.block import sample_drafts
+from actors.target.kv_cache import CacheSpec, PagedKVCache
+from actors.target.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin
+
+CONFIG = "mtp_config.json"
+WEIGHTS = "mtp.safetensors"
+
+
+@dataclass(frozen=True)
+class MTPConfig:
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    layer_index: int  # the checkpoint layer the module is stored as (DeepSeek: num_hidden_layers)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+
+    @property
+    def prefix(self) -> str:
+        return f"model.layers.{self.layer_index}."
+
+    @classmethod
+    def load(cls, path: str | pathlib.Path) -> MTPConfig:
+        return cls(**json.loads(pathlib.Path(path).read_text()))
+
+
+class MTPModule(nn.Module):
+    def __init__(self, cfg: MTPConfig, embed: nn.Embedding, head: nn.Linear) -> None:
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.cfg = cfg
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.enorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.self_attn = nn.Module()
+        self.self_attn.q_proj = nn.Linear(h, self.heads * d, bias=False)
+        self.self_attn.k_proj = nn.Linear(h, self.kv_heads * d, bias=False)
+        self.self_attn.v_proj = nn.Linear(h, self.kv_heads * d, bias=False)
+        self.self_attn.o_proj = nn.Linear(self.heads * d, h, bias=False)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(h, cfg.intermediate_size)
+        self.shared_head = nn.Module()
+        self.shared_head.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self._shared = (embed, head)  # the target's, frozen; not this module's parameters
+
+    def combine(self, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """x [N, H] from tokens [N] and the hidden states [N, H] of the positions before them."""
+        embed = self._shared[0]
+        return self.eh_proj(torch.cat([self.enorm(embed(tokens)), self.hnorm(hidden)], dim=-1))
+
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor):
+        n, a = x.shape[0], self.self_attn
+        y = self.input_layernorm(x)
+        cos, sin = rope_cos_sin(positions, self.head_dim, self.cfg.rope_theta)
+        q = apply_rope(a.q_proj(y).view(n, self.heads, self.head_dim), cos, sin)
+        k = apply_rope(a.k_proj(y).view(n, self.kv_heads, self.head_dim), cos, sin)
+        return q, k, a.v_proj(y).view(n, self.kv_heads, self.head_dim)
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The layer's output from its input x [N, H] and attention output [N, heads · D]."""
+        h = x + self.self_attn.o_proj(attn)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def logits(self, g: torch.Tensor) -> torch.Tensor:
+        return self._shared[1](self.shared_head.norm(g))
+
+    def save(self, path: str | pathlib.Path, dtype: torch.dtype = torch.float16) -> None:
+        path = pathlib.Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / CONFIG).write_text(json.dumps(asdict(self.cfg), indent=2))
+        tensors = {self.cfg.prefix + k: v.detach().to(dtype).contiguous() for k, v in self.state_dict().items()}
+        tensors[self.cfg.prefix + "shared_head.head.weight"] = self._shared[1].weight.detach().to(dtype).contiguous()
+        save_file(tensors, str(path / WEIGHTS))
+
+    @classmethod
+    def from_tensors(cls, cfg: MTPConfig, tensors: dict[str, torch.Tensor], embed: nn.Embedding,
+                     head: nn.Linear) -> MTPModule:
+        """The module from checkpoint tensors named as in DeepSeek-V3 (under `cfg.prefix`). The
+        layer's own LM head copy (`shared_head.head`) is checked against the target's, not kept;
+        a layer-specific `embed_tokens` likewise (DeepSeek stores both; they equal the target's)."""
+        module = cls(cfg, embed, head)
+        own = {k.removeprefix(cfg.prefix): v.float() for k, v in tensors.items() if k.startswith(cfg.prefix)}
+        for shared, weight in (("shared_head.head.weight", head.weight), ("embed_tokens.weight", embed.weight)):
+            copy = own.pop(shared, None)
+            if copy is not None and not torch.allclose(copy, weight.float(), atol=1e-2):
+                raise ValueError(f"{cfg.prefix}{shared} differs from the target's: not a module of this target")
+        missing, unexpected = module.load_state_dict(own, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"MTP weights under {cfg.prefix}: missing {missing}, unexpected {unexpected}")
+        return module.eval()
+
+    @classmethod
+    def load(cls, path: str | pathlib.Path, embed: nn.Embedding, head: nn.Linear) -> MTPModule:
+        path = pathlib.Path(path)
+        return cls.from_tensors(MTPConfig.load(path / CONFIG), load_file(str(path / WEIGHTS)), embed, head)
+
+
+class MTPDrafter:
+    """Drafts by chaining the module; owns each request's cache of committed pairs.
+
+    Per request: the committed tokens and target hidden states not paired yet, the keys and
+    values of every pair (paged, one layer), and the output g of the newest pair, which yields
+    the first draft."""
+
+    def __init__(self, module: MTPModule, final_norm: RMSNorm, target_layer: int, capacity_tokens: int = 65536,
+                 block: int = 16) -> None:
+        self.module, self.final_norm, self.layer, self.block = module, final_norm, target_layer, block
+        self.cache = PagedKVCache(CacheSpec(1, module.kv_heads, module.head_dim, capacity_tokens))
+        self._tokens: dict[int, list[int]] = {}  # committed tokens from pair index + 1 on
+        self._hidden: dict[int, list[torch.Tensor]] = {}  # target states from pair index on
+        self._last: dict[int, torch.Tensor] = {}  # g of the newest pair
+
+    @property
+    def target_layers(self) -> tuple[int, ...]:
+        return (self.layer,)
+
+    @torch.inference_mode()
+    def commit(self, request_ids: list[int], tokens: list[list[int]], hidden: list[dict]) -> None:
+        for rid, toks, h in zip(request_ids, tokens, hidden, strict=True):
+            first = rid not in self._tokens
+            buf_t, buf_h = self._tokens.setdefault(rid, []), self._hidden.setdefault(rid, [])
+            buf_t.extend(toks[1:] if first else toks)  # pair j takes token j: the first token never is one
+            if h:
+                buf_h.extend(self.final_norm(torch.as_tensor(h[self.layer]).float()))
+            m = min(len(buf_t), len(buf_h))
+            if m:
+                self._pairs(rid, torch.tensor(buf_t[:m]), torch.stack(buf_h[:m]))
+                del buf_t[:m], buf_h[:m]
+
+    def _pairs(self, rid: int, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Run the module over a request's new committed pairs, caching their keys and values."""
+        start = self.cache.length(rid) if rid in self.cache else 0
+        n = len(tokens)
+        self.cache.reserve({rid: n})
+        x = self.module.combine(tokens, hidden)
+        q, k, v = self.module.qkv(x, torch.arange(start + 1, start + 1 + n))  # pair j sits at position j
+        slots = self.cache.slots(rid, start, start + n)
+        self.cache.k[0, slots], self.cache.v[0, slots] = k, v
+        self.cache.commit(rid, n)
+        keys = self.cache.slots(rid, 0, start + n)
+        causal = torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]  # [n, T]
+        attn = _attend(q[None], self.cache.k[0][keys][None], self.cache.v[0][keys][None], causal[None])
+        self._last[rid] = self.module.finish(x, attn[0])[-1]
+
+    @torch.inference_mode()
+    def draft(self, request_ids: list[int], last_tokens: list[int], lengths: list[int], temperature: float = 0.0,
+              rng: np.random.Generator | None = None) -> DraftOutput:
+        """Up to lengths[i] drafts for request i: the first from its newest pair's output, each
+        further one from one more pass over [cached pairs ; drafts so far]."""
+        lengths = [min(n, self.block - 1) if rid in self._last else 0 for rid, n in zip(request_ids, lengths,
+                                                                                         strict=True)]
+        live = [i for i, n in enumerate(lengths) if n]
+        steps: list[torch.Tensor] = []  # per chain step: logits [len(live), V]
+        if live:
+            g = torch.stack([self._last[request_ids[i]] for i in live])
+            ctx = [self.cache.length(request_ids[i]) for i in live]
+            t = max(ctx)
+            keys = torch.zeros(len(live), t, dtype=torch.long)
+            for j, i in enumerate(live):
+                keys[j, :ctx[j]] = self.cache.slots(request_ids[i], 0, ctx[j])
+            k_ctx, v_ctx = self.cache.k[0][keys], self.cache.v[0][keys]  # [B, T, Hkv, D]
+            mask = torch.arange(t)[None, :] < torch.tensor(ctx)[:, None]
+            for s in range(max(lengths)):
+                logits = self.module.logits(g).float()
+                steps.append(logits)
+                if s + 1 == max(lengths):
+                    break
+                tok = logits.argmax(-1)  # the chain follows the greedy draft (sampling draws below)
+                x = self.module.combine(tok, g)
+                q, k, v = self.module.qkv(x, torch.tensor(ctx) + 1 + s)
+                k_ctx, v_ctx = torch.cat([k_ctx, k[:, None]], 1), torch.cat([v_ctx, v[:, None]], 1)
+                mask = torch.cat([mask, torch.ones(len(live), 1, dtype=torch.bool)], 1)
+                g = self.module.finish(x, _attend(q[:, None], k_ctx, v_ctx, mask[:, None, :])[:, 0])
+        rows = [steps[s][j] for j, i in enumerate(live) for s in range(lengths[i])]
+        logits = torch.stack(rows) if rows else torch.zeros(0, self.module._shared[1].out_features)
+        return sample_drafts(logits, lengths, temperature, rng)
+
+    def release(self, request_ids: list[int]) -> None:
+        self.cache.release_all([r for r in request_ids if r in self.cache])
+        for rid in request_ids:
+            self._tokens.pop(rid, None)
+            self._hidden.pop(rid, None)
+            self._last.pop(rid, None)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """q [B, Q, H, D], k/v [B, T, Hkv, D], mask [B, Q, T] → [B, Q, H · D] (grouped-query)."""
+    b, nq, heads, d = q.shape
+    rep = heads // k.shape[2]
+    k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=mask[:, None])
+    return out.transpose(1, 2).reshape(b, nq, heads * d)

@@ -1,0 +1,123 @@
+"""The MTP (DeepSeek-V3 next-n) drafter: weights in DeepSeek's layout, incremental drafting equal
+to a naive full recompute, and lossless in the engine whatever it drafts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from actors.drafter.mtp import WEIGHTS, MTPConfig, MTPDrafter, MTPModule
+from actors.engine.config import EngineConfig
+from actors.engine.coordinator import Engine
+from actors.engine.replica import shared_embeddings, target_final_norm
+from actors.engine.sequence import SamplingParams
+from actors.target.checkpoint import load_model
+from actors.target.decode import greedy_decode
+from actors.target.local import LocalTarget
+from actors.target.model import ForwardBatch
+
+PROMPTS = [[5, 6, 7, 5, 6, 7, 5], [9, 10], [40, 41, 42, 40, 41], [3, 4, 3, 4, 3, 4]]
+
+
+def tiny_mtp(target_dir: str, out, seed: int = 0) -> MTPModule:
+    """A random MTP module for the tiny target, saved in DeepSeek's layout under `out`."""
+    torch.manual_seed(seed)
+    embed, head = shared_embeddings(target_dir)
+    cfg = MTPConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    intermediate_size=96, layer_index=3)
+    module = MTPModule(cfg, embed, head)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.02 * torch.randn_like(p)) if p.dim() == 1 else p.normal_(0, 0.08)
+    module.save(out, dtype=torch.float32)
+    return module
+
+
+def naive_drafts(module: MTPModule, norm, model, tokens: list[int], k: int) -> list[int]:
+    """Recompute everything from scratch: the target's normed states of every committed
+    position, all pairs with full causal attention, then k greedy chain steps."""
+    with torch.no_grad():
+        _, captured = model(ForwardBatch.from_lists([0], [tokens[:-1]], "last"), model.new_cache(256),
+                            capture_layers=(3,))
+        h = norm(captured[3])  # [n - 1, H]
+        toks, hid, out = list(tokens[1:]), [*h], []
+        for _ in range(k):
+            x = module.combine(torch.tensor(toks), torch.stack(hid))
+            n = len(toks)
+            q, kk, v = module.qkv(x, torch.arange(1, n + 1))
+            rep = module.heads // module.kv_heads
+            keys, values = (t.repeat_interleave(rep, 1).transpose(0, 1)[None] for t in (kk, v))
+            attn = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, is_causal=True)
+            g = module.finish(x, attn[0].transpose(0, 1).reshape(n, -1))
+            nxt = int(module.logits(g[-1]).argmax())
+            out.append(nxt)
+            toks.append(nxt)
+            hid.append(g[-1])
+    return out
+
+
+def test_incremental_drafting_equals_a_naive_full_recompute(tiny_bundle, tmp_path):
+    target_dir = f"{tiny_bundle}/target"
+    module = tiny_mtp(target_dir, tmp_path / "mtp")
+    loaded = MTPModule.load(tmp_path / "mtp", *shared_embeddings(target_dir))
+    norm, model = target_final_norm(target_dir), load_model(target_dir).eval()
+    drafter = MTPDrafter(loaded, norm, target_layer=3, capacity_tokens=4096, block=6)
+    local = LocalTarget(model)
+    # Commit each prompt in two pieces, as the engine's catch-ups would: tokens, and the target's
+    # states at the positions it has processed (all but the newest token).
+    for rid, p in enumerate(PROMPTS):
+        out = local.forward([rid], [p[:-1]], capture_layers=(3,))
+        half = max(1, len(p) // 2)
+        rows = out.captured[0][3]
+        drafter.commit([rid], [p[:half]], [{3: rows[:half]}])
+        drafter.commit([rid], [p[half:]], [{3: rows[half:]}] if len(rows) > half else [{}])
+    got = drafter.draft(list(range(len(PROMPTS))), [p[-1] for p in PROMPTS], [5, 3, 1, 4])
+    for i, p in enumerate(PROMPTS):
+        want = naive_drafts(module, norm, model, p, [5, 3, 1, 4][i])
+        assert got.tokens[got.cu[i]:got.cu[i + 1]].tolist() == want
+    assert np.all((got.confidence > 0) & (got.confidence <= 1)) and np.all(got.margin >= 0)
+    drafter.release([0])
+    assert drafter.draft([0], [5], [3]).cu.tolist() == [0, 0]  # no context: no drafts
+
+
+def test_deepseek_layout_loads_and_a_foreign_head_is_refused(tiny_bundle, tmp_path):
+    target_dir = f"{tiny_bundle}/target"
+    tiny_mtp(target_dir, tmp_path / "mtp")
+    tensors = load_file(str(tmp_path / "mtp" / WEIGHTS))
+    names = {k.removeprefix("model.layers.3.") for k in tensors}
+    assert {"enorm.weight", "hnorm.weight", "eh_proj.weight", "self_attn.q_proj.weight", "mlp.down_proj.weight",
+            "shared_head.norm.weight", "shared_head.head.weight"} <= names
+    embed, head = shared_embeddings(target_dir)
+    tensors["model.layers.3.embed_tokens.weight"] = embed.weight.detach().clone()  # DeepSeek stores it too
+    tensors["model.layers.2.mlp.gate.weight"] = torch.zeros(1)  # another layer's weights are not ours
+    cfg = MTPConfig.load(tmp_path / "mtp" / "mtp_config.json")
+    MTPModule.from_tensors(cfg, tensors, embed, head)
+    tensors["model.layers.3.shared_head.head.weight"] = torch.randn_like(head.weight)
+    with pytest.raises(ValueError, match="differs from the target"):
+        MTPModule.from_tensors(cfg, tensors, embed, head)
+    tensors["model.layers.3.shared_head.head.weight"] = head.weight.detach().clone()
+    save_file({k: v for k, v in tensors.items() if "eh_proj" not in k}, str(tmp_path / "broken.safetensors"))
+    with pytest.raises(ValueError, match="missing"):
+        MTPModule.from_tensors(cfg, load_file(str(tmp_path / "broken.safetensors")), embed, head)
+
+
+@pytest.mark.usefixtures("local_ray")
+@pytest.mark.parametrize("ep", [1, 2])
+def test_mtp_drafts_are_verified_losslessly(tiny_bundle, tmp_path, ep):
+    target_dir = f"{tiny_bundle}/target"
+    tiny_mtp(target_dir, tmp_path / "mtp")
+    reference = greedy_decode(LocalTarget(load_model(target_dir)), list(range(len(PROMPTS))), PROMPTS, 12)
+    eng = Engine(EngineConfig(target_dir=target_dir, drafter="mtp", drafter_dir=str(tmp_path / "mtp"), block=6,
+                              policy="full", ep=ep, cost_model_cache=str(tmp_path)))
+    try:
+        for policy in ("full", "dcut", "ar"):
+            eng.set_policy(policy)
+            out = eng.generate(PROMPTS, [SamplingParams(max_tokens=12)] * len(PROMPTS))
+            assert [s.output for s in out] == reference, policy
+            if policy == "full":
+                assert sum(sum(s.drafted) for s in out) > 0
+    finally:
+        eng.shutdown()
