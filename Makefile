@@ -55,8 +55,9 @@ demo-model: setup
 	$(BIN)/python -m actors.demo.tokenizer --out models/demo/tokenizer.json
 	OMP_NUM_THREADS=2 $(BIN)/python -m actors.demo.train_target --steps 1800 --threads 2 --out models/demo/target
 	OMP_NUM_THREADS=2 $(BIN)/python -m actors.demo.train_drafter --threads 2 --out models/demo/drafter
+	OMP_NUM_THREADS=2 $(BIN)/python -m actors.demo.train_mtp --threads 2 --out models/demo/mtp
 	$(BIN)/python -m actors.demo.evaluate --out runs/demo/eval.json
-	cd models/demo && sha256sum tokenizer.json tokenizer_config.json target/* drafter/* > SHA256SUMS
+	cd models/demo && sha256sum tokenizer.json tokenizer_config.json target/* drafter/* mtp/* > SHA256SUMS
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache
