@@ -77,7 +77,43 @@ def main() -> int:
                               "draft_ms_per_pass": round(1e3 * drafter.seconds / max(1, drafter.passes), 3),
                               "tok_s": round(sum(map(len, trace.tokens)) / wall, 1),
                               "x_plain": round(plain_s / wall, 3)}), flush=True)
+    print(json.dumps(pass_cost(bundle, target)))
     return 0
+
+
+def pass_cost(bundle, target, context: int = 200, repeats: int = 200) -> dict:
+    """At batch 1 after `context` tokens: the MTP module's first draft (its head over the pair
+    kept at commit), one more chained pass, and the target's verify step of one token."""
+    import statistics
+
+    from actors.engine.replica import DrafterSpec, build_drafter
+    from actors.target.local import LocalTarget
+
+    mtp = build_drafter(DrafterSpec("mtp", bundle.target, bundle.mtp, 16))
+    local = LocalTarget(target)
+    prompt = list(range(10, 10 + context))
+    layer = mtp.target_layers[0]
+    out = local.forward([0], [prompt], capture_layers=(layer,))
+    mtp.commit([0], [prompt], [{layer: out.captured[0][layer][:-1]}])
+
+    def median_ms(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return 1e3 * statistics.median(times)
+
+    first = median_ms(lambda: mtp.draft([0], [prompt[-1]], [1]))
+    four = median_ms(lambda: mtp.draft([0], [prompt[-1]], [4]))
+
+    def verify() -> None:
+        local.forward([0], [[5]])
+        local.cache.truncate_all({0: context})
+
+    step = median_ms(verify)
+    return {"mtp_first_draft_ms": round(first, 3), "mtp_chained_pass_ms": round((four - first) / 3, 3),
+            "verify_step_ms": round(step, 3), "chained_pass_per_verify_step": round((four - first) / 3 / step, 3)}
 
 
 if __name__ == "__main__":
