@@ -191,19 +191,24 @@ class MTPDrafter:
             keys = torch.zeros(len(live), t, dtype=torch.long)
             for j, i in enumerate(live):
                 keys[j, :ctx[j]] = self.cache.slots(request_ids[i], 0, ctx[j])
-            k_ctx, v_ctx = self.cache.k[0][keys], self.cache.v[0][keys]  # [B, T, Hkv, D]
-            mask = torch.arange(t)[None, :] < torch.tensor(ctx)[:, None]
-            for s in range(max(lengths)):
+            n = max(lengths)
+            # keys and values: the cached pairs, then room for the chain's own (written in place)
+            k_all = self.cache.k.new_zeros((len(live), t + n, *self.cache.k.shape[2:]))
+            v_all = torch.zeros_like(k_all)
+            k_all[:, :t], v_all[:, :t] = self.cache.k[0][keys], self.cache.v[0][keys]
+            mask = torch.zeros(len(live), t + n, dtype=torch.bool)
+            mask[:, :t] = torch.arange(t)[None, :] < torch.tensor(ctx)[:, None]
+            for s in range(n):
                 logits = self.module.logits(g).float()
                 steps.append(logits)
-                if s + 1 == max(lengths):
+                if s + 1 == n:
                     break
                 tok = logits.argmax(-1)  # the chain follows the greedy draft (sampling draws below)
                 x = self.module.combine(tok, g)
-                q, k, v = self.module.qkv(x, torch.tensor(ctx) + 1 + s)
-                k_ctx, v_ctx = torch.cat([k_ctx, k[:, None]], 1), torch.cat([v_ctx, v[:, None]], 1)
-                mask = torch.cat([mask, torch.ones(len(live), 1, dtype=torch.bool)], 1)
-                g = self.module.finish(x, _attend(q[:, None], k_ctx, v_ctx, mask[:, None, :])[:, 0])
+                q, k_all[:, t + s], v_all[:, t + s] = self.module.qkv(x, torch.tensor(ctx) + 1 + s)
+                mask[:, t + s] = True
+                g = self.module.finish(x, _attend(q[:, None], k_all[:, :t + s + 1], v_all[:, :t + s + 1],
+                                                  mask[:, None, :t + s + 1])[:, 0])
         rows = [steps[s][j] for j, i in enumerate(live) for s in range(lengths[i])]
         logits = torch.stack(rows) if rows else torch.zeros(0, self.module._shared[1].out_features)
         return sample_drafts(logits, lengths, temperature, rng)
@@ -217,10 +222,9 @@ class MTPDrafter:
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """q [B, Q, H, D], k/v [B, T, Hkv, D], mask [B, Q, T] → [B, Q, H · D] (grouped-query)."""
+    """q [B, Q, H, D], k/v [B, T, Hkv, D], mask [B, Q, T] → [B, Q, H · D] (grouped-query: the
+    key/value heads are shared, not copied)."""
     b, nq, heads, d = q.shape
-    rep = heads // k.shape[2]
-    k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=mask[:, None])
+                                         attn_mask=mask[:, None], enable_gqa=True)
     return out.transpose(1, 2).reshape(b, nq, heads * d)

@@ -3,6 +3,7 @@ injected into a running engine."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -58,3 +59,20 @@ def run_with_fault(eng, prompts: list[list[int]], max_tokens: int, fault) -> lis
 def with_fault():
     """`run_with_fault`, for tests."""
     return run_with_fault
+
+
+def kill_and_wait(actor, timeout_s: float = 60.0) -> None:
+    """ray.kill a target rank, and wait until its process is gone: its `ping` (answered beside a
+    driven rank's serve loop, max_concurrency 2) fails. ray.kill returns before the process
+    dies, so without this the next step may still reach it."""
+    ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.ping.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            continue
+        time.sleep(0.05)
+    raise AssertionError("the actor outlived ray.kill")

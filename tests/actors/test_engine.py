@@ -19,6 +19,7 @@ from actors.target.local import LocalTarget
 from actors.target.model import ForwardBatch
 from dcut_core.drafting import AcceptanceTracker, DraftingGate, Exploration, replay
 from dcut_core.pruning import POLICY_NAMES
+from tests.actors.conftest import kill_and_wait
 
 POLICIES = [p for p in POLICY_NAMES if p != "fixed-K"] + ["fixed-2"]
 MAX_TOKENS = 12
@@ -155,17 +156,6 @@ def test_a_dead_drafter_replica_loses_no_request(tiny_bundle, reference, tmp_pat
         assert sum(sum(s.drafted) for s in later) > 0
     finally:
         eng.shutdown()
-
-
-def kill_and_wait(actor) -> None:
-    """ray.kill, and wait until the actor is gone (so the next call fails)."""
-    ray.kill(actor)
-    for _ in range(200):
-        try:
-            ray.get(actor.cache_info.remote(), timeout=5)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            return
-    raise AssertionError("the actor outlived ray.kill")
 
 
 @pytest.mark.parametrize("in_process", [True, False])

@@ -8,7 +8,6 @@ import time
 
 import numpy as np
 import pytest
-import ray
 
 from actors.inprocess import resolve
 from actors.target.checkpoint import load_model
@@ -18,6 +17,7 @@ from actors.target.group import EPConfig, EPGroup, EPGroupError, InProcessGroup
 from actors.target.local import LocalTarget
 from actors.target.profile import ProfileGrid, fit_profile, run_profile
 from actors.target.worker import BatchRejected
+from tests.actors.conftest import kill_and_wait
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9], [10, 11, 12], [40, 41, 42, 43], [77, 5]]
 
@@ -162,7 +162,7 @@ def test_ranks_keep_features_at_kv_positions_until_taken(tiny_checkpoint, kind):
 def test_dead_rank_fails_the_step_quickly_and_the_group_stays_down(tiny_checkpoint, kind):
     group = make_group(kind, EPConfig(tiny_checkpoint, world=2, step_timeout_s=60, group_timeout_s=20))
     group.forward([1, 2], [[1, 2], [3, 4]])
-    ray.kill(group.workers[1])
+    kill_and_wait(group.workers[1])
     t0 = time.monotonic()
     with pytest.raises(EPGroupError, match="rank failed"):
         group.forward([1, 2], [[5], [6]])
