@@ -8,7 +8,7 @@ and an `Answer` read back in order; Ray only starts, places and kills the ranks.
 from __future__ import annotations
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.inprocess import InProcess, Pending
@@ -44,21 +44,11 @@ class DriverGroup(EPGroup):
         return [InProcess(self.local), *remote]
 
     @staticmethod
-    def _reserve(cfg: EPConfig) -> tuple[PlacementGroup, bool]:
+    def _bundles(cfg: EPConfig) -> list[dict[str, float]]:
         """Rank 0 runs here: an own group's bundle 0 is pinned to this node (so STRICT_SPREAD puts
         the other ranks on other nodes) and the others hold ranks 1 .. N-1."""
-        if cfg.placement_group is not None:
-            return cfg.placement_group, False
         here = {f"node:{ray.util.get_node_ip_address()}": 0.001}
-        bundle = {"CPU": cfg.cpus_per_rank} | ({"GPU": cfg.gpus_per_rank} if cfg.gpus_per_rank else {})
-        pg = placement_group([here] + [dict(bundle) for _ in range(1, cfg.world)], strategy=cfg.placement)
-        try:
-            ray.get(pg.ready(), timeout=cfg.start_timeout_s)
-        except ray.exceptions.GetTimeoutError as exc:
-            remove_placement_group(pg)
-            raise EPGroupError(f"no room for {cfg.world - 1} ranks beside this process ({cfg.placement}, "
-                               f"{bundle} each) within {cfg.start_timeout_s:.0f} s") from exc
-        return pg, True
+        return [here, *EPGroup._bundles(cfg)[1:]]
 
     def _setup(self) -> list[dict]:
         master = self.local.master_address()

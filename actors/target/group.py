@@ -94,20 +94,26 @@ class EPGroup:
                                      ).remote(rank_spec(cfg, r), cfg.guests)
                 for r in range(cfg.world)]
 
-    @staticmethod
-    def _reserve(cfg: EPConfig) -> tuple[PlacementGroup, bool]:
+    @classmethod
+    def _reserve(cls, cfg: EPConfig) -> tuple[PlacementGroup, bool]:
         """(placement group, owned?): the unit's group as given, else a new one of our own."""
         if cfg.placement_group is not None:
             return cfg.placement_group, False
-        bundle = {"CPU": cfg.cpus_per_rank} | ({"GPU": cfg.gpus_per_rank} if cfg.gpus_per_rank else {})
-        pg = placement_group([dict(bundle) for _ in range(cfg.world)], strategy=cfg.placement)
+        bundles = cls._bundles(cfg)
+        pg = placement_group(bundles, strategy=cfg.placement)
         try:
             ray.get(pg.ready(), timeout=cfg.start_timeout_s)
         except ray.exceptions.GetTimeoutError as exc:
             remove_placement_group(pg)
-            raise EPGroupError(f"no room for {cfg.world} ranks ({cfg.placement}, {bundle} each) within "
+            raise EPGroupError(f"no room for the ranks' bundles {bundles} ({cfg.placement}) within "
                                f"{cfg.start_timeout_s:.0f} s") from exc
         return pg, True
+
+    @staticmethod
+    def _bundles(cfg: EPConfig) -> list[dict[str, float]]:
+        """An own group's bundles: one per rank."""
+        bundle = {"CPU": cfg.cpus_per_rank} | ({"GPU": cfg.gpus_per_rank} if cfg.gpus_per_rank else {})
+        return [dict(bundle) for _ in range(cfg.world)]
 
     # -- request placement ----------------------------------------------------------------------
 
