@@ -8,7 +8,7 @@ and an `Answer` read back in order; Ray only starts, places and kills the ranks.
 from __future__ import annotations
 
 import ray
-from ray.util.placement_group import remove_placement_group
+from ray.util.placement_group import NODE_ID_LABEL_KEY, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.inprocess import InProcess, Pending
@@ -45,10 +45,16 @@ class DriverGroup(EPGroup):
 
     @staticmethod
     def _bundles(cfg: EPConfig) -> list[dict[str, float]]:
-        """Rank 0 runs here: an own group's bundle 0 is pinned to this node (so STRICT_SPREAD puts
-        the other ranks on other nodes) and the others hold ranks 1 .. N-1."""
+        """Rank 0 runs here: an own group's bundle 0 stands for this process (a token of a
+        resource every node has, on this node: `_selectors`), so STRICT_SPREAD puts the other
+        ranks on other nodes; bundles 1 .. N-1 hold ranks 1 .. N-1."""
         here = {f"node:{ray.util.get_node_ip_address()}": 0.001}
         return [here, *EPGroup._bundles(cfg)[1:]]
+
+    @staticmethod
+    def _selectors(cfg: EPConfig) -> list[dict[str, str]]:
+        """Bundle 0 on this very node (its IP alone is ambiguous where nodes share one host)."""
+        return [{NODE_ID_LABEL_KEY: ray.get_runtime_context().get_node_id()}] + [{}] * (cfg.world - 1)
 
     def _setup(self) -> list[dict]:
         master = self.local.master_address()

@@ -100,7 +100,7 @@ class EPGroup:
         if cfg.placement_group is not None:
             return cfg.placement_group, False
         bundles = cls._bundles(cfg)
-        pg = placement_group(bundles, strategy=cfg.placement)
+        pg = placement_group(bundles, strategy=cfg.placement, bundle_label_selector=cls._selectors(cfg))
         try:
             ray.get(pg.ready(), timeout=cfg.start_timeout_s)
         except ray.exceptions.GetTimeoutError as exc:
@@ -114,6 +114,11 @@ class EPGroup:
         """An own group's bundles: one per rank."""
         bundle = {"CPU": cfg.cpus_per_rank} | ({"GPU": cfg.gpus_per_rank} if cfg.gpus_per_rank else {})
         return [dict(bundle) for _ in range(cfg.world)]
+
+    @staticmethod
+    def _selectors(cfg: EPConfig) -> list[dict[str, str]] | None:
+        """Node labels each bundle must match (None: any node)."""
+        return None
 
     # -- request placement ----------------------------------------------------------------------
 
