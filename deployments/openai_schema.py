@@ -101,7 +101,8 @@ class _Common(BaseModel):
     logit_bias: dict[str, StrictFloat] | None = Field(None, description="token id (as a string) -> bias in "
                                                                         "[-100, 100], added to its logit")
     repetition_penalty: StrictFloat = Field(1.0, gt=0.0, le=10.0, description="extension (vLLM's)")
-    top_k: StrictInt = Field(0, ge=-1, description="extension: sample among the k most likely (0 or -1: all)")
+    top_k: StrictInt = Field(0, ge=-1, le=2**31 - 1, description="extension: sample among the k most likely "
+                                                                  "(0 or -1: all)")
     min_p: StrictFloat = Field(0.0, ge=0.0, le=1.0, description="extension: drop tokens below min_p × the top one")
     min_tokens: StrictInt = Field(0, ge=0, description="extension: no EOS, stop token or stop string before this")
     stop_token_ids: list[StrictInt] | None = Field(None, description="extension: finish after any of these tokens")

@@ -46,8 +46,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2]")
         if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= 10):
             raise ValueError("repetition_penalty must be in (0, 10]")
-        if self.top_k < 0 or not 0.0 <= self.min_p <= 1.0 or self.min_tokens < 0:
-            raise ValueError("top_k and min_tokens must be >= 0, min_p in [0, 1]")
+        if not 0 <= self.top_k < 2**31 or not 0.0 <= self.min_p <= 1.0 or self.min_tokens < 0:
+            raise ValueError("top_k must be in [0, 2^31), min_tokens >= 0, min_p in [0, 1]")
         if any(not (math.isfinite(b) and -100 <= b <= 100) for _, b in self.logit_bias):
             raise ValueError("logit_bias values must be in [-100, 100]")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
