@@ -26,6 +26,7 @@ from actors.engine.costs import (
 from actors.engine.drafters import DrafterPool, hosted_drafter
 from actors.engine.grammar import Grammars
 from actors.engine.history import StepHistory
+from actors.engine.learning import learn, record
 from actors.engine.placement import unit_placement_group
 from actors.engine.sequence import SamplingParams, Scheduler, Sequence, Status
 from actors.engine.stages import (
@@ -39,14 +40,13 @@ from actors.engine.stages import (
     feed_chunks,
     merge_drafts,
 )
-from actors.engine.steplog import StepLog, observed
+from actors.engine.steplog import StepLog
 from actors.ray_env import whereabouts
 from actors.target.config import MoEConfig
 from actors.target.driver import DriverGroup
 from actors.target.group import EPGroup, EPGroupError, InProcessGroup
 from dcut_core import ragged
-from dcut_core.acceptance import Calibrator, survival, verify_outcomes
-from dcut_core.cost_model import StepShape
+from dcut_core.acceptance import Calibrator, survival
 from dcut_core.drafting import AcceptanceTracker, DraftingGate, Exploration
 from dcut_core.pruning import DraftBatch, policy_from_name
 
@@ -320,41 +320,10 @@ class Engine:
     def _learn(self, st: Step) -> float:
         """Calibration, the acceptance tracker and the cost model's correction learn from the
         step; returns the step's predicted verify time (made before learning)."""
-        drafts, kept = st.drafts, st.kept
-        idx, ok = verify_outcomes(drafts.cu, kept, st.accepted)
-        if len(idx):
-            pos = ragged.positions(drafts.cu)[idx]
-            self.calibrator.observe(drafts.confidence[idx], drafts.margin[idx], pos, ok)
-        for i, s in enumerate(st.batch):
-            beyond = drafts.estimate[drafts.cu[i] + kept[i]:drafts.cu[i + 1]] if drafts.estimate is not None else None
-            self.tracker.observe(s.rid, int(kept[i]), int(st.accepted[i]), beyond)
-        if self.step_log is not None:  # what the tracker learnt from, for `dcut_core.drafting.replay`
-            st.observed = observed(st)
-        if self.cost is None:
-            return float("nan")
-        if st.feeding:  # the correction learns verification steps only (pruning's curve)
-            return self.cost.predict(self._shape(st))
-        return self.cost.observe(self._shape(st), st.out.wall_s)
-
-    @staticmethod
-    def _shape(st: Step) -> StepShape:
-        return StepShape(len(st.batch) + len(st.feeding), st.verify_tokens + st.prefill_tokens,
-                         st.context + sum(f.start for f in st.feeding))
+        return learn(st, self.calibrator, self.tracker, self.cost, log=self.step_log is not None)
 
     def _record(self, st: Step, predicted: float) -> StepRecord:
-        drafts, out = st.drafts, st.out
-        rec = StepRecord(len(st.batch), int(drafts.cu[-1]), int(st.kept.sum()), int(np.sum(st.accepted)),
-                         st.verify_tokens, predicted, out.wall_s, drafts.seconds, drafts.decision_seconds,
-                         drafts.probe_seconds, step_s=time.perf_counter() - st.started,
-                         target_compute_s=max((r.total_s for r in out.rank_stats), default=0.0),
-                         draft_compute_s=drafts.compute_seconds, prefill_tokens=st.prefill_tokens)
-        self.history.append(rec)
-        if not st.feeding:  # what drafting adds outside the passes (prefill chunks would blur it)
-            self.overhead.observe(rec.drafted > 0, rec.step_s - rec.target_compute_s - rec.draft_s)
-        if self.step_log is not None:
-            self.step_log.write(self.policy.name, np.diff(drafts.cu), drafts.survival, st.kept, st.accepted,
-                                st.context, predicted, out.wall_s, drafts.seconds, st.gate, st.observed)
-        return rec
+        return record(st, predicted, self.history, self.overhead, self.step_log, self.policy.name)
 
     # -- helpers ----------------------------------------------------------------------------------
 

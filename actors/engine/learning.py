@@ -1,0 +1,61 @@
+"""What a committed step leaves behind: the estimators learn from it (`learn`) and it is recorded
+(`record`: the bounded history, the overhead the gate charges drafting for, the msgpack step log)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from actors.engine.costs import StepOverhead
+from actors.engine.history import StepHistory
+from actors.engine.stages import Step, StepRecord
+from actors.engine.steplog import StepLog, observed
+from dcut_core import ragged
+from dcut_core.acceptance import Calibrator, verify_outcomes
+from dcut_core.cost_model import StepShape
+from dcut_core.drafting import AcceptanceTracker
+
+
+def learn(st: Step, calibrator: Calibrator, tracker: AcceptanceTracker, cost, log: bool = False) -> float:
+    """Calibration (judged drafts only), the acceptance tracker and the cost model's correction
+    learn from the step; returns the step's predicted verify time (made before learning). With
+    `log`, what the tracker learnt is kept on the step for the step log."""
+    drafts, kept = st.drafts, st.kept
+    idx, ok = verify_outcomes(drafts.cu, kept, st.accepted)
+    if len(idx):
+        pos = ragged.positions(drafts.cu)[idx]
+        calibrator.observe(drafts.confidence[idx], drafts.margin[idx], pos, ok)
+    for i, s in enumerate(st.batch):
+        beyond = drafts.estimate[drafts.cu[i] + kept[i]:drafts.cu[i + 1]] if drafts.estimate is not None else None
+        tracker.observe(s.rid, int(kept[i]), int(st.accepted[i]), beyond)
+    if log:  # what the tracker learnt from, for `dcut_core.drafting.replay`
+        st.observed = observed(st)
+    if cost is None:
+        return float("nan")
+    if st.feeding:  # the correction learns verification steps only (pruning's curve)
+        return cost.predict(shape(st))
+    return cost.observe(shape(st), st.out.wall_s)
+
+
+def shape(st: Step) -> StepShape:
+    """The step's forward as the cost model sees it: requests, tokens, context."""
+    return StepShape(len(st.batch) + len(st.feeding), st.verify_tokens + st.prefill_tokens,
+                     st.context + sum(f.start for f in st.feeding))
+
+
+def record(st: Step, predicted: float, history: StepHistory, overhead: StepOverhead, step_log: StepLog | None,
+           policy: str) -> StepRecord:
+    drafts, out = st.drafts, st.out
+    rec = StepRecord(len(st.batch), int(drafts.cu[-1]), int(st.kept.sum()), int(np.sum(st.accepted)),
+                     st.verify_tokens, predicted, out.wall_s, drafts.seconds, drafts.decision_seconds,
+                     drafts.probe_seconds, step_s=time.perf_counter() - st.started,
+                     target_compute_s=max((r.total_s for r in out.rank_stats), default=0.0),
+                     draft_compute_s=drafts.compute_seconds, prefill_tokens=st.prefill_tokens)
+    history.append(rec)
+    if not st.feeding:  # what drafting adds outside the passes (prefill chunks would blur it)
+        overhead.observe(rec.drafted > 0, rec.step_s - rec.target_compute_s - rec.draft_s)
+    if step_log is not None:
+        step_log.write(policy, np.diff(drafts.cu), drafts.survival, st.kept, st.accepted, st.context, predicted,
+                       out.wall_s, drafts.seconds, st.gate, st.observed)
+    return rec
