@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dcut_core import ragged
-from dcut_core.pruning import DraftBatch, StepCost, kept_top_m
+from dcut_core.choosing import KindChooser
+from dcut_core.pruning import DraftBatch, StepCost
 
 
 @dataclass(frozen=True)
@@ -54,10 +55,15 @@ class DraftPlan:
         return bool(self.lengths.sum())
 
 
-def plan_drafts(predicted: list[np.ndarray], verify: StepCost, draft: DraftCost,
+def plan_drafts(predicted: list[np.ndarray], verify: StepCost, draft: DraftCost | list[DraftCost],
                 max_budget: int | None = None, slack: int = 0, catchup: np.ndarray | None = None,
-                extend: bool = False) -> DraftPlan:
+                extend: bool = False, kinds: np.ndarray | None = None, shared_fixed: float = 0.0) -> DraftPlan:
     """predicted[i]: conditional acceptance of request i's draft positions 0 .. n_i − 1.
+
+    Several drafter kinds (`kinds[i]`: the kind drafting request i; `draft[k]`: kind k's cost):
+    each kind's pass is charged once if any request drafts with it (its `fixed`), each request
+    and position at its own kind's rates, and `shared_fixed` once for any drafting at all (the
+    call that carries every kind's work). One DraftCost and no kinds is the one-kind case.
 
     catchup[i]: context tokens request i's drafter must catch up on if it drafts this step.
     A request whose whole expected gain cannot pay for its own catch-up and drafting at the
@@ -74,32 +80,46 @@ def plan_drafts(predicted: list[np.ndarray], verify: StepCost, draft: DraftCost,
     flat, cu = ragged.flatten(predicted)
     batch = DraftBatch(ragged.segment_cumprod(np.clip(flat, 0.0, 1.0), cu), cu)
     r = batch.num_requests
+    costs = [draft] if isinstance(draft, DraftCost) else list(draft)
+    kind = np.zeros(r, dtype=np.int64) if kinds is None else np.asarray(kinds, dtype=np.int64)
+    def column(name: str) -> np.ndarray:
+        return np.array([getattr(c, name) for c in costs], dtype=np.float64)
+
+    fixed = column("fixed")  # [kinds]
+    per_request, per_position, per_context = (column(n)[kind] for n in ("per_request", "per_position", "per_context"))
     backlog = np.zeros(r) if catchup is None else np.asarray(catchup, dtype=np.float64)
     if catchup is not None and r:
         ar_rate = r / float(verify.seconds(np.array([r]))[0])
         gain = ragged.segment_sums(batch.survival, cu)
-        cost = draft.per_request + draft.per_context * backlog + draft.per_position * batch.drafted
+        cost = per_request + per_context * backlog + per_position * batch.drafted
         cost = cost + (verify.seconds(np.array([r + int(batch.drafted.sum())]))[0]
                        - verify.seconds(np.array([r]))[0]) * batch.drafted / max(1, int(batch.drafted.sum()))
         hopeless = gain < ar_rate * cost
         if hopeless.any():
             keep = np.repeat(~hopeless, batch.drafted)
             batch = DraftBatch(np.where(keep, batch.survival, 0.0), cu)
-    order = np.argsort(-batch.survival, kind="stable")  # [N] high to low; position order on ties
+    # Positions by survival per second of their own cost, high to low (by survival where every
+    # kind's position costs the same), position order on ties: prefix-closed within a request.
+    tau = float(np.diff(verify.seconds(np.array([r, r + 1])))[0]) if len(flat) else 0.0
+    density = batch.survival / np.maximum(tau + np.repeat(per_position, batch.drafted), 1e-12)
+    order = np.argsort(-density, kind="stable")  # [N]
     m_max = len(order) if max_budget is None else min(len(order), max_budget)
     tokens = np.concatenate([[float(r)], r + np.cumsum(batch.survival[order[:m_max]])])
-    first = (ragged.positions(cu)[order[:m_max]] == 0).astype(np.int64)
-    drafting_requests = np.concatenate([[0], np.cumsum(first)])  # [M + 1]
-    row = np.repeat(np.arange(r), batch.drafted)[order[:m_max]]
-    caught_up = np.concatenate([[0.0], np.cumsum(first * backlog[row])])  # [M + 1]
+    owner = np.repeat(np.arange(r), batch.drafted)  # the request of each flat position
+    row = owner[order[:m_max]]  # the request of each position in order
+    first = ragged.positions(cu)[order[:m_max]] == 0  # a request's first position: it starts drafting
+    kind_first = np.zeros(m_max)  # a kind's first position in the order: its pass runs
+    for k in np.unique(kind[row]):
+        kind_first[np.flatnonzero(kind[row] == k)[0]] = fixed[k]
+    added = first * (per_request[row] + per_context[row] * backlog[row]) + per_position[row] + kind_first
     m = np.arange(m_max + 1)
-    seconds = verify.seconds(r + m) + draft.seconds(drafting_requests, m, caught_up)
+    seconds = verify.seconds(r + m) + np.concatenate([[0.0], shared_fixed + np.cumsum(added)])
     best = int(np.argmax(tokens / seconds))
-    lengths = kept_top_m(batch, np.sort(batch.survival)[::-1], best)
+    lengths = np.bincount(owner[order[:best]], minlength=r).astype(np.int64)
     if slack:
         lengths = np.where(lengths > 0, np.minimum(lengths + slack, batch.drafted), 0)
     if extend and best > 0:
-        worth = batch.survival >= tokens[best] / seconds[best] * draft.per_position
+        worth = batch.survival >= tokens[best] / seconds[best] * np.repeat(per_position, batch.drafted)
         pays = ragged.segment_sums(ragged.segment_cumprod(worth.astype(np.float64), cu), cu).astype(np.int64)
         lengths = np.where(lengths > 0, np.maximum(lengths, pays), 0)
     return DraftPlan(lengths, float(tokens[best]), float(seconds[best]), float(seconds[0]))
@@ -233,23 +253,28 @@ class Exploration:
 @dataclass(frozen=True)
 class GateInput:
     """Everything one gate decision saw, in plain numbers: the step's requests, their caps,
-    remaining output and backlog, the drafting cost, and the verify cost sampled at every token
-    count the decision can ask about (R .. R + Σ caps). A step log keeps it (`as_dict`), and
-    `replay` feeds it back to a fresh gate."""
+    remaining output and backlog, the drafting cost (one DraftCost, or one per drafter kind with
+    the kinds each request may use and the call's shared cost), and the verify cost sampled at
+    every token count the decision can ask about (R .. R + Σ caps). A step log keeps it
+    (`as_dict`), and `replay` feeds it back to a fresh gate."""
 
     rids: list[int]
     caps: np.ndarray
     remaining: np.ndarray
     backlog: np.ndarray
     verify_table: np.ndarray  # verify.seconds(R + n) for n = 0 .. Σ caps
-    draft: DraftCost
+    draft: DraftCost | list[DraftCost]
+    allowed: np.ndarray | None = None  # [R, kinds] bool
+    shared_fixed: float = 0.0
 
     @classmethod
-    def capture(cls, rids: list[int], caps, remaining, backlog, verify: StepCost, draft: DraftCost) -> GateInput:
+    def capture(cls, rids: list[int], caps, remaining, backlog, verify: StepCost, draft, allowed=None,
+                shared_fixed: float = 0.0) -> GateInput:
         caps = np.asarray(caps, dtype=np.int64)
         tokens = len(rids) + np.arange(int(caps.sum()) + 1)
         return cls(list(rids), caps, np.asarray(remaining, dtype=np.int64), np.asarray(backlog, dtype=np.float64),
-                   verify.seconds(tokens), draft)
+                   verify.seconds(tokens), draft if isinstance(draft, DraftCost) else list(draft),
+                   None if allowed is None else np.asarray(allowed, dtype=bool), float(shared_fixed))
 
     def verify(self) -> StepCost:
         """The captured verify cost as a curve (the same values at every count it holds)."""
@@ -257,56 +282,110 @@ class GateInput:
         return StepCost(lambda n: table[np.asarray(n, dtype=np.int64) - r], 0.0)
 
     def as_dict(self) -> dict:
-        d = self.draft
+        def fields(d: DraftCost) -> list[float]:
+            return [d.fixed, d.per_request, d.per_position, d.per_context]
+
         return {"rids": self.rids, "caps": self.caps.tolist(), "remaining": self.remaining.tolist(),
                 "backlog": self.backlog.tolist(), "verify_table": self.verify_table.tolist(),
-                "draft": [d.fixed, d.per_request, d.per_position, d.per_context]}
+                "draft": fields(self.draft) if isinstance(self.draft, DraftCost) else [fields(d) for d in self.draft],
+                "allowed": None if self.allowed is None else self.allowed.tolist(), "shared_fixed": self.shared_fixed}
 
     @classmethod
     def from_dict(cls, d: dict) -> GateInput:
+        draft = d["draft"]
+        draft = [DraftCost(*x) for x in draft] if draft and isinstance(draft[0], list) else DraftCost(*draft)
+        allowed = d.get("allowed")
         return cls(list(d["rids"]), np.asarray(d["caps"], dtype=np.int64), np.asarray(d["remaining"], dtype=np.int64),
                    np.asarray(d["backlog"], dtype=np.float64), np.asarray(d["verify_table"], dtype=np.float64),
-                   DraftCost(*d["draft"]))
+                   draft, None if allowed is None else np.asarray(allowed, dtype=bool), d.get("shared_fixed", 0.0))
 
 
 @dataclass
 class DraftingGate:
-    """The drafting gate as one object: before the drafters run, how many drafts each request of
-    the step gets (0: none; all 0: a plain decoding step). It predicts acceptance (`tracker`),
+    """The drafting gate as one object: before the drafters run, which drafter kind drafts for
+    each request of the step (`KindChooser`, when the unit hosts several) and how many drafts it
+    gets (0: none; all 0: a plain decoding step). It predicts acceptance (one tracker per kind),
     charges each request's catch-up, plans with `plan_drafts`, and, when drafting does not pay,
     still explores on its own schedule (`exploration`). Pure: the caller hands it the step's
     costs and the backlog sizes, so it is tested in microseconds and replayed from a step log."""
 
-    tracker: AcceptanceTracker
+    tracker: AcceptanceTracker | list[AcceptanceTracker]  # one per drafter kind; `tracker` is the first
     exploration: Exploration
     max_budget: int | None = None
     slack: int = 2
     extend: bool = True
     record: bool = False  # keep each decision's input and output in `last` (a step log asks for it)
-    last: tuple[GateInput, np.ndarray] | None = None
+    last: tuple | None = None  # (GateInput, lengths, kinds)
+    bonus: float = 1.0  # the kind chooser's optimism (tokens)
+    trackers: list[AcceptanceTracker] = field(init=False)
+    chooser: KindChooser = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.trackers = list(self.tracker) if isinstance(self.tracker, list | tuple) else [self.tracker]
+        self.tracker = self.trackers[0]
+        self.chooser = KindChooser(len(self.trackers), self.bonus)
 
     def decide(self, rids: list[int], caps: np.ndarray, remaining: np.ndarray, backlog: np.ndarray,
-               verify: StepCost, draft: DraftCost) -> np.ndarray:
-        """Drafts [R] to ask for. caps: the most each request may draft; remaining: tokens each may
-        still emit; backlog: tokens each request's drafter has yet to catch up on."""
-        captured = GateInput.capture(rids, caps, remaining, backlog, verify, draft) if self.record else None
-        lengths = self._decide(rids, caps, remaining, backlog, verify, draft)
-        if captured is not None:
-            self.last = (captured, lengths)
-        return lengths
+               verify: StepCost, draft: DraftCost | list[DraftCost], allowed: np.ndarray | None = None,
+               shared_fixed: float = 0.0) -> np.ndarray:
+        """Drafts [R] to ask for (`decide_kinds` without the kinds)."""
+        return self.decide_kinds(rids, caps, remaining, backlog, verify, draft, allowed, shared_fixed)[1]
 
-    def _decide(self, rids, caps, remaining, backlog, verify: StepCost, draft: DraftCost) -> np.ndarray:
-        predicted = self.tracker.predict_batch(rids, caps)
+    def decide_kinds(self, rids: list[int], caps: np.ndarray, remaining: np.ndarray, backlog: np.ndarray,
+                     verify: StepCost, draft: DraftCost | list[DraftCost], allowed: np.ndarray | None = None,
+                     shared_fixed: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+        """(kind [R], drafts [R]) to ask for. caps: the most each request may draft; remaining:
+        tokens each may still emit; backlog: tokens each request's drafter has yet to catch up on;
+        draft: the drafting cost, one per kind when several; allowed [R, kinds]: the kinds each
+        request may use; shared_fixed: what any drafting step costs on top of the kinds' passes."""
+        captured = GateInput.capture(rids, caps, remaining, backlog, verify, draft, allowed,
+                                     shared_fixed) if self.record else None
+        kinds, lengths = self._decide(rids, np.asarray(caps, dtype=np.int64), remaining, backlog, verify, draft,
+                                      allowed, shared_fixed)
+        if captured is not None:
+            self.last = (captured, lengths, kinds)
+        return kinds, lengths
+
+    def _decide(self, rids, caps, remaining, backlog, verify: StepCost, draft, allowed, shared_fixed):
+        exploring = None
+        if len(self.trackers) == 1:
+            kinds = np.zeros(len(rids), dtype=np.int64)
+            predicted = self.tracker.predict_batch(rids, caps)
+        else:
+            costs = [draft] * len(self.trackers) if isinstance(draft, DraftCost) else draft
+            per_kind = [t.predict_batch(rids, caps) for t in self.trackers]
+            kinds, exploring = self.chooser.choose(rids, per_kind, verify, costs, allowed)
+            predicted = [per_kind[k][i] for i, k in enumerate(kinds)]
         charge = self.catch_up_charge(predicted, np.asarray(backlog, dtype=np.float64), remaining)
-        plan = plan_drafts(predicted, verify, draft, self.max_budget, self.slack, charge, extend=self.extend)
-        if not plan.drafting:
-            probe = self.exploration.probe(len(rids), self.tracker.observations < self.exploration.warmup)
+        plan = plan_drafts(predicted, verify, draft, self.max_budget, self.slack, charge, extend=self.extend,
+                           kinds=kinds, shared_fixed=shared_fixed)
+        if not plan.drafting and (exploring is None or not exploring.any()):
+            warming = sum(t.observations for t in self.trackers) < self.exploration.warmup
+            probe = self.exploration.probe(len(rids), warming)
             if probe is not None:
-                return np.asarray(caps, dtype=np.int64) * probe
-        for rid, n in zip(rids, plan.lengths, strict=True):
+                return kinds, caps * probe
+        lengths = plan.lengths if exploring is None else np.where(exploring, caps, plan.lengths)
+        for rid, k, n in zip(rids, kinds, lengths, strict=True):
             if n == 0:
-                self.tracker.skipped(rid)
-        return plan.lengths
+                self.trackers[k].skipped(rid)
+        return kinds, lengths
+
+    def choose_kinds(self, rids: list[int], caps: np.ndarray, verify: StepCost, costs: list[DraftCost],
+                     allowed: np.ndarray | None = None) -> np.ndarray:
+        """The kind [R] each request drafts with, chosen as `decide_kinds` would, for a policy that
+        drafts every request to its cap without gating (its requests still teach the trackers)."""
+        per_kind = [t.predict_batch(rids, np.asarray(caps, dtype=np.int64)) for t in self.trackers]
+        return self.chooser.choose(rids, per_kind, verify, costs, allowed)[0]
+
+    def observe(self, rid: int, kind: int, kept: int, accepted: int, beyond: np.ndarray | None = None) -> None:
+        """One verification of request rid's drafts by drafter `kind` (`AcceptanceTracker.observe`)."""
+        self.trackers[kind].observe(rid, kept, accepted, beyond)
+        self.chooser.observe(rid, kind, kept)
+
+    def forget(self, rid: int) -> None:
+        for t in self.trackers:
+            t.forget(rid)
+        self.chooser.forget(rid)
 
     @staticmethod
     def catch_up_charge(predicted: list[np.ndarray], backlog: np.ndarray, remaining: np.ndarray) -> np.ndarray:
@@ -322,19 +401,23 @@ class DraftingGate:
 def replay(gate: DraftingGate, steps) -> list[tuple[np.ndarray, np.ndarray]]:
     """Run `gate` over a step log's records in order (dicts as `StepLog` writes them): each
     logged decision's input is decided again, and each step's verification outcomes are observed
-    as the engine observed them. Returns (logged, replayed) plans: a gate with the engine's
-    settings reproduces every plan exactly; another setting shows what it would have asked for
-    on the same history."""
+    as the engine observed them. Returns (logged, replayed) plans — drafts [R], or [2, R] (kinds;
+    drafts) when the log names kinds: a gate with the engine's settings reproduces every plan
+    exactly; another setting shows what it would have asked for on the same history."""
     plans = []
     for rec in steps:
         if rec.get("gate"):
             g = GateInput.from_dict(rec["gate"]["input"])
-            got = gate.decide(g.rids, g.caps, g.remaining, g.backlog, g.verify(), g.draft)
-            plans.append((np.asarray(rec["gate"]["lengths"], dtype=np.int64), got))
+            kinds, got = gate.decide_kinds(g.rids, g.caps, g.remaining, g.backlog, g.verify(), g.draft, g.allowed,
+                                           g.shared_fixed)
+            logged = np.asarray(rec["gate"]["lengths"], dtype=np.int64)
+            if rec["gate"].get("kinds") is not None:
+                logged, got = np.stack([rec["gate"]["kinds"], logged]), np.stack([kinds, got])
+            plans.append((logged, got))
         obs = rec.get("observed")
         if obs:
             beyond, cu = obs["beyond"], obs["beyond_cu"]
             for i, rid in enumerate(obs["rids"]):
                 b = None if cu is None else np.asarray(beyond[cu[i]:cu[i + 1]], dtype=np.float64)
-                gate.tracker.observe(rid, obs["kept"][i], obs["accepted"][i], b)
+                gate.observe(rid, obs["kinds"][i] if obs.get("kinds") else 0, obs["kept"][i], obs["accepted"][i], b)
     return plans

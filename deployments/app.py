@@ -30,6 +30,7 @@ from tokenizers import Tokenizer
 
 from actors.engine.api import Delta, EngineError, GenerateRequest
 from actors.engine.sequence import SamplingParams, choice_seed
+from dcut_core.pruning import policy_from_name
 from deployments.bundle import Bundle
 from deployments.chat_template import ChatTemplate, ChatTemplateError
 from deployments.engine_deployment import EngineDeployment
@@ -67,6 +68,8 @@ class Ingress:
         self.chat_template = ChatTemplate.load(bundle.root)  # beside tokenizer.json; None: chat is refused
         self.logprobs = LogprobFormat(self.tokenizer)
         self.metrics = Metrics()
+        drafts = policy_from_name(settings.policy, settings.block).drafts
+        self._served_kinds = bundle.kinds(settings.drafter) if drafts else ()  # what a request's `drafter` may name
 
     # -- endpoints --------------------------------------------------------------------------------
 
@@ -255,10 +258,22 @@ class Ingress:
                                     presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                                     repetition_penalty=body.repetition_penalty, top_k=max(0, body.top_k),
                                     min_p=body.min_p, logit_bias=bias, stop_token_ids=stop_ids,
-                                    min_tokens=body.min_tokens, constraint=constraint)
+                                    min_tokens=body.min_tokens, constraint=constraint,
+                                    drafters=self._drafters(body.drafter))
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
         return ids, params
+
+    def _drafters(self, asked: str | list[str] | None) -> tuple[str, ...] | None:
+        """The drafter kinds a request allows, checked against those served (a 400 otherwise)."""
+        if asked is None:
+            return None
+        kinds = tuple(dict.fromkeys([asked] if isinstance(asked, str) else asked))
+        served = self._served_kinds
+        if not kinds or not set(kinds) <= set(served):
+            raise ApiError(400, f"drafter: this server drafts with {', '.join(served) or 'no drafter'}",
+                           param="drafter")
+        return kinds
 
     async def _deltas(self, prompt: list[int], params: SamplingParams):
         """Deltas of one request; an `EngineError` becomes an `ApiError`. If the engine unit dies

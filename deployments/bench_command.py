@@ -34,7 +34,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/bench")
     p.add_argument("--url", help="OpenAI-compatible endpoint to measure instead of the embedded engine")
     p.add_argument("--model", default="dcut-demo", help="model name to ask for with --url")
-    p.add_argument("--drafter", default="block")
+    p.add_argument("--drafter", default="block", help="block, mtp, ngram, several (block,mtp), or auto: every "
+                                                     "kind the bundle holds, chosen per request each step")
+    p.add_argument("--workload", choices=["heldout", "mixed"], default="heldout",
+                   help="heldout: code and docstrings; mixed: code, docstring, comment and documentation prose, "
+                        "run mixed and each domain alone (rows by `workload`, embedded engine only)")
     p.add_argument("--model-root", help="model bundle folder (default: the bundled demo model)")
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--request-rate", help="open loop instead: arrival rates in requests/s, comma-separated "
@@ -51,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from actors.demo.prompts import heldout_prompts
+    from actors.demo.prompts import heldout_prompts, mixed_prompts
 
     if args.request_rate and args.url:
         raise SystemExit("--request-rate drives the embedded engine; use --concurrency with --url")
@@ -59,14 +63,22 @@ def run(args: argparse.Namespace) -> int:
         [int(c) for c in args.concurrency.split(",")]
     policies = args.policies.split(",")
     n_max = args.num_prompts if args.request_rate else max(3 * max(levels), args.num_prompts)
-    texts = heldout_prompts(n_max)
+    if args.workload == "mixed" and (args.url or args.request_rate):
+        raise SystemExit("--workload mixed runs closed loops on the embedded engine")
+    domains = None
+    if args.workload == "mixed":
+        domains, texts = map(list, zip(*mixed_prompts(n_max), strict=True))
+    else:
+        texts = heldout_prompts(n_max)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.repeats < 1:
         raise SystemExit("--repeats must be at least 1")
-    total = len(levels) * (1 if args.url else len(policies) * args.repeats)
+    workloads = 1 + (len(set(domains)) if domains else 0)
+    total = len(levels) * (1 if args.url else len(policies) * args.repeats * workloads)
     with tqdm(total=total, desc="bench", unit="run") as bar:
-        rows = (_http(args, texts, levels, bar) if args.url else _embedded(args, texts, levels, policies, bar))
+        rows = (_http(args, texts, levels, bar) if args.url else
+                _embedded(args, texts, levels, policies, bar, domains))
     if args.repeats > 1:
         (out / "results_runs.json").write_text(json.dumps(rows, indent=1))
         rows = median_rows(rows)
@@ -84,7 +96,25 @@ def run(args: argparse.Namespace) -> int:
     return 0 if lossless else 1
 
 
-def _embedded(args, texts: list[str], levels: list[int], policies: list[str], bar) -> list[dict]:
+def _workloads(prompts: list[list[int]], domains: list[str] | None, n: int) -> dict[str, list[int]]:
+    """Prompt indices of each workload of a level: all n prompts (the mixed workload when there
+    are domains), then each domain's own."""
+    out = {"mixed" if domains else "heldout": list(range(n))}
+    for d in dict.fromkeys(domains or ()):
+        out[d] = [i for i in range(len(prompts)) if domains[i] == d][:max(1, n // 2)]
+    return out
+
+
+def kinds_chosen(result, kinds: tuple[str, ...], which: list[int] | None = None) -> dict[str, float]:
+    """Share of the drafting request-steps each drafter kind drafted (of these prompts)."""
+    reqs = result.per_request if which is None else [result.per_request[i] for i in which]
+    used = np.array([k for r in reqs for k in r["kinds"] if k >= 0], dtype=np.int64)
+    counts = np.bincount(used, minlength=len(kinds))
+    return {k: float(c / max(1, counts.sum())) for k, c in zip(kinds, counts, strict=True)}
+
+
+def _embedded(args, texts: list[str], levels: list[int], policies: list[str], bar,
+              domains: list[str] | None = None) -> list[dict]:
     from tokenizers import Tokenizer
 
     from actors.engine.coordinator import Engine
@@ -105,26 +135,33 @@ def _embedded(args, texts: list[str], levels: list[int], policies: list[str], ba
         closed_loop(engine, prompts[:2], 2, 8)  # warm-up: first calls load and compile lazily
         for c, rep in ((c, rep) for c in levels for rep in range(args.repeats)):
             n = args.num_prompts if args.request_rate else max(3 * c, args.num_prompts)
-            reference, ar_tok_s = None, None
-            for policy in (["ar"] + [p for p in policies if p != "ar"]):
-                engine.set_policy(policy)
-                if args.request_rate:  # the same arrival times for every policy
-                    arrivals = gamma_arrivals(n, c, args.burstiness)
-                    result = open_loop(engine, prompts[:n], arrivals, args.max_tokens)
-                else:
-                    result = closed_loop(engine, prompts[:n], c, args.max_tokens)
-                result.policy = policy
-                if policy == "ar":
-                    reference, ar_tok_s = result.outputs, result.output_tokens / result.wall_s
-                row = summarize(result, ar_tok_s)
-                if args.request_rate:
-                    row |= {"request_rate": c, "burstiness": args.burstiness}
-                row["lossless"] = result.outputs == reference
-                row["goodput_tok_s"] = _goodput(result, args)
-                row["repeat"] = rep
-                if policy in policies:
-                    rows.append(row)
-                bar.update(1 if policy in policies else 0)
+            for workload, which in _workloads(prompts, domains, n).items():
+                reference, ar_tok_s = None, None
+                for policy in (["ar"] + [p for p in policies if p != "ar"]):
+                    engine.set_policy(policy)
+                    if args.request_rate:  # the same arrival times for every policy
+                        arrivals = gamma_arrivals(n, c, args.burstiness)
+                        result = open_loop(engine, prompts[:n], arrivals, args.max_tokens)
+                    else:
+                        result = closed_loop(engine, [prompts[i] for i in which], c, args.max_tokens)
+                    result.policy = policy
+                    if policy == "ar":
+                        reference, ar_tok_s = result.outputs, result.output_tokens / result.wall_s
+                    row = summarize(result, ar_tok_s) | {"workload": workload, "drafter": ",".join(engine.kinds),
+                                                         "kinds_chosen": kinds_chosen(result, engine.kinds)}
+                    if domains and workload == "mixed":  # each domain's MAT inside the mixed run
+                        for d in dict.fromkeys(domains):
+                            mine = [j for j, i in enumerate(which) if domains[i] == d]
+                            row[f"mat_{d}"] = result.mat(mine)
+                            row[f"kinds_chosen_{d}"] = kinds_chosen(result, engine.kinds, mine)
+                    if args.request_rate:
+                        row |= {"request_rate": c, "burstiness": args.burstiness}
+                    row["lossless"] = result.outputs == reference
+                    row["goodput_tok_s"] = _goodput(result, args)
+                    row["repeat"] = rep
+                    if policy in policies:
+                        rows.append(row)
+                    bar.update(1 if policy in policies else 0)
     finally:
         engine.shutdown()
     return rows
@@ -136,7 +173,7 @@ def median_rows(runs: list[dict]) -> list[dict]:
     `ar` run of its own round, minutes apart at most), lossless only if every round was."""
     import statistics
 
-    key = lambda r: (r["policy"], r.get("concurrency"), r.get("request_rate"))  # noqa: E731
+    key = lambda r: (r["policy"], r.get("concurrency"), r.get("request_rate"), r.get("workload"))  # noqa: E731
     groups: dict = {}
     for r in runs:
         groups.setdefault(key(r), []).append(r)
@@ -213,7 +250,8 @@ def plot(rows: list[dict], out: pathlib.Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in rows if "request_rate" not in r]  # plots are against concurrency
+    rows = [r for r in rows if "request_rate" not in r  # plots are against concurrency, of the whole workload
+            and r.get("workload") in (None, "heldout", "mixed")]
     policies = sorted({r["policy"] for r in rows}, key=lambda p: ALL_POLICIES.split(",").index(p)
                       if p in ALL_POLICIES.split(",") else 99)
     for key, name, ylabel in (("output_tok_s", "throughput.png", "output tokens/s"),

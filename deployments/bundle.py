@@ -34,11 +34,21 @@ class Bundle:
     def tokenizer(self) -> str:
         return str(self.root / "tokenizer.json")
 
+    def has(self, kind: str) -> bool:
+        """Whether the bundle holds drafter kind `kind`'s weights (n-gram needs none)."""
+        config = {"block": "drafter_config.json", "mtp": "mtp_config.json"}.get(kind)
+        return config is None or pathlib.Path(self.drafter_dir(kind), config).exists()
+
+    def kinds(self, drafter: str) -> tuple[str, ...]:
+        """The drafter kinds a `--drafter` value names: one kind, a comma list, or `auto` (every
+        kind this bundle can serve)."""
+        if drafter == "auto":
+            return tuple(k for k in ("block", "mtp", "ngram") if self.has(k))
+        return tuple(drafter.split(","))
+
     def check(self, drafter: str | None) -> None:
-        """The files a bundle needs, with those of drafter kind `drafter` (None: no drafter)."""
+        """The files a bundle needs, with those of drafter `drafter` (None: no drafter)."""
         missing = [p for p in (self.target + "/config.json", self.tokenizer) if not pathlib.Path(p).exists()]
-        config = {"block": "drafter_config.json", "mtp": "mtp_config.json"}.get(drafter or "")
-        if config and not pathlib.Path(self.drafter_dir(drafter), config).exists():
-            missing.append(self.drafter_dir(drafter))
+        missing += [self.drafter_dir(k) for k in (self.kinds(drafter) if drafter else ()) if not self.has(k)]
         if missing:
             raise SystemExit(f"model bundle {self.root} is incomplete: missing {', '.join(missing)}")

@@ -26,8 +26,10 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts-file", help="one prompt per line")
     p.add_argument("--policy", default="dcut", help=f"one of {', '.join(POLICY_NAMES)} (fixed-K as fixed-4)")
     p.add_argument("--block", type=int, default=16, help="drafter block size: drafts per request per step")
-    p.add_argument("--drafter", default="block", choices=["block", "mtp", "ngram"],
-                   help="block (trained block drafter), mtp (DeepSeek next-n module in ROOT/mtp) or ngram")
+    p.add_argument("--drafter", default="block",
+                   help="block (trained block drafter), mtp (DeepSeek next-n module in ROOT/mtp), ngram, several "
+                        "(block,mtp: the replicas host each and every request drafts with the kind chosen for it "
+                        "each step), or auto (every kind the bundle holds)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int)

@@ -35,6 +35,10 @@ class Metrics:
             )
         }
 
+        self._kinds = Gauge("dcut_engine_drafter_drafts", "since start, per drafter kind: requests it drafted for "
+                            "(chosen: request-steps), drafts it made, kept by pruning, accepted by the target",
+                            ["drafter", "outcome"], registry=r)
+
     def request(self, endpoint: str, status: int) -> None:
         self._requests.labels(endpoint, str(status)).inc()
 
@@ -50,4 +54,7 @@ class Metrics:
     def render(self, engine_stats: dict) -> bytes:
         for name, gauge in self._engine.items():
             gauge.set(float(engine_stats.get(name, 0.0)))
+        for kind, counts in engine_stats.get("drafter_kinds", {}).items():
+            for outcome, n in counts.items():
+                self._kinds.labels(kind, outcome).set(float(n))
         return generate_latest(self.registry)

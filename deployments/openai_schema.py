@@ -108,6 +108,9 @@ class _Common(BaseModel):
     stop_token_ids: list[StrictInt] | None = Field(None, description="extension: finish after any of these tokens")
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    drafter: Literal["block", "mtp", "ngram"] | list[Literal["block", "mtp", "ngram"]] | None = Field(
+        None, description="extension: the drafter kind(s) this request may draft with (default: any the server "
+                          "hosts, chosen per step); output is the same whatever drafts")
 
     def constraint(self) -> tuple[str, str] | None:
         """The output's constraint as (kind, spec) for the engine, or None."""

@@ -9,6 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from actors.drafter import KINDS
 from deployments.bundle import BUNDLED, Bundle
 
 ENV_PREFIX = "DCUT_"
@@ -21,7 +22,8 @@ class ServeSettings(BaseModel):
 
     model_root: str = Field(str(BUNDLED), description="bundle folder: target/, drafter/, tokenizer.json")
     model_name: str = "dcut-demo"
-    drafter: Literal["block", "ngram", "mtp"] = "block"
+    drafter: str = Field("block", description="block, mtp or ngram; several (block,mtp), chosen per request; or "
+                                              "auto: every kind the bundle holds")
     policy: str = "dcut"
     block: int = Field(16, ge=2, le=16)
     ep: int = Field(1, ge=1)
@@ -62,6 +64,10 @@ class ServeSettings(BaseModel):
         from dcut_core.pruning import policy_from_name
 
         policy_from_name(self.policy, self.block)  # raises ValueError on an unknown policy
+        kinds = self.drafter.split(",")
+        if self.drafter != "auto" and (not set(kinds) <= set(KINDS) or len(set(kinds)) != len(kinds)):
+            raise ValueError(f"drafter must be auto, or one or more of {', '.join(KINDS)} (comma-separated, "
+                             f"each once), not {self.drafter!r}")
         return self
 
     @classmethod
@@ -92,8 +98,10 @@ class ServeSettings(BaseModel):
         bundle = Bundle(pathlib.Path(self.model_root))
         bundle.check(self.drafter if policy_from_name(self.policy, self.block).drafts else None)
         s = self.resolved()
+        kinds = bundle.kinds(s.drafter)
         return EngineConfig(
-            bundle.target, bundle.tokenizer, s.drafter, bundle.drafter_dir(s.drafter), s.block, s.policy, ep=s.ep,
+            bundle.target, bundle.tokenizer, ",".join(kinds), bundle.drafter_dir(kinds[0]), s.block, s.policy, ep=s.ep,
+            drafter_dirs=tuple((k, bundle.drafter_dir(k)) for k in kinds if k != "ngram"),
             drafters=s.drafters, max_running=s.max_running, kv_capacity_tokens=s.kv_capacity_tokens,
             threads_per_rank=s.threads_per_rank, cpus_per_rank=s.cpus_per_rank, gpus_per_rank=s.gpus_per_rank,
             cpus_per_drafter=s.cpus_per_drafter, eos_token_id=MoEConfig.load(bundle.target).eos_token_id,

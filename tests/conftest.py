@@ -62,7 +62,7 @@ def tiny_drafter_weights(path, target: MoETransformer, block: int = 8, seed: int
 
 @pytest.fixture(scope="session")
 def tiny_bundle(tmp_path_factory) -> str:
-    """A model bundle (target/, drafter/) of the tiny model, sharpened so sampling is not flat."""
+    """A model bundle (target/, drafter/, mtp/) of the tiny model, sharpened so sampling is not flat."""
     import torch
 
     root = tmp_path_factory.mktemp("bundle")
@@ -71,6 +71,7 @@ def tiny_bundle(tmp_path_factory) -> str:
         model.lm_head.weight.mul_(8.0)  # peaked next-token distributions: drafts get accepted
     save_model(model, root / "target")
     tiny_drafter_weights(root / "drafter", model)
+    tiny_mtp(str(root / "target"), root / "mtp")
     tiny_tokenizer().save(str(root / "tokenizer.json"))
     (root / "tokenizer_config.json").write_text(json.dumps(tokenizer_config()))  # the demo's chat template
     return str(root)
@@ -85,3 +86,22 @@ def tiny_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     return tok
+
+
+def tiny_mtp(target_dir: str, out, seed: int = 0):
+    """A random MTP module for the tiny target, saved in DeepSeek's layout under `out`."""
+    import torch
+
+    from actors.drafter.mtp import MTPConfig, MTPModule
+    from actors.engine.replica import shared_embeddings
+
+    torch.manual_seed(seed)
+    embed, head = shared_embeddings(target_dir)
+    cfg = MTPConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    intermediate_size=96, layer_index=3)
+    module = MTPModule(cfg, embed, head)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.02 * torch.randn_like(p)) if p.dim() == 1 else p.normal_(0, 0.08)
+    module.save(out, dtype=torch.float32)
+    return module

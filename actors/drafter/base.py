@@ -19,6 +19,22 @@ class DraftOutput:
     probs: np.ndarray | None = None  # [N, V] the distribution each draft was drawn from (sampling only)
     compute_s: float = 0.0  # the drafter's own time for this pass (set by the replica)
     lost: tuple[int, ...] = ()  # requests given no drafts: their context could not be fetched (replica)
+    kind_s: dict[int, float] | None = None  # each hosted kind's own drafting time (a replica of several)
+
+
+def merge_outputs(r: int, parts) -> DraftOutput:
+    """One ragged output for R requests from parts (batch indices, output) that cover them (the
+    drafts' sampling distributions are not carried: drafts from a replica are greedy)."""
+    tokens = [np.zeros(0, dtype=np.int64)] * r
+    conf, margin = [np.zeros(0)] * r, [np.zeros(0)] * r
+    for idx, d in parts:
+        for j, i in enumerate(idx):
+            sl = slice(d.cu[j], d.cu[j + 1])
+            tokens[i], conf[i], margin[i] = d.tokens[sl], d.confidence[sl], d.margin[sl]
+    cu = np.zeros(r + 1, dtype=np.int64)
+    np.cumsum([len(t) for t in tokens], out=cu[1:])
+    return DraftOutput(np.concatenate(tokens).astype(np.int64), cu, np.concatenate(conf).astype(np.float64),
+                       np.concatenate(margin).astype(np.float64))
 
 
 class Drafter(Protocol):

@@ -14,8 +14,8 @@ from actors.target.group import EPConfig
 class EngineConfig:
     target_dir: str
     tokenizer_path: str | None = None
-    drafter: str = "block"  # "block", "mtp" or "ngram"
-    drafter_dir: str | None = None
+    drafter: str = "block"  # "block", "mtp" or "ngram", or several ("block,mtp,ngram"): chosen per request
+    drafter_dir: str | None = None  # the weights of a single kind
     block: int = 16
     policy: str = "dcut"
     ep: int = 1
@@ -47,6 +47,12 @@ class EngineConfig:
     in_process: bool = True  # the coordinator's process is EP rank 0 and drives the others over the unit's
     # control group; each rank hosts a drafter replica (at EP 1 a step is function calls). False: every rank
     # and `drafters` drafter replicas are Ray actors, called per step (fault tests of a lone drafter's death)
+    drafter_dirs: tuple[tuple[str, str], ...] = ()  # (kind, weights folder) of each kind hosted beside others
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The drafter kinds every replica hosts (in the order the per-kind state is indexed)."""
+        return tuple(self.drafter.split(","))
 
     @property
     def drafts(self) -> bool:
@@ -71,7 +77,8 @@ class EngineConfig:
 
     def drafter_spec(self) -> DrafterSpec:
         """The drafter replicas' part."""
-        return DrafterSpec(self.drafter, self.target_dir, self.drafter_dir, self.block, self.threads_per_rank)
+        return DrafterSpec(self.drafter, self.target_dir, self.drafter_dir, self.block, self.threads_per_rank,
+                           dirs=self.drafter_dirs)
 
     def dcut_options(self, policy: str) -> dict:
         """The options of `policy` that this config sets (only `dcut` takes any)."""

@@ -65,11 +65,15 @@ class Engine:
         self.rebuilt = 0  # EP groups rebuilt after a failure
         self.eos = cfg.eos_token_id
         self.scheduler = Scheduler(cfg.max_running)
-        self.calibrator = Calibrator(block=cfg.block)
-        self.tracker = AcceptanceTracker(block=cfg.block)
-        self.gate = DraftingGate(self.tracker, Exploration(cfg.explore_every, cfg.explore_requests, cfg.explore_warmup),
+        self.kinds = cfg.kinds  # the drafter kinds every replica hosts; each request drafts with one a step
+        self.calibrators = [Calibrator(block=cfg.block) for _ in self.kinds]  # per kind: confidences differ
+        self.calibrator = self.calibrators[0]
+        self.gate = DraftingGate([AcceptanceTracker(block=cfg.block) for _ in self.kinds],
+                                 Exploration(cfg.explore_every, cfg.explore_requests, cfg.explore_warmup),
                                  cfg.max_budget, cfg.draft_slack, cfg.draft_extend, record=bool(cfg.step_log))
-        self.draft_cost = DraftCostLearner(PRIOR_DRAFT_COST)
+        self.tracker = self.gate.tracker
+        self.draft_cost = DraftCostLearner([PRIOR_DRAFT_COST] * len(self.kinds))
+        self.drafted_by_kind = {k: dict.fromkeys(("chosen", "drafted", "kept", "accepted"), 0) for k in self.kinds}
         self.overhead = StepOverhead()
         self.model_cfg = MoEConfig.load(cfg.target_dir)
         self._profiled_drafter = False
@@ -113,6 +117,10 @@ class Engine:
         engine): generation continues after it, and max_tokens counts it."""
         if not prompt:
             raise ValueError("the prompt must not be empty")
+        unknown = set(params.drafters or ()) - set(self.kinds)
+        if unknown:
+            raise ValueError(f"drafter {', '.join(sorted(unknown))} is not served here; this engine drafts with "
+                             f"{', '.join(self.kinds)}")
         rid = self.new_rid()
         self.scheduler.add(Sequence(rid, list(prompt), params, output=list(resume or [])))
         return rid
@@ -140,9 +148,9 @@ class Engine:
             if not batch and not feeding:
                 return None
             st = Step(batch, feeding, time.perf_counter(), sum(s.cached for s in batch))
-            st.lengths = self.plan(batch)
+            kinds, st.lengths = self.plan(batch)
             st.gate, self.gate.last = self.gate.last, None  # what the gate saw and chose (step log)
-            st.drafts = self.propose(batch, st.lengths)
+            st.drafts = self.propose(batch, st.lengths, kinds)
             st.kept = self.prune(batch, st.drafts)
             st.out = self.verify(batch, st.drafts, st.kept, feeding)
             st.accepted, st.emitted = self.accept(batch, st.drafts, st.kept, st.out)
@@ -176,7 +184,7 @@ class Engine:
         for s in failed:
             self.scheduler.abort(s.rid)
             s.status, s.finish_reason = Status.FINISHED, "error"
-            self.tracker.forget(s.rid)
+            self.gate.forget(s.rid)
         self.drafters.release([s.rid for s in failed])
         try:
             self.target.shutdown()  # frees its bundles of the unit for the new group
@@ -198,31 +206,46 @@ class Engine:
                               self.cfg.prefill_budget)
         return [s for s in running if s.prefilled], feeding
 
-    def plan(self, batch: list[Sequence]) -> np.ndarray:
-        """Drafts to ask for per request; the `dcut` policy decides whether drafting pays at all."""
+    def plan(self, batch: list[Sequence]) -> tuple[np.ndarray | None, np.ndarray]:
+        """(kind [R] or None, drafts [R]) to ask for: which drafter kind drafts for each request
+        (when the replicas host several) and how far; the `dcut` policy decides whether drafting
+        pays at all."""
+        none = np.zeros(len(batch), dtype=np.int64)
         if not batch:
-            return np.zeros(0, dtype=np.int64)
+            return None, none
         cap = np.array([max(0, min(self.cfg.block - 1, s.remaining - 1)) if self.drafters.drafting(s.rid) else 0
                         for s in batch])
         if not self.drafters or not self.policy.drafts:
-            return np.zeros(len(batch), dtype=np.int64)
-        if not self.policy.gated or not self.cfg.drafting_gate:
-            return cap
+            return None, none
         rids = [s.rid for s in batch]
-        draft_cost = dataclasses.replace(self.draft_cost.cost, fixed=self.draft_cost.cost.fixed + self.overhead.extra)
-        return self.gate.decide(rids, cap, np.array([s.remaining for s in batch]),
-                                np.array([self.drafters.backlog.size(r) for r in rids]),
-                                self.cost.verify_curve(len(batch), sum(s.cached for s in batch)), draft_cost)
+        curve = self.cost.verify_curve(len(batch), sum(s.cached for s in batch)) if self.cost else _flat_curve()
+        multi = len(self.kinds) > 1
+        allowed = None
+        if multi and any(s.params.drafters for s in batch):
+            allowed = np.array([[k in (s.params.drafters or self.kinds) for k in self.kinds] for s in batch])
+        if not self.policy.gated or not self.cfg.drafting_gate:
+            return (self.gate.choose_kinds(rids, cap, curve, self.draft_cost.costs, allowed) if multi else None), cap
+        learner, extra = self.draft_cost, self.overhead.extra
+        draft = learner.costs if multi else dataclasses.replace(learner.cost, fixed=learner.cost.fixed + extra)
+        kinds, lengths = self.gate.decide_kinds(rids, cap, np.array([s.remaining for s in batch]),
+                                                np.array([self.drafters.backlog.size(r) for r in rids]), curve, draft,
+                                                allowed, learner.shared + extra if multi else 0.0)
+        return (kinds if multi else None), lengths
 
-    def propose(self, batch: list[Sequence], lengths: np.ndarray) -> Drafts:
-        """Every replica drafts for its shard in parallel; gathered into one ragged batch."""
+    def propose(self, batch: list[Sequence], lengths: np.ndarray, kinds: np.ndarray | None = None) -> Drafts:
+        """Every replica drafts for its shard in parallel (request i by kind kinds[i]); gathered
+        into one ragged batch."""
         t0 = time.perf_counter()
-        outs, caught_up = self.drafters.draft(batch, lengths, self.target)
+        outs, caught_up = self.drafters.draft(batch, lengths, self.target, kinds)
         if not outs:
-            return empty_drafts(len(batch))
-        drafts = merge_drafts(len(batch), outs)
+            return empty_drafts(len(batch), kinds)
+        drafts = merge_drafts(len(batch), outs, kinds)
         seconds = time.perf_counter() - t0
-        self.draft_cost.observe(sum(len(i) for i, _ in outs.values()), int(drafts.cu[-1]), seconds, caught_up)
+        counts = np.diff(drafts.cu)
+        which = np.zeros(len(batch), dtype=np.int64) if kinds is None else kinds
+        k = len(self.kinds)
+        self.draft_cost.observe_kinds(np.bincount(which[counts > 0], minlength=k),
+                                      np.bincount(which, weights=counts, minlength=k), seconds, caught_up)
         drafts.seconds = seconds
         drafts.compute_seconds = max(out.compute_s for _, out in outs.values())
         return drafts
@@ -234,6 +257,11 @@ class Engine:
         t0 = time.perf_counter()
         pos = ragged.positions(drafts.cu)
         p = self.calibrator.estimate(drafts.confidence, drafts.margin, pos)
+        if drafts.kinds is not None:  # each kind's confidences through its own calibration
+            kind = np.repeat(drafts.kinds, np.diff(drafts.cu))
+            for k in np.unique(drafts.kinds[np.diff(drafts.cu) > 0]):
+                mask = kind == k
+                p[mask] = self.calibrators[k].estimate(drafts.confidence[mask], drafts.margin[mask], pos[mask])
         allowed = grammar_allowed(batch, drafts)
         if allowed is not None:  # a draft the grammar forbids (and all after it) can never be accepted
             p = np.where(pos < np.repeat(allowed, np.diff(drafts.cu)), p, 0.0)
@@ -304,6 +332,7 @@ class Engine:
         for i, s in enumerate(batch):
             s.steps += 1
             s.drafted.append(int(st.drafts.cu[i + 1] - st.drafts.cu[i]))
+            s.kinds.append(-1 if not s.drafted[-1] else 0 if st.drafts.kinds is None else int(st.drafts.kinds[i]))
             s.kept.append(int(st.kept[i]))
             s.accepted.append(int(st.accepted[i]))
             committed.append(self.scheduler.append(s, st.emitted[i], self.eos, self.text_of,
@@ -320,7 +349,20 @@ class Engine:
     def _learn(self, st: Step) -> float:
         """Calibration, the acceptance tracker and the cost model's correction learn from the
         step; returns the step's predicted verify time (made before learning)."""
-        return learn(st, self.calibrator, self.tracker, self.cost, log=self.step_log is not None)
+        self._count_kinds(st)
+        return learn(st, self.calibrators, self.gate, self.cost, log=self.step_log is not None)
+
+    def _count_kinds(self, st: Step) -> None:
+        """Per drafter kind: requests it drafted for, drafts made, kept and accepted (/metrics)."""
+        drafted = np.diff(st.drafts.cu)
+        kinds = st.drafts.kinds if st.drafts.kinds is not None else np.zeros(len(st.batch), dtype=np.int64)
+        for i, k in enumerate(kinds):
+            if drafted[i]:
+                c = self.drafted_by_kind[self.kinds[k]]
+                c["chosen"] += 1
+                c["drafted"] += int(drafted[i])
+                c["kept"] += int(st.kept[i])
+                c["accepted"] += int(st.accepted[i])
 
     def _record(self, st: Step, predicted: float) -> StepRecord:
         return record(st, predicted, self.history, self.overhead, self.step_log, self.policy.name)
@@ -340,7 +382,7 @@ class Engine:
             return
         m = self.model_cfg
         self.draft_cost = startup_draft_cost(self.replicas, m.hidden_size, self.drafters.layers, m.vocab_size,
-                                             self.cfg.max_running, self.cfg.block)
+                                             self.cfg.max_running, self.cfg.block, len(self.kinds))
         self._profiled_drafter = True
 
     def _new_target(self) -> EPGroup:
@@ -358,7 +400,7 @@ class Engine:
         self.target.release(rids)
         self.drafters.release(rids)
         for rid in rids:
-            self.tracker.forget(rid)
+            self.gate.forget(rid)
 
     def _oracle_lengths(self, batch: list[Sequence], drafts: Drafts) -> np.ndarray:
         """True accepted lengths, learned by verifying every draft and rolling back (benchmarks only;

@@ -59,19 +59,37 @@ PRIOR_DRAFT_COST = DraftCost(1e-3, 2e-4, 5e-5, 1e-5)
 
 
 class DraftCostLearner:
-    """Fits DraftCost (call, per request, per position, per context token caught up) to
-    measured drafting calls (wall time at the coordinator)."""
+    """Fits the drafting cost to measured drafting calls (wall time at the coordinator): per call,
+    per request, per position, per context token caught up. With several drafter kinds hosted
+    together each kind has its own pass set-up, request and position rates (the catch-up feeds
+    every kind, so it is one rate), and the call itself a `shared` cost."""
 
-    def __init__(self, initial: DraftCost, refit_every: int = 16, keep: int = 512) -> None:
-        self.cost = initial
+    def __init__(self, initial: DraftCost | list[DraftCost], refit_every: int = 16, keep: int = 512) -> None:
+        self.costs = [initial] if isinstance(initial, DraftCost) else list(initial)
+        self.shared = 0.0  # seconds a call costs whatever it drafts (several kinds only)
         self.refit_every, self.keep = refit_every, keep
-        self._x: list[tuple[float, float, float, float]] = []
+        self._x: list[tuple[float, ...]] = []
         self._y: list[float] = []
 
+    @property
+    def cost(self) -> DraftCost:
+        """The one kind's cost, the call's shared cost included."""
+        c = self.costs[0]
+        return DraftCost(c.fixed + self.shared, c.per_request, c.per_position, c.per_context)
+
     def observe(self, requests: int, positions: int, seconds: float, catchup: int = 0) -> None:
-        if positions <= 0:
+        self.observe_kinds([requests], [positions], seconds, catchup)
+
+    def observe_kinds(self, requests, positions, seconds: float, catchup: int = 0) -> None:
+        """One call: requests[k] and positions[k] drafted by kind k."""
+        if sum(positions) <= 0:
             return
-        self._x.append((1.0, float(requests), float(positions), float(catchup)))
+        if len(self.costs) == 1:
+            x = (1.0, float(requests[0]), float(positions[0]), float(catchup))
+        else:
+            x = (1.0, *(float(p > 0) for p in positions), *map(float, requests), *map(float, positions),
+                 float(catchup))
+        self._x.append(x)
         self._y.append(seconds)
         del self._x[: -self.keep], self._y[: -self.keep]
         if len(self._y) % self.refit_every == 0 and len(set(self._x)) >= 4:
@@ -79,15 +97,22 @@ class DraftCostLearner:
 
     def refit(self) -> None:
         # Relative errors (rows scaled by 1 / measured): small calls count as much as large ones.
-        c = nnls(np.array(self._x) / np.array(self._y)[:, None], np.ones(len(self._y)))
-        self.cost = DraftCost(*map(float, c))
+        c = nnls(np.array(self._x) / np.array(self._y)[:, None], np.ones(len(self._y))).astype(float)
+        k = len(self.costs)
+        if k == 1:
+            self.costs = [DraftCost(*c)]
+            return
+        self.shared = c[0]
+        self.costs = [DraftCost(c[1 + i], c[1 + k + i], c[1 + 2 * k + i], c[-1]) for i in range(k)]
 
 
 def profile_drafter(replica, hidden_size: int, layers: tuple[int, ...], vocab_size: int, max_requests: int,
-                    block: int, context: int = 48, seed: int = 0) -> list[tuple[int, int, int, float]]:
+                    block: int, context: int = 48, seed: int = 0,
+                    kind: int | None = None) -> list[tuple[int, int, int, float]]:
     """Time drafting calls on synthetic requests at start-up: (requests, positions, context tokens
     caught up, seconds) per call, measured at the coordinator as the engine will. Each shape
-    runs twice: first with its requests' context sent along (catch-up), then without."""
+    runs twice: first with its requests' context sent along (catch-up), then without. `kind`:
+    the hosted kind that drafts (a replica of several)."""
     rng = np.random.default_rng(seed)
     shapes = sorted({1, min(16, max_requests), max_requests})
     samples = []
@@ -100,22 +125,26 @@ def profile_drafter(replica, hidden_size: int, layers: tuple[int, ...], vocab_si
                                                for k in layers} for _ in rids])
             for sent in (catchup, None):
                 t0 = time.perf_counter()
-                resolve(replica.draft.remote(rids, last, [n] * r, sent))
+                resolve(replica.draft.remote(rids, last, [n] * r, sent, None if kind is None else [kind] * r))
                 samples.append((r, n * r, context * r if sent else 0, time.perf_counter() - t0))
             resolve(replica.release.remote(rids))
     return samples
 
 
 def startup_draft_cost(replicas, hidden_size: int, layers: tuple[int, ...], vocab_size: int, max_requests: int,
-                       block: int) -> DraftCostLearner:
-    """A drafting-cost learner seeded by profiling the first replica (about a second), so the
-    drafting gate starts from measured costs instead of a guess."""
-    learner = DraftCostLearner(PRIOR_DRAFT_COST)
-    warm = CatchUp([-1], [[0] * 8], [{k: np.zeros((8, hidden_size), np.float16) for k in layers}])
-    resolve(replicas[0].draft.remote([-1], [0], [1], warm))  # first call: lazy set-up, not timed
-    resolve(replicas[0].release.remote([-1]))
-    for r, p, c, sec in profile_drafter(replicas[0], hidden_size, layers, vocab_size, max_requests, block):
-        learner.observe(r, p, sec, c)
+                       block: int, kinds: int = 1) -> DraftCostLearner:
+    """A drafting-cost learner seeded by profiling the first replica (about a second a kind), so
+    the drafting gate starts from measured costs instead of a guess."""
+    learner = DraftCostLearner([PRIOR_DRAFT_COST] * kinds)
+    for kind in range(kinds):
+        which = None if kinds == 1 else kind
+        warm = CatchUp([-1], [[0] * 8], [{k: np.zeros((8, hidden_size), np.float16) for k in layers}])
+        resolve(replicas[0].draft.remote([-1], [0], [1], warm, None if which is None else [which]))  # lazy set-up
+        resolve(replicas[0].release.remote([-1]))
+        for r, p, c, sec in profile_drafter(replicas[0], hidden_size, layers, vocab_size, max_requests, block,
+                                            kind=which):
+            one_hot = np.arange(kinds) == kind
+            learner.observe_kinds(r * one_hot, p * one_hot, sec, c)
     learner.refit()
     log.info("profiled the drafter at start-up: %s", learner.cost)
     return learner

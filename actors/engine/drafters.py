@@ -72,10 +72,12 @@ class DrafterPool:
         """Whether request rid has a drafter (not orphaned)."""
         return self.owner.get(rid) != ORPHAN
 
-    def draft(self, batch: list[Sequence], lengths, target) -> tuple[dict[int, tuple[list[int], DraftOutput]], int]:
+    def draft(self, batch: list[Sequence], lengths, target,
+              kinds=None) -> tuple[dict[int, tuple[list[int], DraftOutput]], int]:
         """Every replica drafts for its shard in parallel, catching up first on its backlog
-        (features fetched by the replica from `target`'s ranks). Returns {replica: (batch
-        indices, drafts)} of the replicas that answered, and the tokens caught up."""
+        (features fetched by the replica from `target`'s ranks), request i with drafter kind
+        kinds[i] when the replicas host several. Returns {replica: (batch indices, drafts)} of
+        the replicas that answered, and the tokens caught up."""
         calls, caught_up = {}, 0
         for r in reversed(range(len(self.replicas))):  # replica 0 may be in this process: it runs last
             idx = [i for i, s in enumerate(batch) if self.owner[s.rid] == r and lengths[i] > 0]
@@ -83,8 +85,9 @@ class DrafterPool:
                 rids = [batch[i].rid for i in idx]
                 catchup = self._sourced(self.backlog.take(rids), target)
                 caught_up += catchup.size if catchup else 0
+                which = None if kinds is None else [int(kinds[i]) for i in idx]
                 calls[r] = (idx, self.replicas[r].draft.remote(rids, [batch[i].last for i in idx],
-                                                               [int(lengths[i]) for i in idx], catchup))
+                                                               [int(lengths[i]) for i in idx], catchup, which))
         outs = {}
         for r, (idx, ref) in calls.items():
             try:

@@ -14,22 +14,27 @@ from actors.engine.steplog import StepLog, observed
 from dcut_core import ragged
 from dcut_core.acceptance import Calibrator, verify_outcomes
 from dcut_core.cost_model import StepShape
-from dcut_core.drafting import AcceptanceTracker
+from dcut_core.drafting import DraftingGate
 
 
-def learn(st: Step, calibrator: Calibrator, tracker: AcceptanceTracker, cost, log: bool = False) -> float:
-    """Calibration (judged drafts only), the acceptance tracker and the cost model's correction
-    learn from the step; returns the step's predicted verify time (made before learning). With
-    `log`, what the tracker learnt is kept on the step for the step log."""
+def learn(st: Step, calibrators: list[Calibrator], gate: DraftingGate, cost, log: bool = False) -> float:
+    """Calibration (judged drafts only; each drafter kind's own), the drafting gate's acceptance
+    trackers and the cost model's correction learn from the step; returns the step's predicted
+    verify time (made before learning). With `log`, what the trackers learnt is kept on the step
+    for the step log."""
     drafts, kept = st.drafts, st.kept
+    kinds = drafts.kinds if drafts.kinds is not None else np.zeros(len(st.batch), dtype=np.int64)
     idx, ok = verify_outcomes(drafts.cu, kept, st.accepted)
     if len(idx):
         pos = ragged.positions(drafts.cu)[idx]
-        calibrator.observe(drafts.confidence[idx], drafts.margin[idx], pos, ok)
+        kind = np.repeat(kinds, np.diff(drafts.cu))[idx]
+        for k in np.unique(kind):
+            m = kind == k
+            calibrators[k].observe(drafts.confidence[idx][m], drafts.margin[idx][m], pos[m], ok[m])
     for i, s in enumerate(st.batch):
         beyond = drafts.estimate[drafts.cu[i] + kept[i]:drafts.cu[i + 1]] if drafts.estimate is not None else None
-        tracker.observe(s.rid, int(kept[i]), int(st.accepted[i]), beyond)
-    if log:  # what the tracker learnt from, for `dcut_core.drafting.replay`
+        gate.observe(s.rid, int(kinds[i]), int(kept[i]), int(st.accepted[i]), beyond)
+    if log:  # what the trackers learnt from, for `dcut_core.drafting.replay`
         st.observed = observed(st)
     if cost is None:
         return float("nan")

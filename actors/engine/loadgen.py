@@ -27,6 +27,13 @@ class RunResult:
     itl_s: list[float] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)
     records: list = field(default_factory=list)
+    per_request: list[dict] = field(default_factory=list)  # by prompt: decode steps, accepted drafts, kinds used
+
+    def mat(self, which: list[int] | None = None) -> float:
+        """Mean accepted tokens per decode step (bonus included) of these prompts' requests."""
+        reqs = [self.per_request[i] for i in (range(len(self.per_request)) if which is None else which)]
+        steps = sum(r["steps"] for r in reqs)
+        return (sum(r["accepted"] for r in reqs) + steps) / steps if steps else float("nan")
 
 
 class _Meter:
@@ -42,6 +49,7 @@ class _Meter:
         self.ttft: list[float] = []
         self.tpot: list[float] = []
         self.outputs: dict[int, list[int]] = {}
+        self.per_request: dict[int, dict] = {}
         self.peak = 0
 
     def start(self, rid: int, i: int, arrived: float) -> None:
@@ -65,12 +73,14 @@ class _Meter:
             seq = sched.finished.pop(rid)
             i, _ = self.started.pop(rid)
             self.outputs[i] = seq.output
+            self.per_request[i] = {"steps": seq.steps, "accepted": sum(seq.accepted), "kinds": seq.kinds}
             if len(seq.output) > 1:
                 self.tpot.append((self.last[rid][0] - self.first[rid]) / (len(seq.output) - 1))
 
     def result(self, concurrency: int, wall: float) -> RunResult:
         return RunResult("", concurrency, wall, sum(len(o) for o in self.outputs.values()), self.ttft, self.tpot,
-                         self.gaps, [self.outputs[i] for i in range(self.n)], self.records)
+                         self.gaps, [self.outputs[i] for i in range(self.n)], self.records,
+                         [self.per_request[i] for i in range(self.n)])
 
 
 def closed_loop(engine: Engine, prompts: list[list[int]], concurrency: int, max_tokens: int,

@@ -14,7 +14,8 @@ import ray
 import torch
 from safetensors import safe_open
 
-from actors.drafter.base import DraftOutput
+from actors.drafter import KINDS
+from actors.drafter.base import DraftOutput, merge_outputs
 from actors.drafter.block import BlockDrafter
 from actors.drafter.model import DraftModel
 from actors.drafter.ngram import NgramDrafter
@@ -28,12 +29,20 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class DrafterSpec:
-    kind: str  # "block" or "ngram"
+    kind: str  # "block", "mtp" or "ngram", or several: "block,mtp,ngram" (one replica hosts them all)
     target_dir: str
-    drafter_dir: str | None
+    drafter_dir: str | None  # the weights of a single kind
     block: int
     threads: int = 1
     capacity_tokens: int = 65536
+    dirs: tuple[tuple[str, str], ...] = ()  # (kind, weights folder) of each kind that has weights
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(self.kind.split(","))
+
+    def dir_of(self, kind: str) -> str | None:
+        return dict(self.dirs).get(kind, self.drafter_dir)
 
 
 def shared_embeddings(target_dir: str) -> tuple[torch.nn.Embedding, torch.nn.Linear]:
@@ -72,36 +81,42 @@ def target_final_norm(target_dir: str):
     return norm
 
 
-def build_drafter(spec: DrafterSpec):
-    if spec.kind == "ngram":
+def build_drafter(spec: DrafterSpec, kind: str | None = None):
+    """The drafter of `kind` (default: the spec's only kind)."""
+    kind = kind or spec.kind
+    folder = spec.dir_of(kind)
+    if kind == "ngram":
         return NgramDrafter(block_size=spec.block)
-    if spec.kind == "mtp":
+    if kind == "mtp":
         from actors.drafter.mtp import CONFIG, MTPDrafter, MTPModule
 
-        if not spec.drafter_dir or not (pathlib.Path(spec.drafter_dir) / CONFIG).exists():
+        if not folder or not (pathlib.Path(folder) / CONFIG).exists():
             raise ValueError(f"the mtp drafter needs a folder with {CONFIG} and its weights (drafter_dir)")
         embed, head = shared_embeddings(spec.target_dir)
-        return MTPDrafter(MTPModule.load(spec.drafter_dir, embed, head), target_final_norm(spec.target_dir),
+        return MTPDrafter(MTPModule.load(folder, embed, head), target_final_norm(spec.target_dir),
                           MoEConfig.load(spec.target_dir).num_hidden_layers, spec.capacity_tokens, spec.block)
-    if spec.kind == "block":
-        if not spec.drafter_dir:
+    if kind == "block":
+        if not folder:
             raise ValueError("the block drafter needs drafter weights (drafter_dir)")
         embed, head = shared_embeddings(spec.target_dir)
-        return BlockDrafter(DraftModel.load(spec.drafter_dir, embed, head), spec.capacity_tokens, spec.block)
-    raise ValueError(f"unknown drafter {spec.kind!r}; choose block, mtp or ngram")
+        return BlockDrafter(DraftModel.load(folder, embed, head), spec.capacity_tokens, spec.block)
+    raise ValueError(f"unknown drafter {kind!r}; choose from {', '.join(KINDS)}")
 
 
 LOCAL = "local"  # a catch-up's `sources` when the features are in the hosting rank's own store
 
 
 class Drafter:
-    """Holds a drafter and the per-request state it needs; drafts for the requests it is given.
-    `DrafterReplica` is it as a Ray actor; the in-process engine calls it directly, and under a
-    driver rank each rank hosts one (`attach`) that drafts for the requests whose KV it holds."""
+    """Holds the drafters of one or several kinds and the per-request state they need; drafts
+    for the requests it is given, each with the kind the coordinator chose for it. Every hosted
+    kind commits every request's context, so any of them can draft for it next. `DrafterReplica`
+    is it as a Ray actor; the in-process engine calls it directly, and under a driver rank each
+    rank hosts one (`attach`) that drafts for the requests whose KV it holds."""
 
     def __init__(self, spec: DrafterSpec) -> None:
         torch.set_num_threads(spec.threads)
-        self.drafter = build_drafter(spec)
+        self.drafters = [build_drafter(spec, kind) for kind in spec.kinds]
+        self.drafter = self.drafters[0]
         self.lost: set[int] = set()  # requests whose context could not be fetched: no drafts
         self._local_features = None  # the hosting rank's `take_features`
 
@@ -110,25 +125,37 @@ class Drafter:
         self._local_features = rank.take_features
 
     def target_layers(self) -> tuple[int, ...]:
-        return getattr(self.drafter, "target_layers", ())
+        """The target layers whose outputs any hosted kind reads (their union)."""
+        return tuple(sorted({layer for d in self.drafters for layer in getattr(d, "target_layers", ())}))
 
     def commit(self, catchup: CatchUp) -> None:
         """Context committed since these requests' last draft (sent when a backlog is full)."""
         self._catch_up(catchup)
 
     def draft(self, request_ids: list[int], last_tokens: list[int], lengths: list[int],
-              catchup: CatchUp | None = None) -> DraftOutput:
-        """Drafts for these requests; `catchup` is context committed since their last draft (the
-        engine's backlog), committed first. Requests whose context could not be fetched get no
-        drafts and are named in `lost`."""
+              catchup: CatchUp | None = None, kinds: list[int] | None = None) -> DraftOutput:
+        """Drafts for these requests, request i's by hosted kind kinds[i] (default: the first);
+        `catchup` is context committed since their last draft (the engine's backlog), committed
+        first. Requests whose context could not be fetched get no drafts and are named in `lost`.
+        `kind_s` holds each kind's own drafting time."""
         t0 = time.perf_counter()
         if catchup is not None:
             self._catch_up(catchup)
         lost = tuple(rid for rid in request_ids if rid in self.lost)
         if lost:
             lengths = [0 if rid in self.lost else n for rid, n in zip(request_ids, lengths, strict=True)]
-        out = self.drafter.draft(request_ids, last_tokens, lengths)
-        return dataclasses.replace(out, compute_s=time.perf_counter() - t0, lost=lost)
+        if kinds is None or len(self.drafters) == 1:
+            out = self.drafters[0].draft(request_ids, last_tokens, lengths)
+            return dataclasses.replace(out, compute_s=time.perf_counter() - t0, lost=lost)
+        parts, kind_s = {}, {}
+        for k in sorted(set(kinds)):
+            idx = [i for i, kk in enumerate(kinds) if kk == k]
+            t1 = time.perf_counter()
+            parts[k] = (idx, self.drafters[k].draft([request_ids[i] for i in idx], [last_tokens[i] for i in idx],
+                                                    [lengths[i] for i in idx]))
+            kind_s[k] = time.perf_counter() - t1
+        out = merge_outputs(len(request_ids), parts.values())
+        return dataclasses.replace(out, compute_s=time.perf_counter() - t0, lost=lost, kind_s=kind_s)
 
     def _catch_up(self, c: CatchUp) -> None:
         """Commit a catch-up: per request, the rows sent along, then those fetched from the
@@ -149,10 +176,12 @@ class Drafter:
             hidden.append(parts[0] if len(parts) == 1 else
                           {k: np.concatenate([h[k] for h in parts]) for k in parts[0]} if parts else {})
         keep = [i for i, rid in enumerate(c.rids) if rid not in self.lost]
-        self.drafter.commit([c.rids[i] for i in keep], [c.tokens[i] for i in keep], [hidden[i] for i in keep])
+        for d in self.drafters:
+            d.commit([c.rids[i] for i in keep], [c.tokens[i] for i in keep], [hidden[i] for i in keep])
 
     def release(self, request_ids: list[int]) -> None:
-        self.drafter.release(request_ids)
+        for d in self.drafters:
+            d.release(request_ids)
         self.lost.difference_update(request_ids)
 
     def whereabouts(self) -> dict[str, str | None]:

@@ -32,6 +32,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # finish (reason "stop") after any of these
     min_tokens: int = 0  # no EOS or stop token id, and no stop string, before this many tokens
     constraint: tuple[str, str] | None = None  # structured output: (kind, spec), actors/engine/grammar.py
+    drafters: tuple[str, ...] | None = None  # the drafter kinds this request may draft with (None: any served)
 
     def __post_init__(self) -> None:
         if self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
@@ -111,6 +112,7 @@ class Sequence:
     drafted: list[int] = field(default_factory=list)
     kept: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
+    kinds: list[int] = field(default_factory=list)  # per step: the drafter kind (index) that drafted, -1 none
     controls: object = None  # sampling.Controls, set at admission (None: the target's plain distribution)
     grammar: object = None  # grammar.RequestGrammar, set at admission for a constrained request
     fed: int = 0  # tokens of `feed` already in the target's KV cache (while prefilling)

@@ -92,6 +92,10 @@ class AsyncEngine:
         ids = np.asarray([*request.prompt, *request.resume])
         if ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= vocab:
             return EngineError(ErrorKind.INVALID, f"token ids must be integers in [0, {vocab})")
+        unknown = set(request.params.drafters or ()) - set(self.engine.kinds)
+        if unknown:
+            return EngineError(ErrorKind.INVALID, f"drafter {', '.join(sorted(unknown))} is not served here; this "
+                                                  f"engine drafts with {', '.join(self.engine.kinds)}")
         if request.params.constraint is not None:
             try:
                 why = self.engine.grammars().check(*request.params.constraint)
@@ -224,6 +228,7 @@ class AsyncEngine:
             "drafter_replicas_lost": self.engine.degraded["drafter_replica_lost"],
             "drafter_context_lost": self.engine.degraded["drafter_context_lost"],
             "ep_group_rebuilds": self.engine.degraded["ep_group_rebuilt"],
+            "drafter_kinds": {k: dict(c) for k, c in self.engine.drafted_by_kind.items()},
         }
 
     def placement(self) -> dict:

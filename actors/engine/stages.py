@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from actors.drafter.base import DraftOutput
+from actors.drafter.base import DraftOutput, merge_outputs
 from actors.engine.logprobs import entries
 from actors.engine.sequence import Scheduler, Sequence
 from dcut_core import rules
@@ -27,6 +27,7 @@ class Drafts:
     estimate: np.ndarray | None = None  # [N] calibrated conditional acceptance of each draft
     decision: object = None
     probe_seconds: float = 0.0  # the oracle's extra verification pass (not part of a real step)
+    kinds: np.ndarray | None = None  # [R] the drafter kind (index) of each request's drafts
 
 
 @dataclass
@@ -157,23 +158,15 @@ def prompt_logprobs(seq: Sequence, feed: Feed, rows: np.ndarray) -> None:
         seq.prompt_logprobs.extend(entries(rows[:end], nxt, seq.params.prompt_logprobs))
 
 
-def empty_drafts(r: int) -> Drafts:
+def empty_drafts(r: int, kinds: np.ndarray | None = None) -> Drafts:
     z = np.zeros(0)
-    return Drafts(np.zeros(0, dtype=np.int64), np.zeros(r + 1, dtype=np.int64), z, z)
+    return Drafts(np.zeros(0, dtype=np.int64), np.zeros(r + 1, dtype=np.int64), z, z, kinds=kinds)
 
 
-def merge_drafts(r: int, outs: dict[int, tuple[list[int], DraftOutput]]) -> Drafts:
+def merge_drafts(r: int, outs: dict[int, tuple[list[int], DraftOutput]], kinds: np.ndarray | None = None) -> Drafts:
     """Scatter each replica's ragged output back into batch order."""
-    rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = [(np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0))
-                                                             for _ in range(r)]
-    for idx, d in outs.values():
-        for j, i in enumerate(idx):
-            sl = slice(d.cu[j], d.cu[j + 1])
-            rows[i] = (d.tokens[sl], d.confidence[sl], d.margin[sl])
-    cu = np.zeros(r + 1, dtype=np.int64)
-    np.cumsum([len(t) for t, _, _ in rows], out=cu[1:])
-    return Drafts(np.concatenate([t for t, _, _ in rows]).astype(np.int64), cu,
-                  np.concatenate([c for _, c, _ in rows]), np.concatenate([m for _, _, m in rows]))
+    d = merge_outputs(r, outs.values())
+    return Drafts(d.tokens, d.cu, d.confidence, d.margin, kinds=kinds)
 
 
 def first_tokens(seqs: list[Sequence], last_out: dict) -> list[int]:

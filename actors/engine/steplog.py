@@ -16,6 +16,8 @@ from collections.abc import Iterator
 import msgpack
 import numpy as np
 
+from dcut_core.drafting import DraftCost
+
 
 class StepLog:
     """Appends step records to a file; closed with the engine."""
@@ -40,7 +42,9 @@ class StepLog:
             "measured_s": float(measured_s),
             "draft_s": float(draft_s),
             "gate": None if gate is None else {"input": gate[0].as_dict(),
-                                               "lengths": np.asarray(gate[1], dtype=np.int64).tolist()},
+                                               "lengths": np.asarray(gate[1], dtype=np.int64).tolist(),
+                                               "kinds": None if isinstance(gate[0].draft, DraftCost) else
+                                               np.asarray(gate[2], dtype=np.int64).tolist()},
             "observed": observed,
         }))
 
@@ -60,6 +64,7 @@ def observed(st) -> dict:
     drafts, kept, est = st.drafts, st.kept, st.drafts.estimate
     beyond = [] if est is None else [est[drafts.cu[i] + kept[i]:drafts.cu[i + 1]] for i in range(len(st.batch))]
     return {"rids": [s.rid for s in st.batch], "kept": np.asarray(kept).tolist(),
+            "kinds": None if drafts.kinds is None else np.asarray(drafts.kinds).tolist(),
             "accepted": [int(a) for a in st.accepted],
             "beyond": np.concatenate(beyond).tolist() if beyond else [],
             "beyond_cu": None if est is None else np.concatenate([[0], np.cumsum([len(b) for b in beyond])]).tolist()}

@@ -76,3 +76,14 @@ def kill_and_wait(actor, timeout_s: float = 60.0) -> None:
             continue
         time.sleep(0.05)
     raise AssertionError("the actor outlived ray.kill")
+
+
+def holding_drafts(eng, steps: int):
+    """The engine's `plan`, asking for no drafts in its first `steps` steps."""
+    plan = eng.plan
+
+    def held(batch):
+        kinds, lengths = plan(batch)
+        return kinds, lengths * (eng.history.steps >= steps)
+
+    return held

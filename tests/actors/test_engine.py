@@ -19,7 +19,7 @@ from actors.target.local import LocalTarget
 from actors.target.model import ForwardBatch
 from dcut_core.drafting import AcceptanceTracker, DraftingGate, Exploration, replay
 from dcut_core.pruning import POLICY_NAMES
-from tests.actors.conftest import kill_and_wait
+from tests.actors.conftest import holding_drafts, kill_and_wait
 
 POLICIES = [p for p in POLICY_NAMES if p != "fixed-K"] + ["fixed-2"]
 MAX_TOKENS = 12
@@ -162,8 +162,7 @@ def test_a_dead_drafter_replica_loses_no_request(tiny_bundle, reference, tmp_pat
 def test_a_dead_ep_rank_is_rebuilt_and_requests_resume_exactly(tiny_bundle, reference, tmp_path, in_process):
     eng = engine(tiny_bundle, tmp_path, drafter="block", policy="full", ep=2, in_process=in_process)
     try:
-        plan = eng.plan  # no drafts for 3 steps: the features of those steps wait on the ranks
-        eng.plan = lambda batch: plan(batch) * (eng.history.steps >= 3)
+        eng.plan = holding_drafts(eng, 3)  # the features of those steps wait on the ranks
         rids = [eng.add(p, SamplingParams(max_tokens=MAX_TOKENS)) for p in PROMPTS[:6]]
         for _ in range(3):
             eng.step()

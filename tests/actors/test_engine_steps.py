@@ -15,6 +15,7 @@ from actors.engine.sequence import SamplingParams
 from actors.target.checkpoint import load_model
 from actors.target.decode import greedy_decode
 from actors.target.local import LocalTarget
+from tests.actors.conftest import holding_drafts
 
 MAX_TOKENS = 10
 UNPROFILED = PRIOR_DRAFT_COST  # the engine's prior before the start-up profile
@@ -82,8 +83,7 @@ def test_lazy_drafter_context_drafts_what_eager_context_drafts(tiny_bundle, refe
     for limit in (0, 512):  # 0: every commit sent at once (eager); 512: held until a draft needs it
         eng = engine(tiny_bundle, tmp_path, drafter_backlog_tokens=limit)
         try:
-            plan = eng.plan
-            eng.plan = lambda batch, plan=plan, eng=eng: plan(batch) * (eng.history.steps >= 4)
+            eng.plan = holding_drafts(eng, 4)
             rids = [eng.add(p, SamplingParams(max_tokens=MAX_TOKENS)) for p in PROMPTS]
             for _ in range(4):
                 eng.step()

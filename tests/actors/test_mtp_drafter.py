@@ -18,22 +18,9 @@ from actors.target.checkpoint import load_model
 from actors.target.decode import greedy_decode
 from actors.target.local import LocalTarget
 from actors.target.model import ForwardBatch
+from tests.conftest import tiny_mtp
 
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5], [9, 10], [40, 41, 42, 40, 41], [3, 4, 3, 4, 3, 4]]
-
-
-def tiny_mtp(target_dir: str, out, seed: int = 0) -> MTPModule:
-    """A random MTP module for the tiny target, saved in DeepSeek's layout under `out`."""
-    torch.manual_seed(seed)
-    embed, head = shared_embeddings(target_dir)
-    cfg = MTPConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                    intermediate_size=96, layer_index=3)
-    module = MTPModule(cfg, embed, head)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(0.02 * torch.randn_like(p)) if p.dim() == 1 else p.normal_(0, 0.08)
-    module.save(out, dtype=torch.float32)
-    return module
 
 
 def naive_drafts(module: MTPModule, norm, model, tokens: list[int], k: int) -> list[int]:

@@ -273,7 +273,7 @@ def test_replay_of_a_logged_history_reproduces_every_plan():
         draft = DraftCost(rng.uniform(0, 0.01), 1e-4, 1e-5, 1e-6)
         lengths = live.decide(rids, caps, rng.integers(1, 50, len(rids)), rng.integers(0, 30, len(rids)), verify,
                               draft)
-        g, planned = live.last
+        g, planned, _ = live.last
         kept = np.minimum(lengths, rng.integers(0, 8, len(rids)))
         accepted = np.array([rng.integers(0, k + 1) for k in kept])
         beyond = [rng.uniform(0, 1, int(n - k)) for n, k in zip(lengths, kept, strict=True)]

@@ -146,6 +146,7 @@ def test_metrics_are_exposed(server, client):
     for name in ("dcut_requests_total", "dcut_generated_tokens_total", "dcut_ttft_seconds_bucket",
                  "dcut_engine_mat", "dcut_engine_keep_ratio", "dcut_engine_predicted_verify_s"):
         assert name in text
+    assert re.search(r'^dcut_engine_drafter_drafts\{drafter="block",outcome="drafted"\} \S+$', text, re.M)
 
 
 # Values a client can send where they do not belong: integer extremes, floats for integers,
@@ -158,7 +159,7 @@ ODD_VALUES = [-1, -(2**63) - 1, 2**63, 2**64 + 1, 10**40, 0, 2.5, -0.0, 1e308, T
 SWEEP_FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
                 "stop", "stream", "stream_options", "n", "user", "logprobs", "top_logprobs", "echo", "best_of",
                 "presence_penalty", "frequency_penalty", "logit_bias", "repetition_penalty", "top_k", "min_p",
-                "min_tokens", "stop_token_ids", "response_format", "structured_outputs", "ignore_eos"]
+                "min_tokens", "stop_token_ids", "response_format", "structured_outputs", "ignore_eos", "drafter"]
 
 
 @pytest.fixture(scope="module")

@@ -183,3 +183,34 @@ def test_structured_output_parses_and_bad_constraints_are_400s(server):
     assert demo.completions.create(model="dcut-demo", prompt="x = ", max_tokens=2).usage.completion_tokens == 2
     health = httpx.get(f"{BASE}/demo/health", timeout=10)  # the refused constraints left the engine serving
     assert health.status_code == 200 and health.json()["status"] == "ok", health.text
+
+
+def drafts_by_kind() -> dict[tuple[str, str], float]:
+    text = httpx.get(f"{BASE}/metrics", timeout=30).text
+    return {(k, o): float(v) for k, o, v in
+            re.findall(r'^dcut_engine_drafter_drafts\{drafter="(\w+)",outcome="(\w+)"\} (\S+)$', text, re.M)}
+
+
+def test_a_request_names_the_drafters_it_may_use(client, reference):
+    """The `drafter` extension: the main app hosts block, MTP and n-gram drafters; a request that
+    names one drafts only with it (the per-kind counters of /metrics move for it alone), with
+    the same output; a kind the server does not host, or no kind, is a 400 naming the field."""
+    assert drafts_by_kind()[("mtp", "drafted")] >= 0
+    for kinds in (["mtp"], ["ngram"], "block"):
+        before = drafts_by_kind()
+        out = client.completions.create(model="dcut-demo", prompt=PROMPT, max_tokens=12, temperature=0,
+                                        extra_body={"drafter": kinds})
+        assert out.choices[0].text.strip() == words(reference)
+        after = drafts_by_kind()
+        moved = {k for k in ("block", "mtp", "ngram") if after[(k, "chosen")] > before[(k, "chosen")]}
+        assert moved <= set([kinds] if isinstance(kinds, str) else kinds), (kinds, moved)
+    both = client.completions.create(model="dcut-demo", prompt=PROMPT, max_tokens=12, temperature=0,
+                                     extra_body={"drafter": ["block", "ngram"]})
+    assert both.choices[0].text.strip() == words(reference)
+    for bad in ("eagle", [], ["mtp", 3]):
+        with pytest.raises(openai.BadRequestError, match="drafter"):
+            client.completions.create(model="dcut-demo", prompt=PROMPT, max_tokens=4, extra_body={"drafter": bad})
+    guarded = openai.OpenAI(base_url=f"{BASE}/guarded/v1", api_key="sekret", max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="drafts with ngram"):
+        guarded.completions.create(model="dcut-demo", prompt=PROMPT, max_tokens=4, extra_body={"drafter": "mtp"})
+    assert_still_serving(client)

@@ -1,0 +1,100 @@
+"""A heterogeneous drafter pool: every replica hosts block, MTP and n-gram drafters, each request
+drafts with the kind the gate chose for it, and D-Cut prunes all of them in one decision.
+Lossless whatever mix drafted: greedy outputs equal plain decoding for every policy, sampled
+outputs depend on the seed alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from actors.engine.config import EngineConfig
+from actors.engine.coordinator import Engine
+from actors.engine.sequence import SamplingParams
+from actors.engine.steplog import read_steps
+from actors.target.checkpoint import load_model
+from actors.target.decode import greedy_decode
+from actors.target.local import LocalTarget
+from dcut_core.drafting import AcceptanceTracker, DraftingGate, Exploration, replay
+from tests.actors.test_engine import POLICIES, PROMPTS
+
+pytestmark = pytest.mark.usefixtures("local_ray")
+KINDS = "block,mtp,ngram"
+MAX_TOKENS = 12
+
+
+def engine(bundle: str, tmp_path, **kw) -> Engine:
+    cfg = dict(target_dir=f"{bundle}/target", drafter=KINDS, block=6, policy="dcut", cost_model_cache=str(tmp_path),
+               drafter_dirs=(("block", f"{bundle}/drafter"), ("mtp", f"{bundle}/mtp")), max_running=64)
+    return Engine(EngineConfig(**(cfg | kw)))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_bundle):
+    return greedy_decode(LocalTarget(load_model(f"{tiny_bundle}/target")), list(range(64)), PROMPTS, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_mixed_drafters_in_one_batch_are_lossless_for_every_policy(tiny_bundle, reference, tmp_path, ep):
+    eng = engine(tiny_bundle, tmp_path, ep=ep)
+    try:
+        assert eng.kinds == ("block", "mtp", "ngram") and len(eng.draft_cost.costs) == 3
+        for policy in POLICIES:
+            eng.set_policy(policy)
+            for concurrency in (1, 7, 64):
+                before = {k: dict(c) for k, c in eng.drafted_by_kind.items()}
+                out = eng.generate(PROMPTS[:concurrency], [SamplingParams(max_tokens=MAX_TOKENS)] * concurrency)
+                assert [s.output for s in out] == reference[:concurrency], (policy, concurrency)
+                if policy == "full" and concurrency == 64:
+                    used = [k for k, c in eng.drafted_by_kind.items() if c["chosen"] > before[k]["chosen"]]
+                    assert len(used) >= 2, eng.drafted_by_kind  # one batch, several kinds drafting
+                    assert sum(sum(s.accepted) for s in out) > 0
+        counts = eng.drafted_by_kind
+        assert all(counts[k]["drafted"] > 0 for k in eng.kinds), counts
+        assert all(c["accepted"] <= c["kept"] <= c["drafted"] for c in counts.values())
+    finally:
+        eng.shutdown()
+
+
+def test_sampled_outputs_depend_on_the_seed_alone(tiny_bundle, tmp_path):
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=100 + i) for i in range(16)]
+    eng = engine(tiny_bundle, tmp_path, policy="full")
+    try:
+        eng.set_policy("ar")
+        plain = [s.output for s in eng.generate(PROMPTS[:16], params)]
+        for policy in ("full", "dcut"):
+            eng.set_policy(policy)
+            assert [s.output for s in eng.generate(PROMPTS[:16], params)] == plain, policy
+        assert sum(c["kept"] for c in eng.drafted_by_kind.values()) > 0
+        assert len({tuple(o) for o in plain}) > 1  # really sampled
+    finally:
+        eng.shutdown()
+
+
+def test_a_request_drafts_only_with_the_kinds_it_names(tiny_bundle, reference, tmp_path):
+    eng = engine(tiny_bundle, tmp_path, policy="full")
+    try:
+        out = eng.generate(PROMPTS[:8], [SamplingParams(max_tokens=MAX_TOKENS, drafters=("ngram",))] * 8)
+        assert [s.output for s in out] == reference[:8]
+        counts = eng.drafted_by_kind
+        assert counts["ngram"]["drafted"] > 0 and counts["block"]["drafted"] == counts["mtp"]["drafted"] == 0
+        with pytest.raises(ValueError, match="not served here"):
+            eng.add(PROMPTS[0], SamplingParams(drafters=("eagle",)))
+    finally:
+        eng.shutdown()
+
+
+def test_a_mixed_pool_step_log_replays_every_plan(tiny_bundle, tmp_path):
+    log = tmp_path / "steps.msgpack"
+    eng = engine(tiny_bundle, tmp_path, step_log=str(log))
+    try:
+        eng.generate(PROMPTS[:12], [SamplingParams(max_tokens=MAX_TOKENS)] * 12)
+    finally:
+        eng.shutdown()
+    cfg = eng.cfg
+    fresh = DraftingGate([AcceptanceTracker(block=cfg.block) for _ in eng.kinds],
+                         Exploration(cfg.explore_every, cfg.explore_requests, cfg.explore_warmup),
+                         cfg.max_budget, cfg.draft_slack, cfg.draft_extend)
+    plans = replay(fresh, read_steps(log))
+    assert plans and all(np.array_equal(logged, got) for logged, got in plans)
+    assert len({int(k) for logged, _ in plans for k, n in zip(*logged, strict=True) if n}) >= 2

@@ -1,0 +1,159 @@
+"""Several drafter kinds in one unit: the per-request kind choice (a bandit over calibrated
+estimates) and the drafting plan that charges each kind its own cost."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dcut_core.choosing import KindChooser
+from dcut_core.drafting import AcceptanceTracker, DraftCost, DraftingGate, Exploration, plan_drafts, replay
+from dcut_core.pruning import StepCost
+
+
+def linear(fixed, per_token):
+    return StepCost(lambda n: fixed + per_token * np.asarray(n, dtype=np.float64), 0.0)
+
+
+rows_st = st.lists(st.lists(st.floats(0.0, 1.0), min_size=0, max_size=5), min_size=1, max_size=5)
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows_st, st.floats(0.0, 0.05), st.floats(0.0, 0.01), st.floats(0.0, 0.01), st.integers(0, 2),
+       st.booleans())
+def test_one_kind_as_a_list_plans_exactly_as_one_cost(rows, fixed, per_request, per_position, slack, extend):
+    rows = [np.array(r) for r in rows]
+    cost = DraftCost(fixed, per_request, per_position, 1e-4)
+    backlog = np.arange(len(rows), dtype=np.float64) * 7
+    a = plan_drafts(rows, linear(0.01, 1e-3), cost, slack=slack, catchup=backlog, extend=extend)
+    b = plan_drafts(rows, linear(0.01, 1e-3), [cost], slack=slack, catchup=backlog, extend=extend,
+                    kinds=np.zeros(len(rows), dtype=np.int64))
+    assert np.array_equal(a.lengths, b.lengths) and a.predicted_seconds == pytest.approx(b.predicted_seconds)
+
+
+def explicit_seconds(lengths, kinds, verify, costs, backlog, shared):
+    """The drafting step's time written out: what the plan's scan must add up to."""
+    lengths, kinds = np.asarray(lengths), np.asarray(kinds)
+    total = float(verify.seconds(np.array([len(lengths) + lengths.sum()]))[0])
+    if lengths.sum() == 0:
+        return total
+    total += shared + sum(costs[k].fixed for k in set(kinds[lengths > 0].tolist()))
+    for n, k, b in zip(lengths, kinds, backlog, strict=True):
+        if n:
+            total += costs[k].per_request + costs[k].per_context * b + costs[k].per_position * n
+    return total
+
+
+def test_a_plan_over_several_kinds_charges_each_kind_its_own_cost():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        r = int(rng.integers(1, 6))
+        rows = [rng.uniform(0, 1, rng.integers(0, 6)) for _ in range(r)]
+        costs = [DraftCost(*rng.uniform(0, [0.01, 0.002, 0.001, 1e-5])) for _ in range(3)]
+        kinds, verify = rng.integers(0, 3, r), linear(rng.uniform(0.005, 0.02), rng.uniform(0, 2e-3))
+        shared = float(rng.uniform(0, 0.005))
+        plan = plan_drafts(rows, verify, costs, kinds=kinds, shared_fixed=shared)
+        assert plan.predicted_seconds == pytest.approx(explicit_seconds(plan.lengths, kinds, verify, costs,
+                                                                        np.zeros(r), shared))
+        assert plan.expected_tokens == pytest.approx(r + sum(np.cumprod(p)[:n].sum() for p, n in
+                                                             zip(rows, plan.lengths, strict=True)))
+
+
+def test_a_dear_kind_drafts_less_than_a_cheap_one_of_equal_acceptance():
+    rows = [np.full(6, 0.8), np.full(6, 0.8)]
+    cheap, dear = DraftCost(1e-4, 1e-4, 1e-5), DraftCost(1e-4, 1e-4, 4e-3)
+    plan = plan_drafts(rows, linear(0.01, 1e-4), [cheap, dear], kinds=np.array([0, 1]))
+    assert plan.lengths[0] == 6 and plan.lengths[1] < 6
+
+
+def test_chooser_picks_the_kind_with_the_larger_net_gain_and_respects_what_a_request_allows():
+    ch = KindChooser(kinds=2, bonus=0.0)
+    verify, cost = linear(0.01, 1e-3), DraftCost(0.0, 1e-4, 1e-5)
+    predicted = [[np.full(6, 0.9), np.full(6, 0.2)],  # kind 0: request 0 good, request 1 poor
+                 [np.full(6, 0.3), np.full(6, 0.8)]]  # kind 1: the reverse
+    assert ch.choose([0, 1], predicted, verify, [cost, cost])[0].tolist() == [0, 1]
+    # the same acceptance, but kind 0 costs more per position than the drafts are worth
+    assert ch.choose([0, 1], [predicted[0], predicted[0]], verify,
+                     [DraftCost(0.0, 1e-4, 5e-3), cost])[0].tolist() == [1, 1]
+    allowed = np.array([[False, True], [True, True]])
+    assert ch.choose([0, 1], predicted, verify, [cost, cost], allowed)[0].tolist() == [1, 1]
+
+
+def test_chooser_tries_the_other_kind_once_values_are_close_and_not_when_far():
+    verify, cost = linear(0.01, 1e-3), DraftCost(0.0, 1e-4, 1e-5)
+    close = [[np.full(4, 0.60)], [np.full(4, 0.55)]]
+    far = [[np.full(4, 0.9)], [np.full(4, 0.1)]]
+    ch = KindChooser(kinds=2, bonus=1.0)
+    assert ch.choose([7], close, verify, [cost, cost])[0].tolist() == [0]  # untried: the better estimate
+    ch.observe(7, 0, kept=3)
+    assert ch.choose([7], close, verify, [cost, cost])[0].tolist() == [1]  # tried 0 once: 1 gets its turn
+    assert ch.choose([7], far, verify, [cost, cost])[0].tolist() == [0]
+    ch.observe(7, 1, kept=0)  # nothing kept: not a try
+    assert ch.tried[7].tolist() == [1, 0]
+    ch.forget(7)
+    assert 7 not in ch.tried
+
+
+def simulate(gate, types, truth, steps, rng, allowed=None):
+    """Requests of `types` (index into truth[kind][type], the true per-position acceptance),
+    decided and verified for `steps` steps; returns the kind each request used per step."""
+    rids = list(range(len(types)))
+    verify, cost = linear(0.01, 1e-4), DraftCost(1e-4, 1e-4, 1e-5)
+    used = []
+    for _ in range(steps):
+        caps = np.full(len(rids), 7)
+        kinds, lengths = gate.decide_kinds(rids, caps, np.full(len(rids), 500), np.zeros(len(rids)), verify,
+                                           [cost] * len(gate.trackers), allowed)
+        used.append(kinds.copy())
+        for rid, k, n in zip(rids, kinds, lengths, strict=True):
+            if n:
+                ok = rng.random(int(n)) < truth[k][types[rid]]
+                gate.observe(rid, int(k), int(n), int(np.argmin(ok)) if not ok.all() else int(n))
+    return np.array(used)
+
+
+def test_the_gate_learns_which_kind_suits_which_request():
+    """Two populations: kind 0 accepts 0.9 of type A's drafts and 0.4 of type B's, kind 1 the
+    reverse. Starting from nothing, the bandit settles each request on its own better kind."""
+    rng = np.random.default_rng(1)
+    gate = DraftingGate([AcceptanceTracker(block=8), AcceptanceTracker(block=8)],
+                        Exploration(every=50, requests=2, warmup=0))
+    types = [0, 1] * 8
+    truth = [[0.9, 0.4], [0.4, 0.9]]
+    used = simulate(gate, types, truth, 150, rng)
+    late = used[-50:]
+    right = np.mean([late[:, i] == types[i] for i in range(len(types))])
+    assert right > 0.85
+    assert (used[:20] != np.array(types)).any()  # it did have to learn
+
+
+def test_a_multi_kind_history_replays_exactly():
+    rng = np.random.default_rng(2)
+
+    def fresh(**kw):
+        return DraftingGate([AcceptanceTracker(block=8), AcceptanceTracker(block=8)],
+                            Exploration(every=50, requests=2, warmup=0), record=True, **kw)
+
+    live, log = fresh(), []
+    rids = [0, 1, 2, 3]
+    allowed = np.array([[True, True], [True, False], [True, True], [False, True]])
+    for _ in range(120):
+        caps = rng.integers(0, 8, len(rids))
+        costs = [DraftCost(rng.uniform(0, 0.01), 1e-4, 1e-5, 1e-6), DraftCost(rng.uniform(0, 0.01), 2e-4, 1e-5, 1e-6)]
+        kinds, lengths = live.decide_kinds(rids, caps, np.full(4, 40), rng.integers(0, 20, 4),
+                                           linear(0.01, 2e-4), costs, allowed, 1e-3)
+        g, _, _ = live.last
+        assert all(allowed[i, k] for i, k in enumerate(kinds))
+        kept = np.minimum(lengths, rng.integers(0, 8, 4))
+        accepted = [int(rng.integers(0, k + 1)) for k in kept]
+        for rid, k, n, a in zip(rids, kinds, kept, accepted, strict=True):
+            live.observe(rid, int(k), int(n), a)
+        log.append({"gate": {"input": g.as_dict(), "lengths": lengths.tolist(), "kinds": kinds.tolist()},
+                    "observed": {"rids": rids, "kinds": kinds.tolist(), "kept": kept.tolist(), "accepted": accepted,
+                                 "beyond": [], "beyond_cu": None}})
+    plans = replay(fresh(), log)
+    assert len(plans) == 120 and all(np.array_equal(a, b) for a, b in plans)
+    assert len({int(k) for a, _ in plans for k in a[0]}) == 2  # both kinds were chosen
+    assert any(not np.array_equal(a, b) for a, b in replay(fresh(bonus=0.0), log))
