@@ -149,6 +149,7 @@ class MTPDrafter:
 
     @torch.inference_mode()
     def commit(self, request_ids: list[int], tokens: list[list[int]], hidden: list[dict]) -> None:
+        new = []  # (request, tokens, states) of the pairs complete now
         for rid, toks, h in zip(request_ids, tokens, hidden, strict=True):
             first = rid not in self._tokens
             buf_t, buf_h = self._tokens.setdefault(rid, []), self._hidden.setdefault(rid, [])
@@ -157,23 +158,36 @@ class MTPDrafter:
                 buf_h.extend(self.final_norm(torch.as_tensor(h[self.layer]).float()))
             m = min(len(buf_t), len(buf_h))
             if m:
-                self._pairs(rid, torch.tensor(buf_t[:m]), torch.stack(buf_h[:m]))
+                new.append((rid, torch.tensor(buf_t[:m]), torch.stack(buf_h[:m])))
                 del buf_t[:m], buf_h[:m]
+        if new:
+            self._pairs(new)
 
-    def _pairs(self, rid: int, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
-        """Run the module over a request's new committed pairs, caching their keys and values."""
-        start = self.cache.length(rid) if rid in self.cache else 0
-        n = len(tokens)
-        self.cache.reserve({rid: n})
-        x = self.module.combine(tokens, hidden)
-        q, k, v = self.module.qkv(x, torch.arange(start + 1, start + 1 + n))  # pair j sits at position j
-        slots = self.cache.slots(rid, start, start + n)
+    def _pairs(self, new: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+        """Run the module over new committed pairs of several requests in one pass: every pair's
+        keys and values are cached; only each request's newest pair attends and goes through the
+        rest of the layer (its output yields the first draft; the others' outputs are never read)."""
+        rids = [rid for rid, _, _ in new]
+        counts = [len(t) for _, t, _ in new]
+        starts = [self.cache.length(rid) if rid in self.cache else 0 for rid in rids]
+        self.cache.reserve(dict(zip(rids, counts, strict=True)))
+        x = self.module.combine(torch.cat([t for _, t, _ in new]), torch.cat([h for _, _, h in new]))
+        positions = torch.cat([torch.arange(s + 1, s + 1 + n) for s, n in zip(starts, counts, strict=True)])
+        q, k, v = self.module.qkv(x, positions)  # pair j sits at position j
+        slots = torch.cat([self.cache.slots(rid, s, s + n) for rid, s, n in zip(rids, starts, counts, strict=True)])
         self.cache.k[0, slots], self.cache.v[0, slots] = k, v
-        self.cache.commit(rid, n)
-        keys = self.cache.slots(rid, 0, start + n)
-        causal = torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]  # [n, T]
-        attn = _attend(q[None], self.cache.k[0][keys][None], self.cache.v[0][keys][None], causal[None])
-        self._last[rid] = self.module.finish(x, attn[0])[-1]
+        for rid, n in zip(rids, counts, strict=True):
+            self.cache.commit(rid, n)
+        newest = torch.cumsum(torch.tensor(counts), 0) - 1
+        ctx = [s + n for s, n in zip(starts, counts, strict=True)]
+        keys = torch.zeros(len(rids), max(ctx), dtype=torch.long)
+        for i, (rid, t) in enumerate(zip(rids, ctx, strict=True)):
+            keys[i, :t] = self.cache.slots(rid, 0, t)
+        mask = torch.arange(max(ctx))[None, :] < torch.tensor(ctx)[:, None]  # [R, T]
+        attn = _attend(q[newest][:, None], self.cache.k[0][keys], self.cache.v[0][keys], mask[:, None])
+        g = self.module.finish(x[newest], attn[:, 0])
+        for rid, row in zip(rids, g, strict=True):
+            self._last[rid] = row
 
     @torch.inference_mode()
     def draft(self, request_ids: list[int], last_tokens: list[int], lengths: list[int], temperature: float = 0.0,

@@ -19,6 +19,7 @@ from actors.drafter.base import DraftOutput, merge_outputs
 from actors.drafter.block import BlockDrafter
 from actors.drafter.model import DraftModel
 from actors.drafter.ngram import NgramDrafter
+from actors.drafter.pending import PendingContext
 from actors.engine.backlog import CatchUp
 from actors.inprocess import resolve
 from actors.ray_env import whereabouts
@@ -36,6 +37,7 @@ class DrafterSpec:
     threads: int = 1
     capacity_tokens: int = 65536
     dirs: tuple[tuple[str, str], ...] = ()  # (kind, weights folder) of each kind that has weights
+    pending_tokens: int = 2048  # several kinds: context held per kind and request until it drafts (pending.py)
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -108,15 +110,17 @@ LOCAL = "local"  # a catch-up's `sources` when the features are in the hosting r
 
 class Drafter:
     """Holds the drafters of one or several kinds and the per-request state they need; drafts
-    for the requests it is given, each with the kind the coordinator chose for it. Every hosted
-    kind commits every request's context, so any of them can draft for it next. `DrafterReplica`
-    is it as a Ray actor; the in-process engine calls it directly, and under a driver rank each
-    rank hosts one (`attach`) that drafts for the requests whose KV it holds."""
+    for the requests it is given, each with the kind the coordinator chose for it. With several
+    kinds, a request's context reaches a kind when that kind drafts for it (`PendingContext`),
+    so any kind can draft for any request and none pays for requests it does not draft for.
+    `DrafterReplica` is it as a Ray actor; the in-process engine calls it directly, and under a
+    driver rank each rank hosts one (`attach`) that drafts for the requests whose KV it holds."""
 
     def __init__(self, spec: DrafterSpec) -> None:
         torch.set_num_threads(spec.threads)
         self.drafters = [build_drafter(spec, kind) for kind in spec.kinds]
         self.drafter = self.drafters[0]
+        self.pending = PendingContext(self.drafters, spec.pending_tokens) if len(self.drafters) > 1 else None
         self.lost: set[int] = set()  # requests whose context could not be fetched: no drafts
         self._local_features = None  # the hosting rank's `take_features`
 
@@ -151,6 +155,7 @@ class Drafter:
         for k in sorted(set(kinds)):
             idx = [i for i, kk in enumerate(kinds) if kk == k]
             t1 = time.perf_counter()
+            self.pending.flush(k, [request_ids[i] for i in idx if lengths[i] > 0])
             parts[k] = (idx, self.drafters[k].draft([request_ids[i] for i in idx], [last_tokens[i] for i in idx],
                                                     [lengths[i] for i in idx]))
             kind_s[k] = time.perf_counter() - t1
@@ -176,12 +181,14 @@ class Drafter:
             hidden.append(parts[0] if len(parts) == 1 else
                           {k: np.concatenate([h[k] for h in parts]) for k in parts[0]} if parts else {})
         keep = [i for i, rid in enumerate(c.rids) if rid not in self.lost]
-        for d in self.drafters:
-            d.commit([c.rids[i] for i in keep], [c.tokens[i] for i in keep], [hidden[i] for i in keep])
+        commit = self.pending.add if self.pending is not None else self.drafter.commit
+        commit([c.rids[i] for i in keep], [c.tokens[i] for i in keep], [hidden[i] for i in keep])
 
     def release(self, request_ids: list[int]) -> None:
         for d in self.drafters:
             d.release(request_ids)
+        if self.pending is not None:
+            self.pending.release(request_ids)
         self.lost.difference_update(request_ids)
 
     def whereabouts(self) -> dict[str, str | None]:

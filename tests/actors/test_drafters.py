@@ -99,3 +99,47 @@ def test_speculative_greedy_is_lossless(make_tiny, kind):
     assert all(0 <= a <= d for acc, dr in zip(trace.accepted, trace.drafted, strict=True)
                for a, d in zip(acc, dr, strict=True))
     assert trace.mat() >= 1.0
+
+
+@pytest.mark.parametrize("limit", [4096, 5])
+def test_a_replica_of_several_kinds_drafts_what_each_kind_alone_drafts(tiny_bundle, limit):
+    """Context held back from the kinds not drafting (`PendingContext`), given to a kind when it
+    drafts or when it passes the limit, leaves every kind's drafts exactly those of a replica of
+    that kind alone, fed eagerly; nothing is held past the limit."""
+    from actors.engine.backlog import CatchUp
+    from actors.engine.replica import Drafter, DrafterSpec
+    from actors.target.checkpoint import load_model
+
+    kinds = ("block", "mtp", "ngram")
+    dirs = (("block", f"{tiny_bundle}/drafter"), ("mtp", f"{tiny_bundle}/mtp"))
+    spec = DrafterSpec(",".join(kinds), f"{tiny_bundle}/target", None, 6, dirs=dirs, pending_tokens=limit)
+    mixed = Drafter(spec)
+    alone = [Drafter(DrafterSpec(k, f"{tiny_bundle}/target", dict(dirs).get(k), 6)) for k in kinds]
+    layers = mixed.target_layers()
+    model = LocalTarget(load_model(f"{tiny_bundle}/target"))
+    rng = np.random.default_rng(0)
+    history = {rid: rng.integers(1, 96, 6).tolist() for rid in range(4)}
+    fed = dict.fromkeys(history, 0)  # tokens of each request already sent to the drafters
+    for _ in range(6):
+        rids = list(history)
+        tokens = [history[r][fed[r]:] for r in rids]
+        feats = [model.forward([r], [history[r][:-1]], capture_layers=layers).captured[0] for r in rids]
+        hidden = [{lay: f[lay][fed[r]:] for lay in layers} for r, f in zip(rids, feats, strict=True)]
+        catchup = CatchUp(rids, tokens, hidden)
+        for d in alone:
+            d.commit(catchup)
+        mixed.commit(catchup)
+        assert all(mixed.pending.held(k, r) <= limit for k in range(3) for r in rids)
+        fed = {r: len(history[r]) for r in rids}
+        choice = rng.integers(0, 3, len(rids)).tolist()
+        lengths = rng.integers(1, 5, len(rids)).tolist()
+        last = [history[r][-1] for r in rids]
+        got = mixed.draft(rids, last, lengths, None, choice)
+        for i, (rid, k) in enumerate(zip(rids, choice, strict=True)):
+            want = alone[k].draft([rid], [last[i]], [lengths[i]])
+            assert got.tokens[got.cu[i]:got.cu[i + 1]].tolist() == want.tokens.tolist()
+            np.testing.assert_allclose(got.confidence[got.cu[i]:got.cu[i + 1]], want.confidence, rtol=1e-5)
+        for r in rids:  # the request goes on: its next tokens
+            history[r] += rng.integers(1, 96, int(rng.integers(1, 4))).tolist()
+    mixed.release(list(history))
+    assert not any(mixed.pending.sizes[k] for k in range(3))

@@ -53,14 +53,15 @@ def test_incremental_drafting_equals_a_naive_full_recompute(tiny_bundle, tmp_pat
     norm, model = target_final_norm(target_dir), load_model(target_dir).eval()
     drafter = MTPDrafter(loaded, norm, target_layer=3, capacity_tokens=4096, block=6)
     local = LocalTarget(model)
-    # Commit each prompt in two pieces, as the engine's catch-ups would: tokens, and the target's
-    # states at the positions it has processed (all but the newest token).
+    # Commit each prompt in two pieces, every request in the same call, as the engine's catch-ups
+    # would: tokens, and the target's states at the positions it has processed (all but the newest).
+    pieces = []
     for rid, p in enumerate(PROMPTS):
-        out = local.forward([rid], [p[:-1]], capture_layers=(3,))
+        rows = local.forward([rid], [p[:-1]], capture_layers=(3,)).captured[0][3]
         half = max(1, len(p) // 2)
-        rows = out.captured[0][3]
-        drafter.commit([rid], [p[:half]], [{3: rows[:half]}])
-        drafter.commit([rid], [p[half:]], [{3: rows[half:]}] if len(rows) > half else [{}])
+        pieces.append(((p[:half], {3: rows[:half]}), (p[half:], {3: rows[half:]} if len(rows) > half else {})))
+    for piece in (0, 1):
+        drafter.commit(list(range(len(PROMPTS))), [x[piece][0] for x in pieces], [x[piece][1] for x in pieces])
     got = drafter.draft(list(range(len(PROMPTS))), [p[-1] for p in PROMPTS], [5, 3, 1, 4])
     for i, p in enumerate(PROMPTS):
         want = naive_drafts(module, norm, model, p, [5, 3, 1, 4][i])

@@ -157,3 +157,19 @@ def test_a_multi_kind_history_replays_exactly():
     assert len(plans) == 120 and all(np.array_equal(a, b) for a, b in plans)
     assert len({int(k) for a, _ in plans for k in a[0]}) == 2  # both kinds were chosen
     assert any(not np.array_equal(a, b) for a, b in replay(fresh(bonus=0.0), log))
+
+
+def test_a_kind_whose_pass_costs_more_than_its_few_requests_gain_is_left_out_of_the_batch():
+    """Kind 1 is a little better for request 2 alone; worth it when its pass is cheap, not when
+    the pass costs more than that request gains over kind 0 (the pass is paid once per step)."""
+    verify = linear(0.01, 1e-4)
+    predicted = [[np.full(4, 0.8), np.full(4, 0.8), np.full(4, 0.6)],
+                 [np.full(4, 0.3), np.full(4, 0.3), np.full(4, 0.7)]]
+    ch = KindChooser(kinds=2, bonus=0.0)
+    cheap = [DraftCost(1e-4, 1e-4, 1e-5), DraftCost(1e-4, 1e-4, 1e-5)]
+    assert ch.choose([0, 1, 2], predicted, verify, cheap)[0].tolist() == [0, 0, 1]
+    dear = [DraftCost(1e-4, 1e-4, 1e-5), DraftCost(5e-3, 1e-4, 1e-5)]
+    assert ch.choose([0, 1, 2], predicted, verify, dear)[0].tolist() == [0, 0, 0]
+    # ... unless the request may use nothing else
+    only = np.array([[True, True], [True, True], [False, True]])
+    assert ch.choose([0, 1, 2], predicted, verify, dear, only)[0].tolist() == [0, 0, 1]
