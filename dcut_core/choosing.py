@@ -9,8 +9,9 @@ kind k for request i is its best expected net gain in tokens,
 
     v_ik = max_n [ Σ_{j<n} S_ikj − ρ · (d_request,k + n · (d_position,k + τ)) ],
 
-where ρ is the plain-decoding rate (tokens a second) and τ the verify cost of one more token: a
-draft is worth its survival minus the tokens plain decoding would have made in the time it costs.
+where ρ is a rate (tokens a second) and τ the verify cost of one more token: a draft is worth
+its survival minus the tokens the step would have made in the time it costs (ρ starts at plain
+decoding's rate and is refined to the choice's own, see `choose`).
 The choice is a bandit (UCB): v_ik plus `bonus` · sqrt(ln(2 + N_i) / (1 + n_ik)), n_ik being
 request i's verifications drafted by kind k, so every kind gets tried on a request whose values
 are close, and a kind a request has not used in a long while is tried again. An optional prior
@@ -37,16 +38,20 @@ class KindChooser:
     bonus: float = 1.0  # tokens of optimism for the kind a request has tried least
     tried: dict[int, np.ndarray] = field(default_factory=dict)  # request -> verifications by kind
 
-    def values(self, predicted: list[list[np.ndarray]], verify: StepCost, costs) -> tuple[np.ndarray, float]:
-        """(v [R, K], ρ): predicted[k][i] is request i's conditional acceptance by position under
-        kind k (up to its cap); costs[k] the kind's DraftCost; ρ the plain-decoding rate."""
+    def values(self, predicted: list[list[np.ndarray]], verify: StepCost, costs,
+               rate: float | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+        """(v, gain, n) [R, K] and ρ: predicted[k][i] is request i's conditional
+        acceptance by position under kind k (up to its cap), costs[k] the kind's DraftCost, ρ the
+        rate a second of drafting is charged at (default: plain decoding's). v_ik is the best net
+        gain in tokens, at n_ik drafts expected to yield gain_ik accepted."""
         r = len(predicted[0])
-        if not any(len(p) for rows in predicted for p in rows):  # nobody may draft: nothing to tell apart
-            return np.zeros((r, self.kinds)), 0.0
         base = float(verify.seconds(np.array([r]))[0])
-        rate = r / base  # plain decoding's tokens a second
+        zero = np.zeros((r, self.kinds))
+        if not any(len(p) for rows in predicted for p in rows):  # nobody may draft: nothing to tell apart
+            return zero, zero, zero, 0.0
+        rate = r / base if rate is None else rate
         tau = float(verify.seconds(np.array([r + 1]))[0]) - base  # one more verified token
-        v = np.zeros((r, self.kinds))
+        v, gain_at, n_at = zero.copy(), zero.copy(), zero.copy()
         for k, rows in enumerate(predicted):
             n_max = max((len(p) for p in rows), default=0)
             if n_max == 0:
@@ -56,9 +61,11 @@ class KindChooser:
                 rates[i, :len(p)] = np.clip(p, 0.0, 1.0)
             gain = np.cumsum(np.cumprod(rates, axis=1), axis=1)  # [R, n]: expected accepted at n drafts
             n = np.arange(1, n_max + 1)
-            net = gain - rate * (costs[k].per_request + n * (costs[k].per_position + tau))
-            v[:, k] = net.max(axis=1)
-        return v, rate
+            c = costs[k]  # a chain's passes charged in full: exact for a kind drafting for one request
+            net = gain - rate * (c.per_request + n * (c.per_position + c.per_pass + tau))
+            best = net.argmax(axis=1)
+            v[:, k], gain_at[:, k], n_at[:, k] = net[np.arange(r), best], gain[np.arange(r), best], best + 1
+        return v, gain_at, n_at, rate
 
     def choose(self, rids: list[int], predicted: list[list[np.ndarray]], verify: StepCost, costs,
                allowed: np.ndarray | None = None, prior: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -71,18 +78,43 @@ class KindChooser:
         A kind's pass costs its `fixed` seconds once for all the requests it drafts for, so the
         kinds in use are chosen together: of every set of kinds, the one whose requests' best
         scores (those above 0: the others will not draft) minus ρ × the set's fixed costs sum
-        highest; each request takes its best kind within it."""
+        highest; each request takes its best kind within it. Time spent drafting is worth the
+        tokens the step would otherwise make in it — at the speculative rate, not the plain one
+        — so ρ is refined (Dinkelbach): the choice's own predicted tokens per second, then choose
+        again, a few times."""
         r = len(rids)
         if r == 0:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool)
-        value, rate = self.values(predicted, verify, costs)
-        if prior is not None:
-            value = value + prior
         counts = np.array([self.tried.get(rid, np.zeros(self.kinds)) for rid in rids])
-        score = value + self.bonus * np.sqrt(np.log(2.0 + counts.sum(axis=1))[:, None] / (1.0 + counts))
-        if allowed is not None:
-            value, score = np.where(allowed, value, -np.inf), np.where(allowed, score, -np.inf)
-        fixed = rate * np.array([c.fixed for c in costs])  # tokens each kind's pass costs
+        bonus = self.bonus * np.sqrt(np.log(2.0 + counts.sum(axis=1))[:, None] / (1.0 + counts))
+        rate = None
+        for _ in range(3):
+            value, gain, n, rate = self.values(predicted, verify, costs, rate)
+            if prior is not None:
+                value = value + prior
+            score = value + bonus
+            if allowed is not None:
+                value, score = np.where(allowed, value, -np.inf), np.where(allowed, score, -np.inf)
+            kind, use = self._assign(score, rate * np.array([c.fixed for c in costs]))
+            rows = np.arange(r)
+            drafts = value[rows, kind] > 0  # the requests whose drafts are predicted to pay
+            if rate == 0.0 or not drafts.any():
+                break
+            k = kind[drafts]
+            tokens = r + gain[rows, kind][drafts].sum()
+            m = n[rows, kind][drafts]
+            seconds = float(verify.seconds(np.array([r + int(m.sum())]))[0]) + sum(
+                costs[j].fixed + costs[j].per_pass * m[k == j].max() for j in np.unique(k)) + sum(
+                costs[j].per_request + costs[j].per_position * mj for j, mj in zip(k, m, strict=True))
+            if tokens / seconds <= rate * (1 + 1e-6):
+                break
+            rate = tokens / seconds
+        exploring = (kind != np.where(use, value, -np.inf).argmax(axis=1)) & (score[np.arange(r), kind] > 0)
+        return kind, exploring
+
+    def _assign(self, score: np.ndarray, fixed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(kind [R], kinds in use [K]): the set of kinds whose requests' positive scores minus
+        their passes' costs (tokens) sum highest; each request's best kind within it."""
         best_total, use = -np.inf, np.ones(self.kinds, dtype=bool)
         for subset in range(1, 2 ** self.kinds):
             inside = (subset >> np.arange(self.kinds)) & 1 == 1
@@ -91,9 +123,8 @@ class KindChooser:
             if total > best_total + 1e-12:  # ties: the set met first (fewer, lower kinds)
                 best_total, use = total, inside
         within = np.where(use, score, -np.inf)
-        kind = np.where(np.isfinite(within.max(axis=1)), within.argmax(axis=1), score.argmax(axis=1)).astype(np.int64)
-        exploring = (kind != np.where(use, value, -np.inf).argmax(axis=1)) & (score[np.arange(r), kind] > 0)
-        return kind, exploring
+        kind = np.where(np.isfinite(within.max(axis=1)), within.argmax(axis=1), score.argmax(axis=1))
+        return kind.astype(np.int64), use
 
     def observe(self, rid: int, kind: int, kept: int) -> None:
         """Request rid's drafts by `kind` were verified (kept > 0) this step."""

@@ -29,18 +29,23 @@ from dcut_core.pruning import DraftBatch, StepCost
 
 @dataclass(frozen=True)
 class DraftCost:
-    """Seconds one drafting pass costs: a call, each drafting request, each drafted position."""
+    """Seconds one drafting pass costs: a call, each drafting request, each drafted position, each
+    context token caught up on, and each step of its chain — a chained drafter (MTP) runs one
+    pass per draft position, so its time grows with the longest request's drafts (`passes`),
+    whatever the others ask for."""
 
     fixed: float = 0.0
     per_request: float = 0.0
     per_position: float = 0.0
     per_context: float = 0.0  # each context token a drafter catches up on before drafting
+    per_pass: float = 0.0  # each draft position of the longest request (a chain's sequential passes)
 
     def seconds(self, requests: np.ndarray | int, positions: np.ndarray | int,
-                context: np.ndarray | int = 0) -> np.ndarray:
+                context: np.ndarray | int = 0, passes: np.ndarray | int = 0) -> np.ndarray:
         r, p = np.asarray(requests, dtype=np.float64), np.asarray(positions, dtype=np.float64)
-        c = np.asarray(context, dtype=np.float64)
-        return np.where(p > 0, self.fixed + self.per_request * r + self.per_position * p + self.per_context * c, 0.0)
+        c, n = np.asarray(context, dtype=np.float64), np.asarray(passes, dtype=np.float64)
+        return np.where(p > 0, self.fixed + self.per_request * r + self.per_position * p + self.per_context * c
+                        + self.per_pass * n, 0.0)
 
 
 @dataclass(frozen=True)
@@ -85,7 +90,7 @@ def plan_drafts(predicted: list[np.ndarray], verify: StepCost, draft: DraftCost 
     def column(name: str) -> np.ndarray:
         return np.array([getattr(c, name) for c in costs], dtype=np.float64)
 
-    fixed = column("fixed")  # [kinds]
+    fixed, per_pass = column("fixed"), column("per_pass")  # [kinds]
     per_request, per_position, per_context = (column(n)[kind] for n in ("per_request", "per_position", "per_context"))
     backlog = np.zeros(r) if catchup is None else np.asarray(catchup, dtype=np.float64)
     if catchup is not None and r:
@@ -109,9 +114,13 @@ def plan_drafts(predicted: list[np.ndarray], verify: StepCost, draft: DraftCost 
     row = owner[order[:m_max]]  # the request of each position in order
     first = ragged.positions(cu)[order[:m_max]] == 0  # a request's first position: it starts drafting
     kind_first = np.zeros(m_max)  # a kind's first position in the order: its pass runs
+    longer = np.zeros(m_max)  # a position deeper than any of its kind's so far: one more chained pass
+    depth = ragged.positions(cu)[order[:m_max]] + 1
     for k in np.unique(kind[row]):
-        kind_first[np.flatnonzero(kind[row] == k)[0]] = fixed[k]
-    added = first * (per_request[row] + per_context[row] * backlog[row]) + per_position[row] + kind_first
+        mine = np.flatnonzero(kind[row] == k)
+        kind_first[mine[0]] = fixed[k]
+        longer[mine] = per_pass[k] * np.diff(np.maximum.accumulate(depth[mine]), prepend=0)
+    added = first * (per_request[row] + per_context[row] * backlog[row]) + per_position[row] + kind_first + longer
     m = np.arange(m_max + 1)
     seconds = verify.seconds(r + m) + np.concatenate([[0.0], shared_fixed + np.cumsum(added)])
     best = int(np.argmax(tokens / seconds))
@@ -283,7 +292,7 @@ class GateInput:
 
     def as_dict(self) -> dict:
         def fields(d: DraftCost) -> list[float]:
-            return [d.fixed, d.per_request, d.per_position, d.per_context]
+            return [d.fixed, d.per_request, d.per_position, d.per_context, d.per_pass]
 
         return {"rids": self.rids, "caps": self.caps.tolist(), "remaining": self.remaining.tolist(),
                 "backlog": self.backlog.tolist(), "verify_table": self.verify_table.tolist(),

@@ -245,7 +245,8 @@ class Engine:
         which = np.zeros(len(batch), dtype=np.int64) if kinds is None else kinds
         k = len(self.kinds)
         self.draft_cost.observe_kinds(np.bincount(which[counts > 0], minlength=k),
-                                      np.bincount(which, weights=counts, minlength=k), seconds, caught_up)
+                                      np.bincount(which, weights=counts, minlength=k), seconds, caught_up,
+                                      [counts[which == j].max(initial=0) for j in range(k)])
         drafts.seconds = seconds
         drafts.compute_seconds = max(out.compute_s for _, out in outs.values())
         return drafts

@@ -75,20 +75,22 @@ class DraftCostLearner:
     def cost(self) -> DraftCost:
         """The one kind's cost, the call's shared cost included."""
         c = self.costs[0]
-        return DraftCost(c.fixed + self.shared, c.per_request, c.per_position, c.per_context)
+        return DraftCost(c.fixed + self.shared, c.per_request, c.per_position, c.per_context, c.per_pass)
 
-    def observe(self, requests: int, positions: int, seconds: float, catchup: int = 0) -> None:
-        self.observe_kinds([requests], [positions], seconds, catchup)
+    def observe(self, requests: int, positions: int, seconds: float, catchup: int = 0, passes: int = 0) -> None:
+        self.observe_kinds([requests], [positions], seconds, catchup, [passes])
 
-    def observe_kinds(self, requests, positions, seconds: float, catchup: int = 0) -> None:
-        """One call: requests[k] and positions[k] drafted by kind k."""
+    def observe_kinds(self, requests, positions, seconds: float, catchup: int = 0, passes=None) -> None:
+        """One call: requests[k] and positions[k] drafted by kind k, the longest request's drafts
+        passes[k] (a chained drafter's sequential passes)."""
         if sum(positions) <= 0:
             return
+        passes = [0] * len(self.costs) if passes is None else passes
         if len(self.costs) == 1:
-            x = (1.0, float(requests[0]), float(positions[0]), float(catchup))
+            x = (1.0, float(requests[0]), float(positions[0]), float(catchup), float(passes[0]))
         else:
             x = (1.0, *(float(p > 0) for p in positions), *map(float, requests), *map(float, positions),
-                 float(catchup))
+                 *map(float, passes), float(catchup))
         self._x.append(x)
         self._y.append(seconds)
         del self._x[: -self.keep], self._y[: -self.keep]
@@ -103,14 +105,14 @@ class DraftCostLearner:
             self.costs = [DraftCost(*c)]
             return
         self.shared = c[0]
-        self.costs = [DraftCost(c[1 + i], c[1 + k + i], c[1 + 2 * k + i], c[-1]) for i in range(k)]
+        self.costs = [DraftCost(c[1 + i], c[1 + k + i], c[1 + 2 * k + i], c[-1], c[1 + 3 * k + i]) for i in range(k)]
 
 
 def profile_drafter(replica, hidden_size: int, layers: tuple[int, ...], vocab_size: int, max_requests: int,
                     block: int, context: int = 48, seed: int = 0,
-                    kind: int | None = None) -> list[tuple[int, int, int, float]]:
+                    kind: int | None = None) -> list[tuple[int, int, int, int, float]]:
     """Time drafting calls on synthetic requests at start-up: (requests, positions, context tokens
-    caught up, seconds) per call, measured at the coordinator as the engine will. Each shape
+    caught up, drafts per request, seconds) per call, measured at the coordinator as the engine will. Each shape
     runs twice: first with its requests' context sent along (catch-up), then without. `kind`:
     the hosted kind that drafts (a replica of several)."""
     rng = np.random.default_rng(seed)
@@ -126,7 +128,7 @@ def profile_drafter(replica, hidden_size: int, layers: tuple[int, ...], vocab_si
             for sent in (catchup, None):
                 t0 = time.perf_counter()
                 resolve(replica.draft.remote(rids, last, [n] * r, sent, None if kind is None else [kind] * r))
-                samples.append((r, n * r, context * r if sent else 0, time.perf_counter() - t0))
+                samples.append((r, n * r, context * r if sent else 0, n, time.perf_counter() - t0))
             resolve(replica.release.remote(rids))
     return samples
 
@@ -141,10 +143,10 @@ def startup_draft_cost(replicas, hidden_size: int, layers: tuple[int, ...], voca
         warm = CatchUp([-1], [[0] * 8], [{k: np.zeros((8, hidden_size), np.float16) for k in layers}])
         resolve(replicas[0].draft.remote([-1], [0], [1], warm, None if which is None else [which]))  # lazy set-up
         resolve(replicas[0].release.remote([-1]))
-        for r, p, c, sec in profile_drafter(replicas[0], hidden_size, layers, vocab_size, max_requests, block,
-                                            kind=which):
+        for r, p, c, n, sec in profile_drafter(replicas[0], hidden_size, layers, vocab_size, max_requests, block,
+                                               kind=which):
             one_hot = np.arange(kinds) == kind
-            learner.observe_kinds(r * one_hot, p * one_hot, sec, c)
+            learner.observe_kinds(r * one_hot, p * one_hot, sec, c, n * one_hot)
     learner.refit()
     log.info("profiled the drafter at start-up: %s", learner.cost)
     return learner

@@ -39,19 +39,21 @@ def explicit_seconds(lengths, kinds, verify, costs, backlog, shared):
     total = float(verify.seconds(np.array([len(lengths) + lengths.sum()]))[0])
     if lengths.sum() == 0:
         return total
-    total += shared + sum(costs[k].fixed for k in set(kinds[lengths > 0].tolist()))
+    for k in set(kinds[lengths > 0].tolist()):  # a kind's pass, and its chain as long as its longest request's
+        total += costs[k].fixed + costs[k].per_pass * lengths[kinds == k].max()
+    total += shared
     for n, k, b in zip(lengths, kinds, backlog, strict=True):
         if n:
             total += costs[k].per_request + costs[k].per_context * b + costs[k].per_position * n
     return total
 
 
-def test_a_plan_over_several_kinds_charges_each_kind_its_own_cost():
+def test_a_plan_over_several_kinds_charges_each_kind_its_own_cost_and_each_chain_its_passes():
     rng = np.random.default_rng(0)
     for _ in range(300):
         r = int(rng.integers(1, 6))
         rows = [rng.uniform(0, 1, rng.integers(0, 6)) for _ in range(r)]
-        costs = [DraftCost(*rng.uniform(0, [0.01, 0.002, 0.001, 1e-5])) for _ in range(3)]
+        costs = [DraftCost(*rng.uniform(0, [0.01, 0.002, 0.001, 1e-5, 0.002])) for _ in range(3)]
         kinds, verify = rng.integers(0, 3, r), linear(rng.uniform(0.005, 0.02), rng.uniform(0, 2e-3))
         shared = float(rng.uniform(0, 0.005))
         plan = plan_drafts(rows, verify, costs, kinds=kinds, shared_fixed=shared)
