@@ -69,10 +69,11 @@ class KindChooser:
 
     def choose(self, rids: list[int], predicted: list[list[np.ndarray]], verify: StepCost, costs,
                allowed: np.ndarray | None = None, prior: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(kind [R], exploring [R]): the kind (index) each request drafts with this step, and
-        whether that choice is the bonus's rather than the estimates' — an exploring request must
-        draft to teach anything, even where the estimates alone would not draft (the gate sees to
-        it). allowed [R, K]: the kinds each request may use (its own choice); prior [R, K]: tokens
+        """(kind [R], exploring [R], fallback [R]): the kind (index) each request drafts with this
+        step; whether that choice is the bonus's rather than the estimates' — an exploring request
+        must draft to teach anything, even where the estimates alone would not draft (the gate
+        sees to it); and the kind to draft with instead if the chosen one makes no drafts (-1:
+        none). allowed [R, K]: the kinds each request may use (its own choice); prior [R, K]: tokens
         added to the values.
 
         A kind's pass costs its `fixed` seconds once for all the requests it drafts for, so the
@@ -84,7 +85,7 @@ class KindChooser:
         again, a few times."""
         r = len(rids)
         if r == 0:
-            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool)
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool), np.zeros(0, dtype=np.int64)
         counts = np.array([self.tried.get(rid, np.zeros(self.kinds)) for rid in rids])
         bonus = self.bonus * np.sqrt(np.log(2.0 + counts.sum(axis=1))[:, None] / (1.0 + counts))
         rate = None
@@ -110,7 +111,15 @@ class KindChooser:
                 break
             rate = tokens / seconds
         exploring = (kind != np.where(use, value, -np.inf).argmax(axis=1)) & (score[np.arange(r), kind] > 0)
-        return kind, exploring
+        return kind, exploring, self._fallback(value, kind)
+
+    def _fallback(self, value: np.ndarray, kind: np.ndarray) -> np.ndarray:
+        """Per request, the kind to draft with if its chosen kind makes no drafts this step (an
+        n-gram drafter that finds no match): the best other kind whose estimate pays, else -1."""
+        other = value.copy()
+        other[np.arange(len(kind)), kind] = -np.inf
+        best = other.argmax(axis=1)
+        return np.where(other[np.arange(len(kind)), best] > 0, best, -1).astype(np.int64)
 
     def _assign(self, score: np.ndarray, fixed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(kind [R], kinds in use [K]): the set of kinds whose requests' positive scores minus

@@ -328,6 +328,7 @@ class DraftingGate:
     bonus: float = 1.0  # the kind chooser's optimism (tokens)
     trackers: list[AcceptanceTracker] = field(init=False)
     chooser: KindChooser = field(init=False)
+    fallback: np.ndarray | None = None  # the last decision's kind per request if its own drafts nothing (-1: none)
 
     def __post_init__(self) -> None:
         self.trackers = list(self.tracker) if isinstance(self.tracker, list | tuple) else [self.tracker]
@@ -363,7 +364,7 @@ class DraftingGate:
         else:
             costs = [draft] * len(self.trackers) if isinstance(draft, DraftCost) else draft
             per_kind = [t.predict_batch(rids, caps) for t in self.trackers]
-            kinds, exploring = self.chooser.choose(rids, per_kind, verify, costs, allowed)
+            kinds, exploring, self.fallback = self.chooser.choose(rids, per_kind, verify, costs, allowed)
             predicted = [per_kind[k][i] for i, k in enumerate(kinds)]
         charge = self.catch_up_charge(predicted, np.asarray(backlog, dtype=np.float64), remaining)
         plan = plan_drafts(predicted, verify, draft, self.max_budget, self.slack, charge, extend=self.extend,
@@ -384,12 +385,20 @@ class DraftingGate:
         """The kind [R] each request drafts with, chosen as `decide_kinds` would, for a policy that
         drafts every request to its cap without gating (its requests still teach the trackers)."""
         per_kind = [t.predict_batch(rids, np.asarray(caps, dtype=np.int64)) for t in self.trackers]
-        return self.chooser.choose(rids, per_kind, verify, costs, allowed)[0]
+        kinds, _, self.fallback = self.chooser.choose(rids, per_kind, verify, costs, allowed)
+        return kinds
 
     def observe(self, rid: int, kind: int, kept: int, accepted: int, beyond: np.ndarray | None = None) -> None:
         """One verification of request rid's drafts by drafter `kind` (`AcceptanceTracker.observe`)."""
         self.trackers[kind].observe(rid, kept, accepted, beyond)
         self.chooser.observe(rid, kind, kept)
+
+    def empty(self, rid: int, kind: int) -> None:
+        """Drafter `kind` was asked for drafts for request rid and made none (an n-gram drafter
+        finds no match): a try that yielded nothing, taught as a first draft rejected. Otherwise
+        nothing would be observed, and a kind whose estimates lead would be chosen for the request
+        again and again, drafting nothing."""
+        self.observe(rid, kind, 1, 0)
 
     def forget(self, rid: int) -> None:
         for t in self.trackers:
@@ -429,4 +438,6 @@ def replay(gate: DraftingGate, steps) -> list[tuple[np.ndarray, np.ndarray]]:
             for i, rid in enumerate(obs["rids"]):
                 b = None if cu is None else np.asarray(beyond[cu[i]:cu[i + 1]], dtype=np.float64)
                 gate.observe(rid, obs["kinds"][i] if obs.get("kinds") else 0, obs["kept"][i], obs["accepted"][i], b)
+            for rid, kind in obs.get("empty") or ():
+                gate.empty(rid, kind)
     return plans

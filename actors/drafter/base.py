@@ -20,6 +20,7 @@ class DraftOutput:
     compute_s: float = 0.0  # the drafter's own time for this pass (set by the replica)
     lost: tuple[int, ...] = ()  # requests given no drafts: their context could not be fetched (replica)
     kind_s: dict[int, float] | None = None  # each hosted kind's own drafting time (a replica of several)
+    kinds: np.ndarray | None = None  # [R] the kind that drafted each request (a fallback may stand in)
 
 
 def merge_outputs(r: int, parts) -> DraftOutput:

@@ -150,7 +150,7 @@ class Engine:
             st = Step(batch, feeding, time.perf_counter(), sum(s.cached for s in batch))
             kinds, st.lengths = self.plan(batch)
             st.gate, self.gate.last = self.gate.last, None  # what the gate saw and chose (step log)
-            st.drafts = self.propose(batch, st.lengths, kinds)
+            st.drafts = self.propose(batch, st.lengths, kinds, self.gate.fallback if kinds is not None else None)
             st.kept = self.prune(batch, st.drafts)
             st.out = self.verify(batch, st.drafts, st.kept, feeding)
             st.accepted, st.emitted = self.accept(batch, st.drafts, st.kept, st.out)
@@ -232,17 +232,18 @@ class Engine:
                                                 allowed, learner.shared + extra if multi else 0.0)
         return (kinds if multi else None), lengths
 
-    def propose(self, batch: list[Sequence], lengths: np.ndarray, kinds: np.ndarray | None = None) -> Drafts:
-        """Every replica drafts for its shard in parallel (request i by kind kinds[i]); gathered
-        into one ragged batch."""
+    def propose(self, batch: list[Sequence], lengths: np.ndarray, kinds: np.ndarray | None = None,
+                fallback: np.ndarray | None = None) -> Drafts:
+        """Every replica drafts for its shard in parallel (request i by kind kinds[i], or by
+        fallback[i] if that makes none); gathered into one ragged batch."""
         t0 = time.perf_counter()
-        outs, caught_up = self.drafters.draft(batch, lengths, self.target, kinds)
+        outs, caught_up = self.drafters.draft(batch, lengths, self.target, kinds, fallback)
         if not outs:
             return empty_drafts(len(batch), kinds)
         drafts = merge_drafts(len(batch), outs, kinds)
         seconds = time.perf_counter() - t0
         counts = np.diff(drafts.cu)
-        which = np.zeros(len(batch), dtype=np.int64) if kinds is None else kinds
+        which = np.zeros(len(batch), dtype=np.int64) if drafts.kinds is None else drafts.kinds
         k = len(self.kinds)
         self.draft_cost.observe_kinds(np.bincount(which[counts > 0], minlength=k),
                                       np.bincount(which, weights=counts, minlength=k), seconds, caught_up,

@@ -72,12 +72,13 @@ class DrafterPool:
         """Whether request rid has a drafter (not orphaned)."""
         return self.owner.get(rid) != ORPHAN
 
-    def draft(self, batch: list[Sequence], lengths, target,
-              kinds=None) -> tuple[dict[int, tuple[list[int], DraftOutput]], int]:
+    def draft(self, batch: list[Sequence], lengths, target, kinds=None,
+              fallback=None) -> tuple[dict[int, tuple[list[int], DraftOutput]], int]:
         """Every replica drafts for its shard in parallel, catching up first on its backlog
         (features fetched by the replica from `target`'s ranks), request i with drafter kind
-        kinds[i] when the replicas host several. Returns {replica: (batch indices, drafts)} of
-        the replicas that answered, and the tokens caught up."""
+        kinds[i] (or fallback[i] if that drafts nothing) when the replicas host several. Returns
+        {replica: (batch indices, drafts)} of the replicas that answered, and the tokens caught
+        up."""
         calls, caught_up = {}, 0
         for r in reversed(range(len(self.replicas))):  # replica 0 may be in this process: it runs last
             idx = [i for i, s in enumerate(batch) if self.owner[s.rid] == r and lengths[i] > 0]
@@ -86,8 +87,9 @@ class DrafterPool:
                 catchup = self._sourced(self.backlog.take(rids), target)
                 caught_up += catchup.size if catchup else 0
                 which = None if kinds is None else [int(kinds[i]) for i in idx]
+                second = None if fallback is None else [int(fallback[i]) for i in idx]
                 calls[r] = (idx, self.replicas[r].draft.remote(rids, [batch[i].last for i in idx],
-                                                               [int(lengths[i]) for i in idx], catchup, which))
+                                                               [int(lengths[i]) for i in idx], catchup, which, second))
         outs = {}
         for r, (idx, ref) in calls.items():
             try:

@@ -34,6 +34,11 @@ def learn(st: Step, calibrators: list[Calibrator], gate: DraftingGate, cost, log
     for i, s in enumerate(st.batch):
         beyond = drafts.estimate[drafts.cu[i] + kept[i]:drafts.cu[i + 1]] if drafts.estimate is not None else None
         gate.observe(s.rid, int(kinds[i]), int(kept[i]), int(st.accepted[i]), beyond)
+    if drafts.kinds is not None:  # several kinds: a kind asked that drafted nothing is a failed try
+        st.empty = [(s.rid, int(kinds[i])) for i, s in enumerate(st.batch)
+                    if st.lengths[i] > 0 and drafts.cu[i + 1] == drafts.cu[i]]
+        for rid, kind in st.empty:
+            gate.empty(rid, kind)
     if log:  # what the trackers learnt from, for `dcut_core.drafting.replay`
         st.observed = observed(st)
     if cost is None:

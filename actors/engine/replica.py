@@ -137,11 +137,14 @@ class Drafter:
         self._catch_up(catchup)
 
     def draft(self, request_ids: list[int], last_tokens: list[int], lengths: list[int],
-              catchup: CatchUp | None = None, kinds: list[int] | None = None) -> DraftOutput:
-        """Drafts for these requests, request i's by hosted kind kinds[i] (default: the first);
-        `catchup` is context committed since their last draft (the engine's backlog), committed
-        first. Requests whose context could not be fetched get no drafts and are named in `lost`.
-        `kind_s` holds each kind's own drafting time."""
+              catchup: CatchUp | None = None, kinds: list[int] | None = None,
+              fallback: list[int] | None = None) -> DraftOutput:
+        """Drafts for these requests, request i's by hosted kind kinds[i] (default: the first), or
+        by fallback[i] if that kind made none (an n-gram drafter without a match; -1: no
+        fallback); `catchup` is context committed since their last draft (the engine's backlog),
+        committed first. Requests whose context could not be fetched get no drafts and are named
+        in `lost`. `kinds` of the output: the kind that drafted each request; `kind_s` each
+        kind's own drafting time."""
         t0 = time.perf_counter()
         if catchup is not None:
             self._catch_up(catchup)
@@ -151,16 +154,29 @@ class Drafter:
         if kinds is None or len(self.drafters) == 1:
             out = self.drafters[0].draft(request_ids, last_tokens, lengths)
             return dataclasses.replace(out, compute_s=time.perf_counter() - t0, lost=lost)
-        parts, kind_s = {}, {}
+        parts, kind_s, used = [], {}, np.asarray(kinds, dtype=np.int64).copy()
         for k in sorted(set(kinds)):
-            idx = [i for i, kk in enumerate(kinds) if kk == k]
-            t1 = time.perf_counter()
-            self.pending.flush(k, [request_ids[i] for i in idx if lengths[i] > 0])
-            parts[k] = (idx, self.drafters[k].draft([request_ids[i] for i in idx], [last_tokens[i] for i in idx],
-                                                    [lengths[i] for i in idx]))
-            kind_s[k] = time.perf_counter() - t1
-        out = merge_outputs(len(request_ids), parts.values())
-        return dataclasses.replace(out, compute_s=time.perf_counter() - t0, lost=lost, kind_s=kind_s)
+            parts.append(self._draft_kind(k, [i for i, kk in enumerate(kinds) if kk == k], request_ids, last_tokens,
+                                          lengths, kind_s))
+        if fallback is not None:  # a second pass for the requests whose kind drafted nothing
+            drafted = np.diff(merge_outputs(len(request_ids), parts).cu)
+            missed = [i for i in range(len(request_ids)) if lengths[i] > 0 and not drafted[i]
+                      and 0 <= fallback[i] != kinds[i] and request_ids[i] not in self.lost]
+            for k in sorted({fallback[i] for i in missed}):
+                idx = [i for i in missed if fallback[i] == k]
+                parts.append(self._draft_kind(k, idx, request_ids, last_tokens, lengths, kind_s))
+                used[idx] = k
+        out = merge_outputs(len(request_ids), parts)  # a fallback's rows replace the empty ones
+        return dataclasses.replace(out, compute_s=time.perf_counter() - t0, lost=lost, kind_s=kind_s, kinds=used)
+
+    def _draft_kind(self, k: int, idx: list[int], request_ids, last_tokens, lengths, kind_s: dict):
+        """(batch indices, drafts) of kind k for requests idx, its held context given to it first."""
+        t1 = time.perf_counter()
+        self.pending.flush(k, [request_ids[i] for i in idx if lengths[i] > 0])
+        out = self.drafters[k].draft([request_ids[i] for i in idx], [last_tokens[i] for i in idx],
+                                     [lengths[i] for i in idx])
+        kind_s[k] = kind_s.get(k, 0.0) + time.perf_counter() - t1
+        return idx, out
 
     def _catch_up(self, c: CatchUp) -> None:
         """Commit a catch-up: per request, the rows sent along, then those fetched from the

@@ -46,6 +46,7 @@ class Step:
     emitted: list[list[int]] | None = None  # accept: tokens each request gains
     gate: tuple | None = None  # plan: the drafting gate's (GateInput, lengths), when a step log asks
     observed: dict | None = None  # commit: what the acceptance tracker learnt (step log)
+    empty: list | None = None  # commit: (request, kind) asked for drafts that drafted none (several kinds)
 
     @property
     def verify_tokens(self) -> int:
@@ -166,6 +167,11 @@ def empty_drafts(r: int, kinds: np.ndarray | None = None) -> Drafts:
 def merge_drafts(r: int, outs: dict[int, tuple[list[int], DraftOutput]], kinds: np.ndarray | None = None) -> Drafts:
     """Scatter each replica's ragged output back into batch order."""
     d = merge_outputs(r, outs.values())
+    if kinds is not None:  # the kind that really drafted each request (a fallback may have)
+        kinds = np.asarray(kinds, dtype=np.int64).copy()
+        for idx, out in outs.values():
+            if out.kinds is not None:
+                kinds[idx] = out.kinds
     return Drafts(d.tokens, d.cu, d.confidence, d.margin, kinds=kinds)
 
 

@@ -65,6 +65,7 @@ def observed(st) -> dict:
     beyond = [] if est is None else [est[drafts.cu[i] + kept[i]:drafts.cu[i + 1]] for i in range(len(st.batch))]
     return {"rids": [s.rid for s in st.batch], "kept": np.asarray(kept).tolist(),
             "kinds": None if drafts.kinds is None else np.asarray(drafts.kinds).tolist(),
+            "empty": [list(e) for e in st.empty or ()],
             "accepted": [int(a) for a in st.accepted],
             "beyond": np.concatenate(beyond).tolist() if beyond else [],
             "beyond_cu": None if est is None else np.concatenate([[0], np.cumsum([len(b) for b in beyond])]).tolist()}

@@ -143,3 +143,24 @@ def test_a_replica_of_several_kinds_drafts_what_each_kind_alone_drafts(tiny_bund
             history[r] += rng.integers(1, 96, int(rng.integers(1, 4))).tolist()
     mixed.release(list(history))
     assert not any(mixed.pending.sizes[k] for k in range(3))
+
+
+def test_a_request_whose_kind_drafts_nothing_is_drafted_by_its_fallback(tiny_bundle):
+    """n-gram lookup finds no match for a context without repeats: its fallback (the block
+    drafter) drafts instead, in the same call, and the output names the kind that drafted."""
+    from actors.engine.backlog import CatchUp
+    from actors.engine.replica import Drafter, DrafterSpec
+    from actors.target.checkpoint import load_model
+
+    dirs = (("block", f"{tiny_bundle}/drafter"), ("mtp", f"{tiny_bundle}/mtp"))
+    mixed = Drafter(DrafterSpec("block,mtp,ngram", f"{tiny_bundle}/target", None, 6, dirs=dirs))
+    model = LocalTarget(load_model(f"{tiny_bundle}/target"))
+    fresh, loop = [1, 2, 3, 4, 5, 6], [7, 8, 9, 7, 8, 9, 7]  # no repeat / a repeat the n-gram drafter follows
+    layers = mixed.target_layers()
+    feats = [model.forward([r], [h[:-1]], capture_layers=layers).captured[0] for r, h in enumerate((fresh, loop))]
+    mixed.commit(CatchUp([0, 1], [fresh, loop], feats))
+    out = mixed.draft([0, 1], [fresh[-1], loop[-1]], [3, 3], None, [2, 2], [0, 0])
+    assert out.kinds.tolist() == [0, 2]  # request 0: the block drafter stood in; request 1: n-gram
+    assert np.diff(out.cu).tolist() == [3, 3] and out.tokens[3:].tolist() == [8, 9, 7]
+    alone = mixed.draft([0], [fresh[-1]], [3], None, [2], [-1])  # no fallback: nothing
+    assert alone.cu.tolist() == [0, 0] and alone.kinds.tolist() == [2]
