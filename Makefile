@@ -42,6 +42,8 @@ bench: setup
 	$(BIN)/python benchmarks/ep2_modes.py --rounds 2
 	$(BIN)/python benchmarks/gate_variants.py
 	$(BIN)/python benchmarks/drafter_kinds.py
+	$(BIN)/python benchmarks/drafter_mix.py --rounds 3 --out runs/drafter-mix
+	$(BIN)/python benchmarks/dfly_head.py --out runs/dfly
 	$(BIN)/dcut bench --ep 2 --concurrency 1,4,16,64 --policies $(E2E_POLICIES) --num-prompts 24 \
 		--max-tokens 48 --repeats 3 --out runs/bench_e2e
 	$(BIN)/python benchmarks/render_e2e.py runs/bench_e2e/results.json

@@ -39,7 +39,7 @@ class PredecessorHead(nn.Module):
         super().__init__()
         from actors.target.layers import RMSNorm
 
-        self.norm = RMSNorm(hidden)
+        self.norm = RMSNorm(hidden, 1e-6)
         self.up = nn.Linear(2 * hidden, inner, bias=False)
         self.down = nn.Linear(inner, hidden, bias=False)
         nn.init.zeros_(self.down.weight)  # starts as the plain drafter

@@ -38,12 +38,15 @@ class KindChooser:
     bonus: float = 1.0  # tokens of optimism for the kind a request has tried least
     tried: dict[int, np.ndarray] = field(default_factory=dict)  # request -> verifications by kind
 
-    def values(self, predicted: list[list[np.ndarray]], verify: StepCost, costs,
-               rate: float | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
-        """(v, gain, n) [R, K] and ρ: predicted[k][i] is request i's conditional
-        acceptance by position under kind k (up to its cap), costs[k] the kind's DraftCost, ρ the
-        rate a second of drafting is charged at (default: plain decoding's). v_ik is the best net
-        gain in tokens, at n_ik drafts expected to yield gain_ik accepted."""
+    def values(self, predicted: list[list[np.ndarray]], verify: StepCost, costs, rate: float | None = None,
+               held: np.ndarray | None = None,
+               remaining: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+        """(v, gain, n) [R, K] and ρ: predicted[k][i] is request i's conditional acceptance by
+        position under kind k (up to its cap), costs[k] the kind's DraftCost, ρ the rate a second
+        of drafting is charged at (default: plain decoding's). v_ik is the best net gain in
+        tokens, at n_ik drafts expected to yield gain_ik accepted. held [R, K]: context tokens
+        kind k has not seen of request i — catching up costs d_context,k per token, charged in
+        the share of the request's `remaining` output this step may make (as the gate does)."""
         r = len(predicted[0])
         base = float(verify.seconds(np.array([r]))[0])
         zero = np.zeros((r, self.kinds))
@@ -63,18 +66,22 @@ class KindChooser:
             n = np.arange(1, n_max + 1)
             c = costs[k]  # a chain's passes charged in full: exact for a kind drafting for one request
             net = gain - rate * (c.per_request + n * (c.per_position + c.per_pass + tau))
+            if held is not None:
+                left = np.maximum(1.0, np.asarray(remaining, dtype=np.float64))[:, None]
+                net = net - rate * c.per_context * held[:, k][:, None] * np.minimum(1.0, (1.0 + gain) / left)
             best = net.argmax(axis=1)
             v[:, k], gain_at[:, k], n_at[:, k] = net[np.arange(r), best], gain[np.arange(r), best], best + 1
         return v, gain_at, n_at, rate
 
     def choose(self, rids: list[int], predicted: list[list[np.ndarray]], verify: StepCost, costs,
-               allowed: np.ndarray | None = None, prior: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+               allowed: np.ndarray | None = None, prior: np.ndarray | None = None, held: np.ndarray | None = None,
+               remaining: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(kind [R], exploring [R], fallback [R]): the kind (index) each request drafts with this
         step; whether that choice is the bonus's rather than the estimates' — an exploring request
         must draft to teach anything, even where the estimates alone would not draft (the gate
         sees to it); and the kind to draft with instead if the chosen one makes no drafts (-1:
         none). allowed [R, K]: the kinds each request may use (its own choice); prior [R, K]: tokens
-        added to the values.
+        added to the values; held, remaining: what a switch of kind costs (`values`).
 
         A kind's pass costs its `fixed` seconds once for all the requests it drafts for, so the
         kinds in use are chosen together: of every set of kinds, the one whose requests' best
@@ -90,7 +97,7 @@ class KindChooser:
         bonus = self.bonus * np.sqrt(np.log(2.0 + counts.sum(axis=1))[:, None] / (1.0 + counts))
         rate = None
         for _ in range(3):
-            value, gain, n, rate = self.values(predicted, verify, costs, rate)
+            value, gain, n, rate = self.values(predicted, verify, costs, rate, held, remaining)
             if prior is not None:
                 value = value + prior
             score = value + bonus
@@ -111,11 +118,13 @@ class KindChooser:
                 break
             rate = tokens / seconds
         exploring = (kind != np.where(use, value, -np.inf).argmax(axis=1)) & (score[np.arange(r), kind] > 0)
-        return kind, exploring, self._fallback(value, kind)
+        fixed = rate * np.array([c.fixed for c in costs])
+        return kind, exploring, self._fallback(value - np.where(use, 0.0, fixed)[None, :], kind)
 
     def _fallback(self, value: np.ndarray, kind: np.ndarray) -> np.ndarray:
         """Per request, the kind to draft with if its chosen kind makes no drafts this step (an
-        n-gram drafter that finds no match): the best other kind whose estimate pays, else -1."""
+        n-gram drafter that finds no match): the best other kind whose estimate pays — its pass
+        cost included when no other request uses it — else -1."""
         other = value.copy()
         other[np.arange(len(kind)), kind] = -np.inf
         best = other.argmax(axis=1)

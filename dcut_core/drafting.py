@@ -345,7 +345,8 @@ class DraftingGate:
                      verify: StepCost, draft: DraftCost | list[DraftCost], allowed: np.ndarray | None = None,
                      shared_fixed: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
         """(kind [R], drafts [R]) to ask for. caps: the most each request may draft; remaining:
-        tokens each may still emit; backlog: tokens each request's drafter has yet to catch up on;
+        tokens each may still emit; backlog: tokens each request's drafter has yet to catch up on
+        ([R, kinds] with several kinds: what each kind has not seen, which a switch would cost);
         draft: the drafting cost, one per kind when several; allowed [R, kinds]: the kinds each
         request may use; shared_fixed: what any drafting step costs on top of the kinds' passes."""
         captured = GateInput.capture(rids, caps, remaining, backlog, verify, draft, allowed,
@@ -364,8 +365,13 @@ class DraftingGate:
         else:
             costs = [draft] * len(self.trackers) if isinstance(draft, DraftCost) else draft
             per_kind = [t.predict_batch(rids, caps) for t in self.trackers]
-            kinds, exploring, self.fallback = self.chooser.choose(rids, per_kind, verify, costs, allowed)
+            backlog = np.asarray(backlog, dtype=np.float64)
+            held = backlog if backlog.ndim == 2 else None
+            kinds, exploring, self.fallback = self.chooser.choose(rids, per_kind, verify, costs, allowed,
+                                                                  held=held, remaining=remaining)
             predicted = [per_kind[k][i] for i, k in enumerate(kinds)]
+            if held is not None:
+                backlog = held[np.arange(len(rids)), kinds]
         charge = self.catch_up_charge(predicted, np.asarray(backlog, dtype=np.float64), remaining)
         plan = plan_drafts(predicted, verify, draft, self.max_budget, self.slack, charge, extend=self.extend,
                            kinds=kinds, shared_fixed=shared_fixed)

@@ -21,6 +21,7 @@ class DraftOutput:
     lost: tuple[int, ...] = ()  # requests given no drafts: their context could not be fetched (replica)
     kind_s: dict[int, float] | None = None  # each hosted kind's own drafting time (a replica of several)
     kinds: np.ndarray | None = None  # [R] the kind that drafted each request (a fallback may stand in)
+    kind_context: dict[int, int] | None = None  # context tokens each kind caught up on before drafting
 
 
 def merge_outputs(r: int, parts) -> DraftOutput:

@@ -34,11 +34,12 @@ class PendingContext:
         for k, full in enumerate(over):
             self.flush(k, full)
 
-    def flush(self, kind: int, rids: list[int]) -> None:
-        """Give kind `kind` everything held for these requests (one commit call, in order)."""
+    def flush(self, kind: int, rids: list[int]) -> int:
+        """Give kind `kind` everything held for these requests (one commit call, in order);
+        returns the tokens given."""
         rids = [rid for rid in dict.fromkeys(rids) if rid in self.chunks[kind]]
         if not rids:
-            return
+            return 0
         tokens, hidden = [], []
         for rid in rids:
             chunks = self.chunks[kind].pop(rid)
@@ -47,6 +48,7 @@ class PendingContext:
             rows = [h for _, h in chunks if h]
             hidden.append({lay: np.concatenate([h[lay] for h in rows]) for lay in rows[0]} if rows else {})
         self.drafters[kind].commit(rids, tokens, hidden)
+        return sum(map(len, tokens))
 
     def held(self, kind: int, rid: int) -> int:
         return self.sizes[kind].get(rid, 0)

@@ -227,9 +227,12 @@ class Engine:
             return (self.gate.choose_kinds(rids, cap, curve, self.draft_cost.costs, allowed) if multi else None), cap
         learner, extra = self.draft_cost, self.overhead.extra
         draft = learner.costs if multi else dataclasses.replace(learner.cost, fixed=learner.cost.fixed + extra)
-        kinds, lengths = self.gate.decide_kinds(rids, cap, np.array([s.remaining for s in batch]),
-                                                np.array([self.drafters.backlog.size(r) for r in rids]), curve, draft,
-                                                allowed, learner.shared + extra if multi else 0.0)
+        if multi:  # per kind: the context it has not seen (held back by the replica, or not sent yet)
+            backlog = np.array([s.cached - self.drafters.seen(s.rid, len(self.kinds)) for s in batch])
+        else:
+            backlog = np.array([self.drafters.backlog.size(r) for r in rids])
+        kinds, lengths = self.gate.decide_kinds(rids, cap, np.array([s.remaining for s in batch]), backlog, curve,
+                                                draft, allowed, learner.shared + extra if multi else 0.0)
         return (kinds if multi else None), lengths
 
     def propose(self, batch: list[Sequence], lengths: np.ndarray, kinds: np.ndarray | None = None,
@@ -245,8 +248,14 @@ class Engine:
         counts = np.diff(drafts.cu)
         which = np.zeros(len(batch), dtype=np.int64) if drafts.kinds is None else drafts.kinds
         k = len(self.kinds)
+        context = caught_up
+        if k > 1:  # what each kind caught up on: the context the replicas had held back from it
+            context = [sum((out.kind_context or {}).get(j, 0) for _, out in outs.values()) for j in range(k)]
+            for i, s in enumerate(batch):
+                if counts[i]:
+                    self.drafters.saw(s.rid, int(which[i]), s.cached)
         self.draft_cost.observe_kinds(np.bincount(which[counts > 0], minlength=k),
-                                      np.bincount(which, weights=counts, minlength=k), seconds, caught_up,
+                                      np.bincount(which, weights=counts, minlength=k), seconds, context,
                                       [counts[which == j].max(initial=0) for j in range(k)])
         drafts.seconds = seconds
         drafts.compute_seconds = max(out.compute_s for _, out in outs.values())

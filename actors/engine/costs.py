@@ -60,9 +60,9 @@ PRIOR_DRAFT_COST = DraftCost(1e-3, 2e-4, 5e-5, 1e-5)
 
 class DraftCostLearner:
     """Fits the drafting cost to measured drafting calls (wall time at the coordinator): per call,
-    per request, per position, per context token caught up. With several drafter kinds hosted
-    together each kind has its own pass set-up, request and position rates (the catch-up feeds
-    every kind, so it is one rate), and the call itself a `shared` cost."""
+    per request, per position, per context token caught up, per chained pass. With several
+    drafter kinds hosted together each kind has its own rates — the context a kind catches up on
+    is what the replica held back from it (`PendingContext`) — and the call a `shared` cost."""
 
     def __init__(self, initial: DraftCost | list[DraftCost], refit_every: int = 16, keep: int = 512) -> None:
         self.costs = [initial] if isinstance(initial, DraftCost) else list(initial)
@@ -80,17 +80,20 @@ class DraftCostLearner:
     def observe(self, requests: int, positions: int, seconds: float, catchup: int = 0, passes: int = 0) -> None:
         self.observe_kinds([requests], [positions], seconds, catchup, [passes])
 
-    def observe_kinds(self, requests, positions, seconds: float, catchup: int = 0, passes=None) -> None:
+    def observe_kinds(self, requests, positions, seconds: float, catchup=0, passes=None) -> None:
         """One call: requests[k] and positions[k] drafted by kind k, the longest request's drafts
-        passes[k] (a chained drafter's sequential passes)."""
+        passes[k] (a chained drafter's sequential passes), the context caught up on: tokens
+        (one kind), or per kind (several)."""
         if sum(positions) <= 0:
             return
-        passes = [0] * len(self.costs) if passes is None else passes
-        if len(self.costs) == 1:
-            x = (1.0, float(requests[0]), float(positions[0]), float(catchup), float(passes[0]))
+        k = len(self.costs)
+        passes = [0] * k if passes is None else passes
+        if k == 1:
+            x = (1.0, float(requests[0]), float(positions[0]), float(np.sum(catchup)), float(passes[0]))
         else:
+            context = np.broadcast_to(np.asarray(catchup, dtype=np.float64), (k,))
             x = (1.0, *(float(p > 0) for p in positions), *map(float, requests), *map(float, positions),
-                 *map(float, passes), float(catchup))
+                 *map(float, passes), *map(float, context))
         self._x.append(x)
         self._y.append(seconds)
         del self._x[: -self.keep], self._y[: -self.keep]
@@ -105,7 +108,8 @@ class DraftCostLearner:
             self.costs = [DraftCost(*c)]
             return
         self.shared = c[0]
-        self.costs = [DraftCost(c[1 + i], c[1 + k + i], c[1 + 2 * k + i], c[-1], c[1 + 3 * k + i]) for i in range(k)]
+        self.costs = [DraftCost(c[1 + i], c[1 + k + i], c[1 + 2 * k + i], c[1 + 4 * k + i], c[1 + 3 * k + i])
+                      for i in range(k)]
 
 
 def profile_drafter(replica, hidden_size: int, layers: tuple[int, ...], vocab_size: int, max_requests: int,
@@ -146,7 +150,7 @@ def startup_draft_cost(replicas, hidden_size: int, layers: tuple[int, ...], voca
         for r, p, c, n, sec in profile_drafter(replicas[0], hidden_size, layers, vocab_size, max_requests, block,
                                                kind=which):
             one_hot = np.arange(kinds) == kind
-            learner.observe_kinds(r * one_hot, p * one_hot, sec, c, n * one_hot)
+            learner.observe_kinds(r * one_hot, p * one_hot, sec, c * one_hot if kinds > 1 else c, n * one_hot)
     learner.refit()
     log.info("profiled the drafter at start-up: %s", learner.cost)
     return learner

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import numpy as np
 import ray
 
 from actors.drafter.base import DraftOutput
@@ -55,6 +56,7 @@ class DrafterPool:
         self.owner: dict[int, int] = {}  # request -> replica index, or ORPHAN
         self.backlog = Backlog(cfg.drafter_backlog_tokens, features=bool(self.layers))
         self.lost = {"drafter_replica_lost": 0, "drafter_context_lost": 0}
+        self._seen: dict[int, np.ndarray] = {}  # several kinds: request -> its context length each kind has seen
 
     def __bool__(self) -> bool:
         return bool(self.replicas)
@@ -67,6 +69,14 @@ class DrafterPool:
         self.target = target
         if self.hosted:
             self.replicas = self._hosted()
+
+    def seen(self, rid: int, kinds: int) -> np.ndarray:
+        """Per drafter kind, the context length of request rid that kind has seen (it drafted
+        for the request then, and caught up on everything before)."""
+        return self._seen.get(rid, np.zeros(kinds, dtype=np.int64))
+
+    def saw(self, rid: int, kind: int, length: int) -> None:
+        self._seen.setdefault(rid, np.zeros(len(self.cfg.kinds), dtype=np.int64))[kind] = length
 
     def drafting(self, rid: int) -> bool:
         """Whether request rid has a drafter (not orphaned)."""
@@ -120,6 +130,7 @@ class DrafterPool:
                 replica.release.remote(mine)
         for rid in rids:
             self.owner.pop(rid, None)
+            self._seen.pop(rid, None)
         self.backlog.drop(rids)
 
     def reset(self, rids: list[int]) -> None:
@@ -129,6 +140,7 @@ class DrafterPool:
             replica.release.remote(rids)
         self.backlog.drop(rids)
         for rid in rids:
+            self._seen.pop(rid, None)
             self.admit(rid)
 
     def whereabouts(self) -> list[dict]:

@@ -154,25 +154,26 @@ class Drafter:
         if kinds is None or len(self.drafters) == 1:
             out = self.drafters[0].draft(request_ids, last_tokens, lengths)
             return dataclasses.replace(out, compute_s=time.perf_counter() - t0, lost=lost)
-        parts, kind_s, used = [], {}, np.asarray(kinds, dtype=np.int64).copy()
+        parts, kind_s, context, used = [], {}, {}, np.asarray(kinds, dtype=np.int64).copy()
         for k in sorted(set(kinds)):
             parts.append(self._draft_kind(k, [i for i, kk in enumerate(kinds) if kk == k], request_ids, last_tokens,
-                                          lengths, kind_s))
+                                          lengths, kind_s, context))
         if fallback is not None:  # a second pass for the requests whose kind drafted nothing
             drafted = np.diff(merge_outputs(len(request_ids), parts).cu)
             missed = [i for i in range(len(request_ids)) if lengths[i] > 0 and not drafted[i]
                       and 0 <= fallback[i] != kinds[i] and request_ids[i] not in self.lost]
             for k in sorted({fallback[i] for i in missed}):
                 idx = [i for i in missed if fallback[i] == k]
-                parts.append(self._draft_kind(k, idx, request_ids, last_tokens, lengths, kind_s))
+                parts.append(self._draft_kind(k, idx, request_ids, last_tokens, lengths, kind_s, context))
                 used[idx] = k
         out = merge_outputs(len(request_ids), parts)  # a fallback's rows replace the empty ones
-        return dataclasses.replace(out, compute_s=time.perf_counter() - t0, lost=lost, kind_s=kind_s, kinds=used)
+        return dataclasses.replace(out, compute_s=time.perf_counter() - t0, lost=lost, kind_s=kind_s, kinds=used,
+                                   kind_context=context)
 
-    def _draft_kind(self, k: int, idx: list[int], request_ids, last_tokens, lengths, kind_s: dict):
+    def _draft_kind(self, k: int, idx: list[int], request_ids, last_tokens, lengths, kind_s: dict, context: dict):
         """(batch indices, drafts) of kind k for requests idx, its held context given to it first."""
         t1 = time.perf_counter()
-        self.pending.flush(k, [request_ids[i] for i in idx if lengths[i] > 0])
+        context[k] = context.get(k, 0) + self.pending.flush(k, [request_ids[i] for i in idx if lengths[i] > 0])
         out = self.drafters[k].draft([request_ids[i] for i in idx], [last_tokens[i] for i in idx],
                                      [lengths[i] for i in idx])
         kind_s[k] = kind_s.get(k, 0.0) + time.perf_counter() - t1

@@ -175,3 +175,18 @@ def test_a_kind_whose_pass_costs_more_than_its_few_requests_gain_is_left_out_of_
     # ... unless the request may use nothing else
     only = np.array([[True, True], [True, True], [False, True]])
     assert ch.choose([0, 1, 2], predicted, verify, dear, only)[0].tolist() == [0, 0, 1]
+
+
+def test_switching_kinds_costs_the_context_the_new_kind_has_not_seen():
+    """Equal estimates; kind 1 has seen none of the request's 600-token context, kind 0 all of
+    it: catching up is charged (in the share of the remaining output the step may make), so the
+    request stays with kind 0 — unless little context is missing."""
+    verify = linear(0.01, 1e-4)
+    predicted = [[np.full(4, 0.7)], [np.full(4, 0.72)]]
+    costs = [DraftCost(0.0, 1e-4, 1e-5, 2e-5), DraftCost(0.0, 1e-4, 1e-5, 2e-5)]
+    ch = KindChooser(kinds=2, bonus=0.0)
+    assert ch.choose([0], predicted, verify, costs)[0].tolist() == [1]
+    far = ch.choose([0], predicted, verify, costs, held=np.array([[0.0, 600.0]]), remaining=np.array([20]))
+    assert far[0].tolist() == [0]
+    near = ch.choose([0], predicted, verify, costs, held=np.array([[0.0, 2.0]]), remaining=np.array([20]))
+    assert near[0].tolist() == [1]
