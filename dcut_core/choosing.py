@@ -36,6 +36,9 @@ from dcut_core.pruning import StepCost
 class KindChooser:
     kinds: int
     bonus: float = 1.0  # tokens of optimism for the kind a request has tried least
+    refine: int = 3  # rounds choosing at the choice's own rate (1: at plain decoding's rate)
+    switch: bool = True  # charge the context a kind has not seen (`held`) when given
+    fallback: bool = True  # name a kind to stand in when a request's kind drafts nothing
     tried: dict[int, np.ndarray] = field(default_factory=dict)  # request -> verifications by kind
 
     def values(self, predicted: list[list[np.ndarray]], verify: StepCost, costs, rate: float | None = None,
@@ -66,7 +69,7 @@ class KindChooser:
             n = np.arange(1, n_max + 1)
             c = costs[k]  # a chain's passes charged in full: exact for a kind drafting for one request
             net = gain - rate * (c.per_request + n * (c.per_position + c.per_pass + tau))
-            if held is not None:
+            if held is not None and self.switch:
                 left = np.maximum(1.0, np.asarray(remaining, dtype=np.float64))[:, None]
                 net = net - rate * c.per_context * held[:, k][:, None] * np.minimum(1.0, (1.0 + gain) / left)
             best = net.argmax(axis=1)
@@ -96,7 +99,7 @@ class KindChooser:
         counts = np.array([self.tried.get(rid, np.zeros(self.kinds)) for rid in rids])
         bonus = self.bonus * np.sqrt(np.log(2.0 + counts.sum(axis=1))[:, None] / (1.0 + counts))
         rate = None
-        for _ in range(3):
+        for _ in range(self.refine):
             value, gain, n, rate = self.values(predicted, verify, costs, rate, held, remaining)
             if prior is not None:
                 value = value + prior
@@ -119,6 +122,8 @@ class KindChooser:
             rate = tokens / seconds
         exploring = (kind != np.where(use, value, -np.inf).argmax(axis=1)) & (score[np.arange(r), kind] > 0)
         fixed = rate * np.array([c.fixed for c in costs])
+        if not self.fallback:
+            return kind, exploring, np.full(r, -1, dtype=np.int64)
         return kind, exploring, self._fallback(value - np.where(use, 0.0, fixed)[None, :], kind)
 
     def _fallback(self, value: np.ndarray, kind: np.ndarray) -> np.ndarray:

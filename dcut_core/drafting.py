@@ -326,6 +326,7 @@ class DraftingGate:
     record: bool = False  # keep each decision's input and output in `last` (a step log asks for it)
     last: tuple | None = None  # (GateInput, lengths, kinds)
     bonus: float = 1.0  # the kind chooser's optimism (tokens)
+    teach_empty: bool = True  # `empty` teaches the trackers (several kinds)
     trackers: list[AcceptanceTracker] = field(init=False)
     chooser: KindChooser = field(init=False)
     fallback: np.ndarray | None = None  # the last decision's kind per request if its own drafts nothing (-1: none)
@@ -404,7 +405,8 @@ class DraftingGate:
         finds no match): a try that yielded nothing, taught as a first draft rejected. Otherwise
         nothing would be observed, and a kind whose estimates lead would be chosen for the request
         again and again, drafting nothing."""
-        self.observe(rid, kind, 1, 0)
+        if self.teach_empty:
+            self.observe(rid, kind, 1, 0)
 
     def forget(self, rid: int) -> None:
         for t in self.trackers:

@@ -18,6 +18,7 @@ from actors.engine.constraints import grammar_allowed, request_controls
 from actors.engine.costs import (
     PRIOR_DRAFT_COST,
     DraftCostLearner,
+    KindCostLearner,
     StepOverhead,
     online,
     startup_cost_model,
@@ -72,7 +73,8 @@ class Engine:
                                  Exploration(cfg.explore_every, cfg.explore_requests, cfg.explore_warmup),
                                  cfg.max_budget, cfg.draft_slack, cfg.draft_extend, record=bool(cfg.step_log))
         self.tracker = self.gate.tracker
-        self.draft_cost = DraftCostLearner([PRIOR_DRAFT_COST] * len(self.kinds))
+        k = len(self.kinds)
+        self.draft_cost = DraftCostLearner(PRIOR_DRAFT_COST) if k == 1 else KindCostLearner(k)
         self.drafted_by_kind = {k: dict.fromkeys(("chosen", "drafted", "kept", "accepted"), 0) for k in self.kinds}
         self.overhead = StepOverhead()
         self.model_cfg = MoEConfig.load(cfg.target_dir)
@@ -248,18 +250,27 @@ class Engine:
         counts = np.diff(drafts.cu)
         which = np.zeros(len(batch), dtype=np.int64) if drafts.kinds is None else drafts.kinds
         k = len(self.kinds)
-        context = caught_up
-        if k > 1:  # what each kind caught up on: the context the replicas had held back from it
-            context = [sum((out.kind_context or {}).get(j, 0) for _, out in outs.values()) for j in range(k)]
-            for i, s in enumerate(batch):
-                if counts[i]:
-                    self.drafters.saw(s.rid, int(which[i]), s.cached)
-        self.draft_cost.observe_kinds(np.bincount(which[counts > 0], minlength=k),
-                                      np.bincount(which, weights=counts, minlength=k), seconds, context,
-                                      [counts[which == j].max(initial=0) for j in range(k)])
+        if k == 1:
+            self.draft_cost.observe(int((counts > 0).sum()), int(counts.sum()), seconds, caught_up, int(counts.max()))
+        else:
+            self._learn_kind_costs(batch, outs, counts, which, seconds)
         drafts.seconds = seconds
         drafts.compute_seconds = max(out.compute_s for _, out in outs.values())
         return drafts
+
+    def _learn_kind_costs(self, batch: list[Sequence], outs: dict, counts: np.ndarray, which: np.ndarray,
+                          seconds: float) -> None:
+        """Several kinds: each kind's cost learns from its own time in each replica (its pass and
+        its catch-up); the call's time beyond the slowest replica's kinds is the shared cost."""
+        for idx, out in outs.values():
+            for kind, own in (out.kind_s or {}).items():
+                mine = [i for i in idx if which[i] == kind and counts[i] > 0]
+                self.draft_cost.observe_kind(kind, len(mine), int(counts[mine].sum()), own,
+                                             (out.kind_context or {}).get(kind, 0), int(counts[mine].max(initial=0)))
+        self.draft_cost.observe_call(seconds - max(sum((out.kind_s or {}).values()) for _, out in outs.values()))
+        for i, s in enumerate(batch):
+            if counts[i]:
+                self.drafters.saw(s.rid, int(which[i]), s.cached)
 
     def prune(self, batch: list[Sequence], drafts: Drafts) -> np.ndarray:
         """The policy's choice of kept drafts per request, from calibrated survivals."""

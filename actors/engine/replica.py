@@ -151,9 +151,10 @@ class Drafter:
         lost = tuple(rid for rid in request_ids if rid in self.lost)
         if lost:
             lengths = [0 if rid in self.lost else n for rid, n in zip(request_ids, lengths, strict=True)]
-        if kinds is None or len(self.drafters) == 1:
+        if len(self.drafters) == 1:
             out = self.drafters[0].draft(request_ids, last_tokens, lengths)
             return dataclasses.replace(out, compute_s=time.perf_counter() - t0, lost=lost)
+        kinds = [0] * len(request_ids) if kinds is None else kinds
         parts, kind_s, context, used = [], {}, {}, np.asarray(kinds, dtype=np.int64).copy()
         for k in sorted(set(kinds)):
             parts.append(self._draft_kind(k, [i for i, kk in enumerate(kinds) if kk == k], request_ids, last_tokens,

@@ -6,6 +6,12 @@ Expert weights come in two layouts, both read here:
   [E, H, I].
 An expert-parallel rank reads only its own experts (`get_slice` on fused tensors), so no rank
 ever holds the whole expert set in memory.
+
+FP8 block-scaled weights (the DeepSeek-V3 / Qwen3-FP8 layout: a float8_e4m3fn `weight` and a
+float32 `weight_scale_inv` per `weight_block_size` block, `quantization_config.quant_method`
+"fp8") are dequantized as they are read: w = fp8 · scale of its block, in float32, exactly as
+the reference does. Every rank computes in the model's dtype (no FP8 matmul is used, here or on
+a GPU yet).
 """
 
 from __future__ import annotations
@@ -33,10 +39,32 @@ def _expert_prefix(layer: int) -> str:
     return f"model.layers.{layer}.mlp.experts"
 
 
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """float32 weights from FP8 ones and their per-block scales: weight [..., rows, cols] and
+    scale_inv [..., ceil(rows / br), ceil(cols / bc)] (leading dims, such as fused experts', match)."""
+    br, bc = block
+    rows, cols = weight.shape[-2:]
+    scale = scale_inv.float().repeat_interleave(br, dim=-2)[..., :rows, :].repeat_interleave(bc, dim=-1)[..., :cols]
+    return weight.float() * scale
+
+
+def fp8_block(model_dir: pathlib.Path) -> tuple[int, int] | None:
+    """The FP8 block size of a checkpoint's `quantization_config`, None if not quantized; raises
+    on a quantization this loader cannot read exactly."""
+    q = json.loads((model_dir / "config.json").read_text()).get("quantization_config")
+    if not q:
+        return None
+    if q.get("quant_method") != "fp8" or len(q.get("weight_block_size") or ()) != 2:
+        raise ValueError(f"unsupported quantization {q!r}: only fp8 with weight_block_size is read")
+    return tuple(q["weight_block_size"])
+
+
 class _Tensors:
-    """Lazy view over every tensor of a checkpoint, single-file or sharded."""
+    """Lazy view over every tensor of a checkpoint, single-file or sharded (FP8 block-scaled
+    weights dequantized on read)."""
 
     def __init__(self, model_dir: pathlib.Path, stack: ExitStack) -> None:
+        self.block = fp8_block(model_dir)
         index = model_dir / "model.safetensors.index.json"
         if index.exists():
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -57,10 +85,19 @@ class _Tensors:
     def get(self, key: str) -> torch.Tensor:
         if key not in self._where:
             raise KeyError(f"checkpoint has no tensor {key!r}")
-        return self._where[key].get_tensor(key)
+        return self._dequantized(key, self._where[key].get_tensor(key), lambda s: self._where[s].get_tensor(s))
 
     def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
-        return self._where[key].get_slice(key)[start:stop]
+        return self._dequantized(key, self._where[key].get_slice(key)[start:stop],
+                                 lambda s: self._where[s].get_slice(s)[start:stop])
+
+    def _dequantized(self, key: str, t: torch.Tensor, scale_of) -> torch.Tensor:
+        if self.block is None or t.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            return t
+        scale = f"{key}_scale_inv"  # weight -> weight_scale_inv (DeepSeek-V3, Qwen3-FP8)
+        if scale not in self._where:
+            raise KeyError(f"FP8 tensor {key!r} has no {scale!r}")
+        return dequantize_fp8(t, scale_of(scale), self.block)
 
 
 def load_model(model_dir: str | pathlib.Path, first_expert: int = 0, local_experts: int | None = None,

@@ -1,4 +1,6 @@
-"""Target model configuration, read from a Hugging Face `config.json` (Qwen3-MoE family)."""
+"""Target model configuration, read from a Hugging Face `config.json`: the Qwen3-MoE and
+Qwen2-MoE families, Mixtral and OLMoE (one decoder: RMSNorm, RoPE, GQA, a top-k softmax router,
+SwiGLU experts; the families differ in q/k norms, biases, shared experts and routing weights)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,9 @@ from dataclasses import asdict, dataclass, field
 
 from dcut_core.hardware import ModelShape
 
-SUPPORTED_TYPES = ("qwen3_moe", "qwen2_moe", "dcut_moe")
+SUPPORTED_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "dcut_moe")
+ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                 "mixtral": "MixtralForCausalLM", "olmoe": "OlmoeForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -33,7 +37,8 @@ class MoEConfig:
     rope_theta: float = 1e6
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
-    qk_norm: bool = True  # Qwen3 normalises q and k per head; Qwen2 does not
+    qk_norm: bool = True  # Qwen3 normalises q and k per head; Qwen2 and Mixtral do not
+    qk_norm_full: bool = False  # OLMoE: q and k normalised over the whole projection, before the heads split
     attention_bias: bool = False
     model_type: str = "qwen3_moe"
     bos_token_id: int | None = None
@@ -65,8 +70,10 @@ class MoEConfig:
         scaling = d.get("rope_scaling") or d.get("rope_parameters")
         if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) != "default":
             raise ValueError(f"rope scaling {scaling!r} is not supported")
-        if d.get("use_sliding_window"):
+        if d.get("use_sliding_window") or (model_type == "mixtral" and d.get("sliding_window") is not None):
             raise ValueError("sliding-window attention is not supported")
+        if d.get("clip_qkv") is not None:
+            raise ValueError("clip_qkv is not supported")
         theta = d.get("rope_theta")
         if theta is None and isinstance(scaling, dict):
             theta = scaling.get("rope_theta")
@@ -81,10 +88,12 @@ class MoEConfig:
             num_key_value_heads=int(d.get("num_key_value_heads", heads)),
             head_dim=int(d.get("head_dim") or d["hidden_size"] // heads),
             intermediate_size=int(d.get("intermediate_size", 0)),
-            moe_intermediate_size=int(d.get("moe_intermediate_size", 0)),
+            # Mixtral and OLMoE have experts in every layer, `intermediate_size` wide
+            moe_intermediate_size=int(d.get("intermediate_size", 0) if model_type in ("mixtral", "olmoe")
+                                      else d.get("moe_intermediate_size", 0)),
             num_experts=int(d.get("num_experts", d.get("num_local_experts", 0))),
             num_experts_per_tok=int(d.get("num_experts_per_tok", 0)),
-            norm_topk_prob=bool(d.get("norm_topk_prob", model_type != "qwen2_moe")),
+            norm_topk_prob=bool(d.get("norm_topk_prob", model_type not in ("qwen2_moe", "olmoe"))),
             shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size", 0)),
             decoder_sparse_step=int(d.get("decoder_sparse_step", 1)),
             mlp_only_layers=tuple(d.get("mlp_only_layers", ())),
@@ -92,7 +101,8 @@ class MoEConfig:
             rope_theta=float(theta if theta is not None else 1e6),
             max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qk_norm=bool(d.get("qk_norm", model_type != "qwen2_moe")),
+            qk_norm=bool(d.get("qk_norm", model_type in ("qwen3_moe", "dcut_moe"))),
+            qk_norm_full=model_type == "olmoe",
             attention_bias=bool(d.get("attention_bias", model_type == "qwen2_moe")),
             model_type=model_type,
             bos_token_id=d.get("bos_token_id"),
@@ -108,7 +118,7 @@ class MoEConfig:
         d = asdict(self)
         d.pop("extra")
         d["mlp_only_layers"] = list(self.mlp_only_layers)
-        d["architectures"] = ["Qwen3MoeForCausalLM"] if self.model_type == "qwen3_moe" else [self.model_type]
+        d["architectures"] = [ARCHITECTURES.get(self.model_type, self.model_type)]
         d["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta}
         d["hidden_act"] = "silu"
         return d

@@ -94,18 +94,27 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.kv_heads * d, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(h, self.kv_heads * d, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.heads * d, h, bias=False)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.full_norm = cfg.qk_norm_full  # over the whole projection (OLMoE), else per head (Qwen3)
+        width_q, width_k = (self.heads * d, self.kv_heads * d) if self.full_norm else (d, d)
+        self.q_norm = RMSNorm(width_q, cfg.rms_norm_eps) if cfg.qk_norm or self.full_norm else None
+        self.k_norm = RMSNorm(width_k, cfg.rms_norm_eps) if cfg.qk_norm or self.full_norm else None
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [N, H, D], k and v [N, Hkv, D] of x [N, hidden], q and k normed (before RoPE)."""
+        n = x.shape[0]
+        q, k = self.q_proj(x), self.k_proj(x)
+        if self.full_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.view(n, self.heads, self.head_dim), k.view(n, self.kv_heads, self.head_dim)
+        if self.q_norm is not None and not self.full_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, self.v_proj(x).view(n, self.kv_heads, self.head_dim)
 
     def forward(self, x: torch.Tensor, plan: AttentionPlan, cache: PagedKVCache) -> torch.Tensor:
         n = x.shape[0]
         if n == 0:  # an EP rank with no requests this step still runs the MoE collectives
             return torch.zeros_like(x)
-        q = self.q_proj(x).view(n, self.heads, self.head_dim)  # [N, H, D]
-        k = self.k_proj(x).view(n, self.kv_heads, self.head_dim)  # [N, Hkv, D]
-        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = self.qkv(x)
         q, k = apply_rope(q, plan.cos, plan.sin), apply_rope(k, plan.cos, plan.sin)
         cache.k[self.layer, plan.write_slots] = k.to(cache.k.dtype)
         cache.v[self.layer, plan.write_slots] = v.to(cache.v.dtype)
@@ -121,11 +130,8 @@ class Attention(nn.Module):
     def forward_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Causal self-attention over whole sequences, no cache (training). x: [B, T, H]."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b * t, self.heads, self.head_dim)
-        k = self.k_proj(x).view(b * t, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = self.qkv(x.reshape(b * t, -1))
+        v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = cos.repeat(b, 1), sin.repeat(b, 1)  # [B·T, D]
         q = apply_rope(q, cos, sin).view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = apply_rope(k, cos, sin).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)

@@ -1,0 +1,168 @@
+"""More MoE families (issue #18): Mixtral and OLMoE checkpoints written by transformers itself,
+with tiny random weights, load and give transformers' logits (fp32, within 1e-5), and decode
+greedily through the engine exactly as transformers' `generate` does, at EP 1, 2 and 4."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from actors.engine.config import EngineConfig
+from actors.engine.coordinator import Engine
+from actors.engine.sequence import SamplingParams
+from actors.target.checkpoint import load_model
+from actors.target.config import MoEConfig
+from actors.target.model import ForwardBatch
+
+TOKENS = [3, 17, 5, 90, 41, 8, 8, 60, 2]
+COMMON = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              num_experts_per_tok=2, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+def mixtral(tmp_path, seed: int = 0):
+    cfg = transformers.MixtralConfig(**COMMON, head_dim=16, intermediate_size=32, num_local_experts=8)
+    return _write(transformers.MixtralForCausalLM, cfg, tmp_path / "mixtral", seed)
+
+
+def olmoe(tmp_path, seed: int = 0):
+    cfg = transformers.OlmoeConfig(**COMMON, intermediate_size=32, num_experts=8, norm_topk_prob=False,
+                                   eos_token_id=0, pad_token_id=1, bos_token_id=None)
+    return _write(transformers.OlmoeForCausalLM, cfg, tmp_path / "olmoe", seed)
+
+
+def _write(cls, cfg, path, seed: int):
+    torch.manual_seed(seed)
+    hf = cls(cfg).eval()
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(8.0)  # peaked distributions: greedy is not decided by rounding
+    hf.save_pretrained(path)
+    return hf, str(path)
+
+
+FAMILIES = {"mixtral": mixtral, "olmoe": olmoe}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_logits_equal_transformers(tmp_path, family):
+    hf, path = FAMILIES[family](tmp_path)
+    cfg = MoEConfig.load(path)
+    assert cfg.model_type == family and cfg.moe_layers == cfg.num_hidden_layers
+    model = load_model(path)
+    with torch.no_grad():
+        ref = hf(torch.tensor([TOKENS])).logits[0]
+        ours, _ = model(ForwardBatch.from_lists([0], [TOKENS]), model.new_cache(256))
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    half = load_model(path, first_expert=4, local_experts=4)  # an EP rank reads only its own experts
+    assert half.moe_blocks()[0].experts.gate_up.shape[0] == 4
+
+
+@pytest.mark.usefixtures("local_ray")
+@pytest.mark.parametrize(("family", "eps"), [("mixtral", (1, 2, 4)), ("olmoe", (1, 2))])
+def test_engine_decodes_as_transformers_generate(tmp_path, family, eps):
+    hf, path = FAMILIES[family](tmp_path)
+    prompts = [[5, 6, 7, 5, 6, 7], [9, 10, 11], [40, 41, 42, 40, 41, 42, 40]]
+    want = []
+    for p in prompts:
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
+        want.append(out[0, len(p):].tolist())
+    for ep in eps:
+        eng = Engine(EngineConfig(target_dir=path, drafter="ngram", policy="full", block=4, ep=ep,
+                                  cost_model_cache=str(tmp_path)))
+        try:
+            got = eng.generate(prompts, [SamplingParams(max_tokens=10, ignore_eos=True)] * len(prompts))
+            assert [s.output for s in got] == want, ep
+        finally:
+            eng.shutdown()
+
+
+def test_unsupported_variants_are_refused_by_name(tmp_path):
+    _, path = mixtral(tmp_path)
+    import json
+    import pathlib
+
+    d = json.loads((pathlib.Path(path) / "config.json").read_text())
+    with pytest.raises(ValueError, match="sliding"):
+        MoEConfig.from_dict(d | {"sliding_window": 4096})
+    with pytest.raises(ValueError, match="clip_qkv"):
+        MoEConfig.from_dict(d | {"model_type": "olmoe", "clip_qkv": 8.0})
+
+
+def reference_dequantize(w: torch.Tensor, s: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """Block by block, as written: each (br × bc) tile times its own scale."""
+    out = torch.empty(w.shape, dtype=torch.float32)
+    br, bc = block
+    for idx in torch.cartesian_prod(*[torch.arange(n) for n in w.shape[:-2]]) if w.dim() > 2 else [()]:
+        lead = tuple(torch.atleast_1d(torch.as_tensor(idx)).tolist())
+        for i in range(s.shape[-2]):
+            for j in range(s.shape[-1]):
+                tile = (*lead, slice(i * br, (i + 1) * br), slice(j * bc, (j + 1) * bc))
+                out[tile] = w[tile].float() * s[(*lead, i, j)]
+    return out
+
+
+def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 weights and per-block scales as DeepSeek's layout stores them (amax / 448 per block)."""
+    br, bc = block
+    rows, cols = w.shape[-2:]
+    nr, nc = -(-rows // br), -(-cols // bc)
+    padded = torch.zeros((*w.shape[:-2], nr * br, nc * bc))
+    padded[..., :rows, :cols] = w
+    tiles = padded.view(*w.shape[:-2], nr, br, nc, bc)
+    scale = tiles.abs().amax(dim=(-3, -1)).clamp_min(1e-12) / 448.0  # [..., nr, nc]
+    q = (tiles / scale[..., :, None, :, None]).view_as(padded)[..., :rows, :cols].to(torch.float8_e4m3fn)
+    return q.contiguous(), scale
+
+
+def test_fp8_block_dequantization_is_exact():
+    from actors.target.checkpoint import dequantize_fp8
+
+    torch.manual_seed(0)
+    for shape, block in (((200, 300), (128, 128)), ((3, 70, 50), (32, 16)), ((128, 128), (128, 128))):
+        q, s = quantize(torch.randn(shape), block)
+        assert torch.equal(dequantize_fp8(q, s, block), reference_dequantize(q, s, block))
+
+
+def test_an_fp8_checkpoint_loads_as_its_dequantized_weights(tmp_path, make_tiny):
+    """Every linear weight of the tiny model stored in FP8 with per-block scales (and the
+    quantization_config that says so): loading gives exactly the dequantized weights, and the
+    same logits as a float32 checkpoint of those weights."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from actors.target.checkpoint import save_model
+
+    save_model(make_tiny(2), tmp_path / "fp32")
+    tensors = load_file(str(tmp_path / "fp32" / "model.safetensors"))
+    block = (32, 32)
+    quantized, dequantized = {}, {}
+    for name, t in tensors.items():
+        linear = (name.endswith("_proj.weight") or name.endswith("_proj")) and "norm" not in name
+        if linear:
+            q, s = quantize(t.float(), block)
+            quantized[name], quantized[f"{name}_scale_inv"] = q, s
+            dequantized[name] = reference_dequantize(q, s, block)
+        else:
+            quantized[name] = dequantized[name] = t
+    assert sum(t.dtype == torch.float8_e4m3fn for t in quantized.values()) >= 8
+    config = json.loads((tmp_path / "fp32" / "config.json").read_text())
+    for folder, weights, extra in (("fp8", quantized, {"quantization_config": {
+            "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block), "activation_scheme": "dynamic"}}),
+            ("dequantized", dequantized, {})):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "config.json").write_text(json.dumps(config | extra))
+        save_file(weights, str(tmp_path / folder / "model.safetensors"))
+    fp8, plain = load_model(tmp_path / "fp8"), load_model(tmp_path / "dequantized")
+    for (name, a), (_, b) in zip(fp8.state_dict().items(), plain.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    with torch.no_grad():
+        la, _ = fp8(ForwardBatch.from_lists([0], [TOKENS]), fp8.new_cache(256))
+        lb, _ = plain(ForwardBatch.from_lists([0], [TOKENS]), plain.new_cache(256))
+    assert torch.equal(la, lb)
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="unsupported quantization"):
+        load_model(tmp_path / "fp8")
