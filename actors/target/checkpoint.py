@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 from collections.abc import Iterator
 from contextlib import ExitStack
 
@@ -29,6 +30,19 @@ from actors.target.config import MoEConfig
 from actors.target.model import MoETransformer
 
 LAYOUTS = ("fused", "per_expert")
+
+# Checkpoint names of other families, as the per-expert names read here (Mixtral's own layout:
+# `block_sparse_moe`, experts w1 = gate, w3 = up, w2 = down).
+_ALIASES = [(re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w1\."), r".mlp.experts.\1.gate_proj."),
+            (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w3\."), r".mlp.experts.\1.up_proj."),
+            (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w2\."), r".mlp.experts.\1.down_proj."),
+            (re.compile(r"\.block_sparse_moe\.gate\."), ".mlp.gate.")]
+
+
+def canonical(key: str) -> str:
+    for pattern, repl in _ALIASES:
+        key = pattern.sub(repl, key)
+    return key
 
 
 def _hf_name(ours: str) -> str:
@@ -73,11 +87,11 @@ class _Tensors:
             files = sorted(p.name for p in model_dir.glob("*.safetensors"))
             if not files:
                 raise FileNotFoundError(f"no safetensors files in {model_dir}")
-        self._where: dict[str, object] = {}
+        self._where: dict[str, tuple[object, str]] = {}  # our name -> (file handle, its name there)
         for f in files:
             handle = stack.enter_context(safe_open(str(model_dir / f), framework="pt"))
             for key in handle.keys():  # noqa: SIM118 - safe_open handles are not mappings
-                self._where[key] = handle
+                self._where[canonical(key)] = (handle, key)
 
     def __contains__(self, key: str) -> bool:
         return key in self._where
@@ -85,11 +99,14 @@ class _Tensors:
     def get(self, key: str) -> torch.Tensor:
         if key not in self._where:
             raise KeyError(f"checkpoint has no tensor {key!r}")
-        return self._dequantized(key, self._where[key].get_tensor(key), lambda s: self._where[s].get_tensor(s))
+        return self._dequantized(key, self._tensor(key), self._tensor)
 
     def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
-        return self._dequantized(key, self._where[key].get_slice(key)[start:stop],
-                                 lambda s: self._where[s].get_slice(s)[start:stop])
+        return self._dequantized(key, self._tensor(key, start, stop), lambda s: self._tensor(s, start, stop))
+
+    def _tensor(self, key: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        handle, name = self._where[key]
+        return handle.get_tensor(name) if start is None else handle.get_slice(name)[start:stop]
 
     def _dequantized(self, key: str, t: torch.Tensor, scale_of) -> torch.Tensor:
         if self.block is None or t.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
