@@ -27,6 +27,7 @@ from actors.engine.costs import (
 from actors.engine.drafters import DrafterPool, hosted_drafter
 from actors.engine.grammar import Grammars
 from actors.engine.history import StepHistory
+from actors.engine.kinds import count_kinds, learn_kind_costs
 from actors.engine.learning import learn, record
 from actors.engine.placement import unit_placement_group
 from actors.engine.sequence import SamplingParams, Scheduler, Sequence, Status
@@ -48,7 +49,8 @@ from actors.target.driver import DriverGroup
 from actors.target.group import EPGroup, EPGroupError, InProcessGroup
 from dcut_core import ragged
 from dcut_core.acceptance import Calibrator, survival
-from dcut_core.drafting import AcceptanceTracker, DraftingGate, Exploration
+from dcut_core.drafting import AcceptanceTracker, Exploration
+from dcut_core.gate import DraftingGate
 from dcut_core.pruning import DraftBatch, policy_from_name
 
 log = logging.getLogger(__name__)
@@ -253,24 +255,10 @@ class Engine:
         if k == 1:
             self.draft_cost.observe(int((counts > 0).sum()), int(counts.sum()), seconds, caught_up, int(counts.max()))
         else:
-            self._learn_kind_costs(batch, outs, counts, which, seconds)
+            learn_kind_costs(self.draft_cost, self.drafters, batch, outs, counts, which, seconds)
         drafts.seconds = seconds
         drafts.compute_seconds = max(out.compute_s for _, out in outs.values())
         return drafts
-
-    def _learn_kind_costs(self, batch: list[Sequence], outs: dict, counts: np.ndarray, which: np.ndarray,
-                          seconds: float) -> None:
-        """Several kinds: each kind's cost learns from its own time in each replica (its pass and
-        its catch-up); the call's time beyond the slowest replica's kinds is the shared cost."""
-        for idx, out in outs.values():
-            for kind, own in (out.kind_s or {}).items():
-                mine = [i for i in idx if which[i] == kind and counts[i] > 0]
-                self.draft_cost.observe_kind(kind, len(mine), int(counts[mine].sum()), own,
-                                             (out.kind_context or {}).get(kind, 0), int(counts[mine].max(initial=0)))
-        self.draft_cost.observe_call(seconds - max(sum((out.kind_s or {}).values()) for _, out in outs.values()))
-        for i, s in enumerate(batch):
-            if counts[i]:
-                self.drafters.saw(s.rid, int(which[i]), s.cached)
 
     def prune(self, batch: list[Sequence], drafts: Drafts) -> np.ndarray:
         """The policy's choice of kept drafts per request, from calibrated survivals."""
@@ -371,20 +359,8 @@ class Engine:
     def _learn(self, st: Step) -> float:
         """Calibration, the acceptance tracker and the cost model's correction learn from the
         step; returns the step's predicted verify time (made before learning)."""
-        self._count_kinds(st)
+        count_kinds(self.drafted_by_kind, self.kinds, st)
         return learn(st, self.calibrators, self.gate, self.cost, log=self.step_log is not None)
-
-    def _count_kinds(self, st: Step) -> None:
-        """Per drafter kind: requests it drafted for, drafts made, kept and accepted (/metrics)."""
-        drafted = np.diff(st.drafts.cu)
-        kinds = st.drafts.kinds if st.drafts.kinds is not None else np.zeros(len(st.batch), dtype=np.int64)
-        for i, k in enumerate(kinds):
-            if drafted[i]:
-                c = self.drafted_by_kind[self.kinds[k]]
-                c["chosen"] += 1
-                c["drafted"] += int(drafted[i])
-                c["kept"] += int(st.kept[i])
-                c["accepted"] += int(st.accepted[i])
 
     def _record(self, st: Step, predicted: float) -> StepRecord:
         return record(st, predicted, self.history, self.overhead, self.step_log, self.policy.name)

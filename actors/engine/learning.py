@@ -14,7 +14,7 @@ from actors.engine.steplog import StepLog, observed
 from dcut_core import ragged
 from dcut_core.acceptance import Calibrator, verify_outcomes
 from dcut_core.cost_model import StepShape
-from dcut_core.drafting import DraftingGate
+from dcut_core.gate import DraftingGate
 
 
 def learn(st: Step, calibrators: list[Calibrator], gate: DraftingGate, cost, log: bool = False) -> float:
@@ -39,7 +39,7 @@ def learn(st: Step, calibrators: list[Calibrator], gate: DraftingGate, cost, log
                     if st.lengths[i] > 0 and drafts.cu[i + 1] == drafts.cu[i]]
         for rid, kind in st.empty:
             gate.empty(rid, kind)
-    if log:  # what the trackers learnt from, for `dcut_core.drafting.replay`
+    if log:  # what the trackers learnt from, for `dcut_core.gate.replay`
         st.observed = observed(st)
     if cost is None:
         return float("nan")

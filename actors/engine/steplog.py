@@ -4,7 +4,7 @@ Each record holds what `dcut_core` saw and decided — per request drafted count
 kept and accepted counts — and the step's predicted and measured times, so a pruning policy can
 be re-run offline on real acceptance traces (`read_steps`). It also holds the drafting gate's
 whole input and plan (`gate`) and what its acceptance tracker learnt (`observed`), so
-`dcut_core.drafting.replay` re-runs the gate over the same history. msgpack keeps this small and
+`dcut_core.gate.replay` re-runs the gate over the same history. msgpack keeps this small and
 streamable: one record per step, no framing of our own.
 """
 
@@ -58,7 +58,7 @@ def read_steps(path: str | pathlib.Path) -> Iterator[dict]:
 
 
 def observed(st) -> dict:
-    """What the acceptance tracker learnt from a step (`dcut_core.drafting.replay` feeds it back):
+    """What the acceptance tracker learnt from a step (`dcut_core.gate.replay` feeds it back):
     per request kept and accepted counts, and the calibrated estimates of the drafts past the kept
     ones (ragged, `beyond_cu`; None when nothing was drafted)."""
     drafts, kept, est = st.drafts, st.kept, st.drafts.estimate

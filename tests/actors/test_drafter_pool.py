@@ -15,7 +15,8 @@ from actors.engine.steplog import read_steps
 from actors.target.checkpoint import load_model
 from actors.target.decode import greedy_decode
 from actors.target.local import LocalTarget
-from dcut_core.drafting import AcceptanceTracker, DraftingGate, Exploration, replay
+from dcut_core.drafting import AcceptanceTracker, Exploration
+from dcut_core.gate import DraftingGate, replay
 from tests.actors.test_engine import POLICIES, PROMPTS
 
 pytestmark = pytest.mark.usefixtures("local_ray")

@@ -17,7 +17,8 @@ from actors.target.checkpoint import load_model
 from actors.target.decode import greedy_decode
 from actors.target.local import LocalTarget
 from actors.target.model import ForwardBatch
-from dcut_core.drafting import AcceptanceTracker, DraftingGate, Exploration, replay
+from dcut_core.drafting import AcceptanceTracker, Exploration
+from dcut_core.gate import DraftingGate, replay
 from dcut_core.pruning import POLICY_NAMES
 from tests.actors.conftest import holding_drafts, kill_and_wait
 

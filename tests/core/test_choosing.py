@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dcut_core.choosing import KindChooser
-from dcut_core.drafting import AcceptanceTracker, DraftCost, DraftingGate, Exploration, plan_drafts, replay
+from dcut_core.drafting import AcceptanceTracker, DraftCost, Exploration, plan_drafts
+from dcut_core.gate import DraftingGate, replay
 from dcut_core.pruning import StepCost
 
 

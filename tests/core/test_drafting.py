@@ -7,7 +7,8 @@ import itertools
 import numpy as np
 import pytest
 
-from dcut_core.drafting import AcceptanceTracker, DraftCost, GateInput, plan_drafts, replay
+from dcut_core.drafting import AcceptanceTracker, DraftCost, plan_drafts
+from dcut_core.gate import GateInput, replay
 from dcut_core.pruning import StepCost
 
 
@@ -213,7 +214,8 @@ def test_exploration_probes_every_step_while_warming_and_never_more_requests_tha
 
 
 def gate(**kw):
-    from dcut_core.drafting import DraftingGate, Exploration
+    from dcut_core.drafting import Exploration
+    from dcut_core.gate import DraftingGate
 
     return DraftingGate(AcceptanceTracker(block=8), Exploration(every=50, requests=2, warmup=0), **kw)
 
