@@ -1,6 +1,11 @@
 """Where a model bundle's parts live: `ROOT/target` (HF checkpoint), `ROOT/drafter` (block
 drafter), `ROOT/mtp` (MTP drafter, DeepSeek next-n layout), `ROOT/tokenizer.json` and
-`tokenizer_config.json`. The bundled demo is `models/demo` in this repository."""
+`tokenizer_config.json`. The bundled demo is `models/demo` in this repository.
+
+A plain Hugging Face folder works too (`dcut serve|generate --model DIR`): `ROOT/config.json`
+and its safetensors are the target, with the checkpoint's own tokenizer, chat template and
+generation config beside them; drafters in `ROOT/drafter` or `ROOT/mtp` if present (n-gram
+lookup needs none)."""
 
 from __future__ import annotations
 
@@ -16,7 +21,8 @@ class Bundle:
 
     @property
     def target(self) -> str:
-        return str(self.root / "target")
+        nested = self.root / "target"
+        return str(self.root if (self.root / "config.json").exists() and not nested.exists() else nested)
 
     @property
     def drafter(self) -> str:
@@ -46,9 +52,27 @@ class Bundle:
             return tuple(k for k in ("block", "mtp", "ngram") if self.has(k))
         return tuple(drafter.split(","))
 
+    def eos_token_id(self) -> int | None:
+        """The checkpoint's end of sequence: its generation_config.json's first, else config.json's."""
+        import json
+
+        from actors.target.config import MoEConfig
+
+        gen = pathlib.Path(self.target, "generation_config.json")
+        eos = json.loads(gen.read_text()).get("eos_token_id") if gen.exists() else None
+        eos = eos[0] if isinstance(eos, list) and eos else eos
+        return eos if isinstance(eos, int) else MoEConfig.load(self.target).eos_token_id
+
     def check(self, drafter: str | None) -> None:
-        """The files a bundle needs, with those of drafter `drafter` (None: no drafter)."""
+        """The files a bundle needs, with those of drafter `drafter` (None: no drafter), and a
+        target this server can run exactly (the reason named if not)."""
+        from actors.target.config import MoEConfig
+
         missing = [p for p in (self.target + "/config.json", self.tokenizer) if not pathlib.Path(p).exists()]
         missing += [self.drafter_dir(k) for k in (self.kinds(drafter) if drafter else ()) if not self.has(k)]
         if missing:
             raise SystemExit(f"model bundle {self.root} is incomplete: missing {', '.join(missing)}")
+        try:
+            MoEConfig.load(self.target)
+        except (ValueError, KeyError) as exc:
+            raise SystemExit(f"{self.target} cannot be served: {exc}") from None

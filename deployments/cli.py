@@ -17,6 +17,8 @@ from dcut_core.pruning import POLICY_NAMES
 
 def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="settings file (JSON object of ServeSettings fields)")
+    p.add_argument("--model", help="a Hugging Face folder or a model bundle to serve (settings' model_root)")
+    p.add_argument("--drafter", help="block, mtp, ngram, several (block,ngram) or auto")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
 
@@ -36,6 +38,9 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks of the target")
     p.add_argument("--drafters", type=int, default=1, help="drafter replicas")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt, in input order")
+    p.add_argument("--model", dest="model_root", help="a Hugging Face folder (config.json, safetensors, "
+                   "tokenizer.json) or a model bundle (target/, drafter/, mtp/, tokenizer.json); default: the "
+                   "bundled demo model")
     p.add_argument("--model-root", help="model bundle folder with target/, drafter/, tokenizer.json "
                                         "(default: the bundled demo model)")
 

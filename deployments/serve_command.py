@@ -16,6 +16,7 @@ def run(args: argparse.Namespace) -> int:
     from deployments.settings import ServeSettings
 
     overrides = json.loads(pathlib.Path(args.config).read_text()) if args.config else {}
+    overrides |= {k: v for k, v in (("model_root", args.model), ("drafter", args.drafter)) if v}
     settings = ServeSettings.from_env(**overrides)
     settings.engine_config()  # fail fast (missing bundle, bad settings) before starting Ray
     start_local_ray(num_cpus=settings.local_cpus())

@@ -92,7 +92,6 @@ class ServeSettings(BaseModel):
     def engine_config(self, unit_placement: bool = False):
         """The one engine config every command builds its engine from (serve, generate, bench)."""
         from actors.engine.config import EngineConfig
-        from actors.target.config import MoEConfig
         from dcut_core.pruning import policy_from_name
 
         bundle = Bundle(pathlib.Path(self.model_root))
@@ -104,7 +103,7 @@ class ServeSettings(BaseModel):
             drafter_dirs=tuple((k, bundle.drafter_dir(k)) for k in kinds if k != "ngram"),
             drafters=s.drafters, max_running=s.max_running, kv_capacity_tokens=s.kv_capacity_tokens,
             threads_per_rank=s.threads_per_rank, cpus_per_rank=s.cpus_per_rank, gpus_per_rank=s.gpus_per_rank,
-            cpus_per_drafter=s.cpus_per_drafter, eos_token_id=MoEConfig.load(bundle.target).eos_token_id,
+            cpus_per_drafter=s.cpus_per_drafter, eos_token_id=bundle.eos_token_id(),
             cost_model_cache=s.cost_model_cache, guard_threshold=s.guard_threshold, max_budget=s.max_budget,
             unit_placement=unit_placement, in_process=s.in_process,
         )

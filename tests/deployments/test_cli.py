@@ -135,3 +135,40 @@ def test_repeated_bench_rounds_report_medians_of_ratios():
     assert d["output_tok_s"] == 890 and d["mat"] == 8.9  # the median round, whole
     assert d["speedup_vs_ar"] == 1.05 and d["speedup_vs_ar_runs"] == [0.99, 1.05, 1.05]  # median of ratios
     assert d["repeats"] == 3 and d["lossless"] is False  # one round differed: the row says so
+
+
+def test_generate_serves_a_hugging_face_folder_and_names_what_it_cannot(tmp_path):
+    """`--model DIR`: a Mixtral folder as transformers writes it, with its tokenizer and
+    generation config, decodes as transformers' `generate` does (`--drafter auto` finds only
+    n-gram lookup there); a folder of an unsupported family is refused with the reason."""
+    import torch
+    import transformers
+
+    from tests.conftest import tiny_tokenizer
+
+    cfg = transformers.MixtralConfig(vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=256, eos_token_id=95)
+    torch.manual_seed(0)
+    hf = transformers.MixtralForCausalLM(cfg).eval()
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(8.0)
+    folder = tmp_path / "mixtral"
+    hf.save_pretrained(folder)
+    tiny_tokenizer().save(str(folder / "tokenizer.json"))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 95]}))
+    prompt = [5, 6, 7, 5, 6, 7]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=0,
+                           pad_token_id=0)[0, len(prompt):].tolist()
+    proc = subprocess.run([sys.executable, "-m", "deployments.cli", "generate", " ".join(f"w{t}" for t in prompt),
+                           "--model", str(folder), "--drafter", "auto", "--policy", "full", "--max-tokens", "8",
+                           "--json"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = next(json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))
+    assert got["token_ids"] == want  # generation_config's first EOS (0) ends both, if it comes
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"model_type": "llama"}))
+    proc = subprocess.run([sys.executable, "-m", "deployments.cli", "generate", "w1", "--model", str(folder),
+                           "--drafter", "ngram"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode != 0 and "cannot be served" in proc.stderr and "llama" in proc.stderr
