@@ -36,7 +36,9 @@ LAYOUTS = ("fused", "per_expert")
 _ALIASES = [(re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w1\."), r".mlp.experts.\1.gate_proj."),
             (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w3\."), r".mlp.experts.\1.up_proj."),
             (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w2\."), r".mlp.experts.\1.down_proj."),
-            (re.compile(r"\.block_sparse_moe\.gate\."), ".mlp.gate.")]
+            (re.compile(r"\.block_sparse_moe\.gate\."), ".mlp.gate."),
+            (re.compile(r"\.mlp\.shared_experts\."), ".mlp.shared_expert."),  # GLM-4-MoE, DeepSeek-V3
+            (re.compile(r"\.mlp\.gate\.e_score_correction_bias$"), ".mlp.e_score_correction_bias")]
 
 
 def canonical(key: str) -> str:

@@ -10,9 +10,9 @@ from dataclasses import asdict, dataclass, field
 
 from dcut_core.hardware import ModelShape
 
-SUPPORTED_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "dcut_moe")
+SUPPORTED_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "dcut_moe")
 ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                 "mixtral": "MixtralForCausalLM", "olmoe": "OlmoeForCausalLM"}
+                 "mixtral": "MixtralForCausalLM", "olmoe": "OlmoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,13 @@ class MoEConfig:
     num_experts: int
     num_experts_per_tok: int
     norm_topk_prob: bool = True
-    shared_expert_intermediate_size: int = 0  # > 0: a gated shared expert (Qwen2-MoE style)
+    shared_expert_intermediate_size: int = 0  # > 0: a shared expert every token passes through
+    shared_expert_gated: bool = True  # its output scaled by a sigmoid gate (Qwen2-MoE), or not (GLM-4-MoE)
+    router: str = "softmax"  # softmax top-k; "sigmoid_grouped": sigmoid scores, correction bias, group-limited
+    n_group: int = 1  # sigmoid_grouped: expert groups, of which the best topk_group are searched
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0  # sigmoid_grouped: routed experts' weights scaled by this
+    partial_rotary_factor: float = 1.0  # share of each head's dims that RoPE rotates (GLM-4-MoE: 0.5)
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     rms_norm_eps: float = 1e-6
@@ -50,6 +56,11 @@ class MoEConfig:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.num_experts_per_tok > self.num_experts:
             raise ValueError("num_experts_per_tok cannot exceed num_experts")
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head that RoPE rotates (the first ones; the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def is_moe_layer(self, layer: int) -> bool:
         return (
@@ -74,6 +85,13 @@ class MoEConfig:
             raise ValueError("sliding-window attention is not supported")
         if d.get("clip_qkv") is not None:
             raise ValueError("clip_qkv is not supported")
+        glm = model_type == "glm4_moe"  # GLM-4-MoE's own keys, beside ours (a config we wrote has ours)
+        partial = d.get("partial_rotary_factor")
+        if partial is None and isinstance(scaling, dict):
+            partial = scaling.get("partial_rotary_factor")
+        shared = d.get("shared_expert_intermediate_size")
+        if shared is None:
+            shared = int(d.get("moe_intermediate_size", 0)) * int(d.get("n_shared_experts", 0))
         theta = d.get("rope_theta")
         if theta is None and isinstance(scaling, dict):
             theta = scaling.get("rope_theta")
@@ -91,17 +109,25 @@ class MoEConfig:
             # Mixtral and OLMoE have experts in every layer, `intermediate_size` wide
             moe_intermediate_size=int(d.get("intermediate_size", 0) if model_type in ("mixtral", "olmoe")
                                       else d.get("moe_intermediate_size", 0)),
-            num_experts=int(d.get("num_experts", d.get("num_local_experts", 0))),
+            num_experts=int(d.get("num_experts", d.get("num_local_experts", d.get("n_routed_experts", 0)))),
             num_experts_per_tok=int(d.get("num_experts_per_tok", 0)),
             norm_topk_prob=bool(d.get("norm_topk_prob", model_type not in ("qwen2_moe", "olmoe"))),
-            shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size", 0)),
+            shared_expert_intermediate_size=int(shared),
+            shared_expert_gated=bool(d.get("shared_expert_gated", not glm)),
+            router=d.get("router", "sigmoid_grouped" if glm else "softmax"),
+            n_group=int(d.get("n_group") or 1),
+            topk_group=int(d.get("topk_group") or 1),
+            routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0),
+            partial_rotary_factor=float(partial or 1.0),
             decoder_sparse_step=int(d.get("decoder_sparse_step", 1)),
-            mlp_only_layers=tuple(d.get("mlp_only_layers", ())),
+            mlp_only_layers=tuple(d["mlp_only_layers"]) if "mlp_only_layers" in d
+            else tuple(range(int(d.get("first_k_dense_replace", 0)))),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta if theta is not None else 1e6),
             max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qk_norm=bool(d.get("qk_norm", model_type in ("qwen3_moe", "dcut_moe"))),
+            qk_norm=bool(d.get("use_qk_norm", False)) if glm else bool(d.get("qk_norm", model_type in ("qwen3_moe",
+                                                                                                       "dcut_moe"))),
             qk_norm_full=model_type == "olmoe",
             attention_bias=bool(d.get("attention_bias", model_type == "qwen2_moe")),
             model_type=model_type,

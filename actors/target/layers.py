@@ -34,7 +34,11 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [N, heads, D]; cos/sin: [N, D]."""
+    """x: [N, heads, D]; cos/sin: [N, d], d ≤ D: the first d dims rotate, the rest pass through
+    (partial rotary, GLM-4-MoE)."""
+    if cos.shape[-1] < x.shape[-1]:
+        d = cos.shape[-1]
+        return torch.cat([apply_rope(x[..., :d], cos, sin), x[..., d:]], dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return (x * cos[:, None, :] + rotated * sin[:, None, :]).to(x.dtype)

@@ -127,7 +127,7 @@ class MoETransformer(nn.Module):
         t0 = time.perf_counter()
         prep = batch if isinstance(batch, Prepared) else self.prepare(batch, cache)
         batch = prep.batch
-        plan = plan_attention(cache, batch.request_ids, batch.cu, prep.starts, self.cfg.head_dim,
+        plan = plan_attention(cache, batch.request_ids, batch.cu, prep.starts, self.cfg.rotary_dim,
                               self.cfg.rope_theta)
         x = self.embed_tokens(batch.tokens)  # [N, H]
         captured: dict[int, torch.Tensor] = {}
@@ -149,7 +149,7 @@ class MoETransformer(nn.Module):
         """Whole sequences, causal, no cache (training): logits [B, T, V] and the mean
         load-balancing loss of the MoE layers."""
         b, t = tokens.shape
-        cos, sin = rope_cos_sin(torch.arange(t, device=tokens.device), self.cfg.head_dim, self.cfg.rope_theta)
+        cos, sin = rope_cos_sin(torch.arange(t, device=tokens.device), self.cfg.rotary_dim, self.cfg.rope_theta)
         x = self.embed_tokens(tokens)  # [B, T, H]
         aux = x.new_zeros(())
         for layer in self.layers:

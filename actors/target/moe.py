@@ -122,18 +122,42 @@ class MoEBlock(nn.Module):
         count = cfg.num_experts if local_experts is None else local_experts
         self.experts = LocalExperts(cfg.hidden_size, cfg.moe_intermediate_size, first_expert, count)
         self.shared_expert = None
+        self.shared_expert_gate = None
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = SwiGLU(cfg.hidden_size, cfg.shared_expert_intermediate_size)
-            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+            if cfg.shared_expert_gated:
+                self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        self.grouped = cfg.router == "sigmoid_grouped"
+        if self.grouped:  # DeepSeek-V3 / GLM-4-MoE routing (`_route_grouped`)
+            self.n_group, self.topk_group, self.scale = cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts), requires_grad=False)
         self.dispatch = Dispatch()
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k experts [n, k] and their weights [n, k] for each token."""
+        if self.grouped:
+            return self._route_grouped(x)
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
         weights, idx = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return idx, weights.to(x.dtype)
+
+    def _route_grouped(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sigmoid scores; experts are chosen by score + correction bias, only within the
+        `topk_group` groups whose two best biased scores sum highest; their weights are the
+        unbiased scores, renormalised (norm_topk_prob) and times routed_scaling_factor."""
+        n = x.shape[0]
+        scores = F.linear(x.float(), self.gate.weight.float()).sigmoid()  # [n, E]
+        choice = scores + self.e_score_correction_bias.float()
+        groups = choice.view(n, self.n_group, -1).topk(2, dim=-1).values.sum(-1)  # [n, G]
+        keep = torch.zeros_like(groups).scatter_(1, groups.topk(self.topk_group, dim=-1).indices, 1.0)
+        keep = keep.repeat_interleave(self.num_experts // self.n_group, dim=1).bool()
+        idx = choice.masked_fill(~keep, float("-inf")).topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, idx)
+        if self.norm_topk:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return idx, (weights * self.scale).to(x.dtype)
 
     def load_balance_loss(self, x: torch.Tensor) -> torch.Tensor:
         """Switch-style auxiliary loss E · Σ_e (fraction routed to e) · (mean router prob of e);
@@ -148,5 +172,8 @@ class MoEBlock(nn.Module):
         idx, weights = self.route(x)
         out = self.dispatch(x, idx, weights, self.experts, self.num_experts, stats)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:  # Qwen2-MoE gates it; GLM-4-MoE does not
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
         return out

@@ -31,23 +31,42 @@ def olmoe(tmp_path, seed: int = 0):
     return _write(transformers.OlmoeForCausalLM, cfg, tmp_path / "olmoe", seed)
 
 
-def _write(cls, cfg, path, seed: int):
+def _write(cls, cfg, path, seed: int, bias: bool = False):
     torch.manual_seed(seed)
     hf = cls(cfg).eval()
     with torch.no_grad():
         hf.lm_head.weight.mul_(8.0)  # peaked distributions: greedy is not decided by rounding
+        for name, t in hf.named_buffers():
+            if bias and name.endswith("e_score_correction_bias"):  # zeros by default: make it matter
+                t.copy_(0.3 * torch.randn_like(t))
+        for name, p in hf.named_parameters():
+            if name.endswith("gate.weight") and p.dim() == 2 and p.shape[0] == 8 and bias:  # zeros by default
+                p.normal_(0, 0.5)
     hf.save_pretrained(path)
     return hf, str(path)
 
 
-FAMILIES = {"mixtral": mixtral, "olmoe": olmoe}
+def glm4_moe(tmp_path, seed: int = 0):
+    """GLM-4-MoE: a dense first layer, sigmoid routing with a correction bias over 2 groups of 4
+    experts (1 searched), routed weights scaled by 2.5, an ungated shared expert, q/k norms, q/k/v
+    biases, RoPE on half of each head's dims."""
+    cfg = transformers.Glm4MoeConfig(**COMMON, head_dim=16, intermediate_size=48, moe_intermediate_size=16,
+                                     n_routed_experts=8, n_shared_experts=1, n_group=2, topk_group=1,
+                                     first_k_dense_replace=1, use_qk_norm=True, attention_bias=True,
+                                     partial_rotary_factor=0.5, routed_scaling_factor=2.5)
+    cfg.num_hidden_layers = 3
+    hf, path = _write(transformers.Glm4MoeForCausalLM, cfg, tmp_path / "glm4_moe", seed, bias=True)
+    return hf, path
+
+
+FAMILIES = {"mixtral": mixtral, "olmoe": olmoe, "glm4_moe": glm4_moe}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_logits_equal_transformers(tmp_path, family):
     hf, path = FAMILIES[family](tmp_path)
     cfg = MoEConfig.load(path)
-    assert cfg.model_type == family and cfg.moe_layers == cfg.num_hidden_layers
+    assert cfg.model_type == family and cfg.moe_layers == cfg.num_hidden_layers - (family == "glm4_moe")
     model = load_model(path)
     with torch.no_grad():
         ref = hf(torch.tensor([TOKENS])).logits[0]
@@ -58,7 +77,7 @@ def test_logits_equal_transformers(tmp_path, family):
 
 
 @pytest.mark.usefixtures("local_ray")
-@pytest.mark.parametrize(("family", "eps"), [("mixtral", (1, 2, 4)), ("olmoe", (1, 2))])
+@pytest.mark.parametrize(("family", "eps"), [("mixtral", (1, 2, 4)), ("olmoe", (1, 2)), ("glm4_moe", (1, 2))])
 def test_engine_decodes_as_transformers_generate(tmp_path, family, eps):
     hf, path = FAMILIES[family](tmp_path)
     prompts = [[5, 6, 7, 5, 6, 7], [9, 10, 11], [40, 41, 42, 40, 41, 42, 40]]
