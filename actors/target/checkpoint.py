@@ -38,7 +38,11 @@ _ALIASES = [(re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w1\."), r".mlp.exp
             (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w2\."), r".mlp.experts.\1.down_proj."),
             (re.compile(r"\.block_sparse_moe\.gate\."), ".mlp.gate."),
             (re.compile(r"\.mlp\.shared_experts\."), ".mlp.shared_expert."),  # GLM-4-MoE, DeepSeek-V3
-            (re.compile(r"\.mlp\.gate\.e_score_correction_bias$"), ".mlp.e_score_correction_bias")]
+            (re.compile(r"\.mlp\.gate\.e_score_correction_bias$"), ".mlp.e_score_correction_bias"),
+            (re.compile(r"\.mlp\.gate\.wg\."), ".mlp.gate."),  # Hunyuan-MoE
+            (re.compile(r"\.mlp\.shared_mlp\."), ".mlp.shared_expert."),
+            (re.compile(r"\.self_attn\.query_layernorm\."), ".self_attn.q_norm."),
+            (re.compile(r"\.self_attn\.key_layernorm\."), ".self_attn.k_norm.")]
 
 
 def canonical(key: str) -> str:

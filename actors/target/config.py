@@ -1,6 +1,7 @@
 """Target model configuration, read from a Hugging Face `config.json`: the Qwen3-MoE and
-Qwen2-MoE families, Mixtral and OLMoE (one decoder: RMSNorm, RoPE, GQA, a top-k softmax router,
-SwiGLU experts; the families differ in q/k norms, biases, shared experts and routing weights)."""
+Qwen2-MoE families, Mixtral, OLMoE, GLM-4-MoE and Hunyuan-MoE (one decoder: RMSNorm, RoPE, GQA,
+a top-k router, SwiGLU experts; the families differ in q/k norms and where they sit, biases,
+shared experts, routing (softmax, or grouped sigmoid with a correction bias), partial RoPE)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ from dataclasses import asdict, dataclass, field
 
 from dcut_core.hardware import ModelShape
 
-SUPPORTED_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "dcut_moe")
+SUPPORTED_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "hunyuan_v1_moe", "dcut_moe")
+WHOLE_WIDTH_EXPERTS = ("mixtral", "olmoe", "hunyuan_v1_moe")
 ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                 "mixtral": "MixtralForCausalLM", "olmoe": "OlmoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+                 "mixtral": "MixtralForCausalLM", "olmoe": "OlmoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+                 "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class MoEConfig:
     tie_word_embeddings: bool = False
     qk_norm: bool = True  # Qwen3 normalises q and k per head; Qwen2 and Mixtral do not
     qk_norm_full: bool = False  # OLMoE: q and k normalised over the whole projection, before the heads split
+    qk_norm_after_rope: bool = False  # Hunyuan-MoE: the per-head q/k norm comes after RoPE
     attention_bias: bool = False
     model_type: str = "qwen3_moe"
     bos_token_id: int | None = None
@@ -85,11 +89,17 @@ class MoEConfig:
             raise ValueError("sliding-window attention is not supported")
         if d.get("clip_qkv") is not None:
             raise ValueError("clip_qkv is not supported")
+        hunyuan = model_type == "hunyuan_v1_moe"
+        if hunyuan and (not isinstance(d.get("num_experts"), int) or not isinstance(d.get("moe_topk", 1), int)
+                        or d.get("use_cla")):
+            raise ValueError("Hunyuan-MoE with per-layer expert counts or cross-layer attention is not supported")
         glm = model_type == "glm4_moe"  # GLM-4-MoE's own keys, beside ours (a config we wrote has ours)
         partial = d.get("partial_rotary_factor")
         if partial is None and isinstance(scaling, dict):
             partial = scaling.get("partial_rotary_factor")
         shared = d.get("shared_expert_intermediate_size")
+        if shared is None and hunyuan:  # a shared MLP as wide as an expert
+            shared = int(d.get("intermediate_size", 0))
         if shared is None:
             shared = int(d.get("moe_intermediate_size", 0)) * int(d.get("n_shared_experts", 0))
         theta = d.get("rope_theta")
@@ -106,14 +116,14 @@ class MoEConfig:
             num_key_value_heads=int(d.get("num_key_value_heads", heads)),
             head_dim=int(d.get("head_dim") or d["hidden_size"] // heads),
             intermediate_size=int(d.get("intermediate_size", 0)),
-            # Mixtral and OLMoE have experts in every layer, `intermediate_size` wide
-            moe_intermediate_size=int(d.get("intermediate_size", 0) if model_type in ("mixtral", "olmoe")
+            # Mixtral, OLMoE and Hunyuan-MoE have experts in every layer, `intermediate_size` wide
+            moe_intermediate_size=int(d.get("intermediate_size", 0) if model_type in WHOLE_WIDTH_EXPERTS
                                       else d.get("moe_intermediate_size", 0)),
             num_experts=int(d.get("num_experts", d.get("num_local_experts", d.get("n_routed_experts", 0)))),
-            num_experts_per_tok=int(d.get("num_experts_per_tok", 0)),
+            num_experts_per_tok=int(d.get("num_experts_per_tok", d.get("moe_topk", 0))),
             norm_topk_prob=bool(d.get("norm_topk_prob", model_type not in ("qwen2_moe", "olmoe"))),
             shared_expert_intermediate_size=int(shared),
-            shared_expert_gated=bool(d.get("shared_expert_gated", not glm)),
+            shared_expert_gated=bool(d.get("shared_expert_gated", not (glm or hunyuan))),
             router=d.get("router", "sigmoid_grouped" if glm else "softmax"),
             n_group=int(d.get("n_group") or 1),
             topk_group=int(d.get("topk_group") or 1),
@@ -126,8 +136,9 @@ class MoEConfig:
             rope_theta=float(theta if theta is not None else 1e6),
             max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qk_norm=bool(d.get("use_qk_norm", False)) if glm else bool(d.get("qk_norm", model_type in ("qwen3_moe",
-                                                                                                       "dcut_moe"))),
+            qk_norm=bool(d.get("use_qk_norm", False)) if glm else bool(d.get("qk_norm", model_type in (
+                "qwen3_moe", "dcut_moe", "hunyuan_v1_moe"))),
+            qk_norm_after_rope=bool(d.get("qk_norm_after_rope", hunyuan)),
             qk_norm_full=model_type == "olmoe",
             attention_bias=bool(d.get("attention_bias", model_type == "qwen2_moe")),
             model_type=model_type,

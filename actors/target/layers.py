@@ -99,6 +99,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, self.kv_heads * d, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.heads * d, h, bias=False)
         self.full_norm = cfg.qk_norm_full  # over the whole projection (OLMoE), else per head (Qwen3)
+        self.norm_after_rope = cfg.qk_norm_after_rope  # Hunyuan-MoE: per head, after RoPE
         width_q, width_k = (self.heads * d, self.kv_heads * d) if self.full_norm else (d, d)
         self.q_norm = RMSNorm(width_q, cfg.rms_norm_eps) if cfg.qk_norm or self.full_norm else None
         self.k_norm = RMSNorm(width_k, cfg.rms_norm_eps) if cfg.qk_norm or self.full_norm else None
@@ -110,16 +111,23 @@ class Attention(nn.Module):
         if self.full_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.view(n, self.heads, self.head_dim), k.view(n, self.kv_heads, self.head_dim)
-        if self.q_norm is not None and not self.full_norm:
+        if self.q_norm is not None and not self.full_norm and not self.norm_after_rope:
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+
+    def rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q, k with RoPE applied (and then the per-head norm, where it comes after)."""
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.norm_after_rope and self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k
 
     def forward(self, x: torch.Tensor, plan: AttentionPlan, cache: PagedKVCache) -> torch.Tensor:
         n = x.shape[0]
         if n == 0:  # an EP rank with no requests this step still runs the MoE collectives
             return torch.zeros_like(x)
         q, k, v = self.qkv(x)
-        q, k = apply_rope(q, plan.cos, plan.sin), apply_rope(k, plan.cos, plan.sin)
+        q, k = self.rope(q, k, plan.cos, plan.sin)
         cache.k[self.layer, plan.write_slots] = k.to(cache.k.dtype)
         cache.v[self.layer, plan.write_slots] = v.to(cache.v.dtype)
         keys = cache.k[self.layer][plan.key_slots].transpose(1, 2)  # [R, Hkv, T, D]
@@ -137,8 +145,9 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x.reshape(b * t, -1))
         v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = cos.repeat(b, 1), sin.repeat(b, 1)  # [B·T, D]
-        q = apply_rope(q, cos, sin).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-        k = apply_rope(k, cos, sin).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = self.rope(q, k, cos, sin)
+        q = q.view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.heads != self.kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 

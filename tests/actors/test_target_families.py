@@ -59,7 +59,14 @@ def glm4_moe(tmp_path, seed: int = 0):
     return hf, path
 
 
-FAMILIES = {"mixtral": mixtral, "olmoe": olmoe, "glm4_moe": glm4_moe}
+def hunyuan(tmp_path, seed: int = 0):
+    """Hunyuan-MoE: a shared MLP beside the routed experts, the per-head q/k norm after RoPE."""
+    cfg = transformers.HunYuanMoEV1Config(**COMMON, head_dim=16, intermediate_size=32, num_experts=8, moe_topk=2,
+                                          eos_token_id=0, pad_token_id=1, bos_token_id=2)
+    return _write(transformers.HunYuanMoEV1ForCausalLM, cfg, tmp_path / "hunyuan", seed)
+
+
+FAMILIES = {"mixtral": mixtral, "olmoe": olmoe, "glm4_moe": glm4_moe, "hunyuan_v1_moe": hunyuan}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -77,7 +84,8 @@ def test_logits_equal_transformers(tmp_path, family):
 
 
 @pytest.mark.usefixtures("local_ray")
-@pytest.mark.parametrize(("family", "eps"), [("mixtral", (1, 2, 4)), ("olmoe", (1, 2)), ("glm4_moe", (1, 2))])
+@pytest.mark.parametrize(("family", "eps"), [("mixtral", (1, 2, 4)), ("olmoe", (1, 2)), ("glm4_moe", (1, 2)),
+                                             ("hunyuan_v1_moe", (1, 2))])
 def test_engine_decodes_as_transformers_generate(tmp_path, family, eps):
     hf, path = FAMILIES[family](tmp_path)
     prompts = [[5, 6, 7, 5, 6, 7], [9, 10, 11], [40, 41, 42, 40, 41, 42, 40]]
