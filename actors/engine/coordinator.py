@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 from actors.engine.config import EngineConfig
-from actors.engine.constraints import grammar_allowed, request_controls
+from actors.engine.constraints import grammar_allowed
 from actors.engine.costs import (
     PRIOR_DRAFT_COST,
     DraftCostLearner,
@@ -43,6 +43,7 @@ from actors.engine.stages import (
     merge_drafts,
 )
 from actors.engine.steplog import StepLog
+from actors.engine.verification import oracle_lengths, verify_forward
 from actors.ray_env import whereabouts
 from actors.target.config import MoEConfig
 from actors.target.driver import DriverGroup
@@ -221,14 +222,17 @@ class Engine:
                         for s in batch])
         if not self.drafters or not self.policy.drafts:
             return None, none
+        multi = len(self.kinds) > 1
+        ungated = not self.policy.gated or not self.cfg.drafting_gate
+        if ungated and not multi:
+            return None, cap
         rids = [s.rid for s in batch]
         curve = self.cost.verify_curve(len(batch), sum(s.cached for s in batch)) if self.cost else _flat_curve()
-        multi = len(self.kinds) > 1
         allowed = None
         if multi and any(s.params.drafters for s in batch):
             allowed = np.array([[k in (s.params.drafters or self.kinds) for k in self.kinds] for s in batch])
-        if not self.policy.gated or not self.cfg.drafting_gate:
-            return (self.gate.choose_kinds(rids, cap, curve, self.draft_cost.costs, allowed) if multi else None), cap
+        if ungated:
+            return self.gate.choose_kinds(rids, cap, curve, self.draft_cost.costs, allowed), cap
         learner, extra = self.draft_cost, self.overhead.extra
         draft = learner.costs if multi else dataclasses.replace(learner.cost, fixed=learner.cost.fixed + extra)
         if multi:  # per kind: the context it has not seen (held back by the replica, or not sent yet)
@@ -278,7 +282,7 @@ class Engine:
         accepted_len = None
         if self.policy.needs_truth:
             t_probe = time.perf_counter()
-            accepted_len = self._oracle_lengths(batch, drafts)
+            accepted_len = oracle_lengths(self.verify, self.target, batch, drafts)
             drafts.probe_seconds = time.perf_counter() - t_probe
             t0 += drafts.probe_seconds
         db = DraftBatch(survival(p, drafts.cu), drafts.cu, accepted_len)
@@ -290,25 +294,9 @@ class Engine:
         return decision.kept if allowed is None else np.minimum(decision.kept, allowed)  # for every policy
 
     def verify(self, batch: list[Sequence], drafts: Drafts, kept: np.ndarray, feeding: list[Feed] = ()):
-        """One forward for the step: each decoding request's last token and kept drafts (every row
-        judged), then this step's prefill chunks (a row only where a fresh prompt ends). The
-        drafter's features come back for requests that drafted this step (likely to draft again
-        next step); the others' stay on their ranks until a draft call fetches them."""
-        chunks = [[s.last, *drafts.tokens[drafts.cu[i]:drafts.cu[i] + kept[i]].tolist()]
-                  for i, s in enumerate(batch)]
-        rows = [list(range(len(c))) for c in chunks] + [f.logit_rows for f in feeding]
-        seqs = [*batch, *(f.seq for f in feeding)]
-        sampling = [(s.params.temperature, s.params.top_p) for s in seqs]
+        """One forward for the step (`actors/engine/verification.py`)."""
         capture = self.drafters.layers if self.policy.drafts else ()
-        logprobs = [s.params.logprobs is not None for s in batch] + [f.wants_logprobs for f in feeding]
-        controls = [request_controls(s, drafts=chunks[i][1:]) for i, s in enumerate(batch)]
-        controls += [request_controls(f.seq, feed=f) for f in feeding]
-        return self.target.forward([s.rid for s in seqs], chunks + [f.tokens for f in feeding], logits=rows,
-                                   capture_layers=capture,
-                                   sampling=sampling if any(t > 0 for t, _ in sampling) else None,
-                                   keep_features=self._keep_features(batch, drafts, feeding) if capture else None,
-                                   logprobs=logprobs if any(logprobs) else None,
-                                   controls=controls if any(c is not None for c in controls) else None)
+        return verify_forward(self.target, self.drafters, capture, batch, drafts, kept, feeding)
 
     def grammars(self) -> Grammars:
         """The compiler of structured-output constraints for this model's tokenizer (built at the
@@ -318,15 +306,6 @@ class Engine:
                 raise ValueError("structured output needs the model's tokenizer and EOS token")
             self._grammars = Grammars(self.cfg.tokenizer_path, self.model_cfg.vocab_size, self.eos)
         return self._grammars
-
-    def _keep_features(self, batch: list[Sequence], drafts: Drafts, feeding: list[Feed]) -> list[bool]:
-        """Per forward row: True keeps its features on the rank (prefill, requests that did not
-        draft, orphans: bounded by the request and freed at its release); False ships them back.
-        Drafters hosted by the ranks read every feature where it is."""
-        if self.drafters.hosted:
-            return [True] * (len(batch) + len(feeding))
-        drafted = np.diff(drafts.cu) > 0
-        return [not (drafted[i] and self.drafters.drafting(s.rid)) for i, s in enumerate(batch)] + [True] * len(feeding)
 
     def accept(self, batch: list[Sequence], drafts: Drafts, kept: np.ndarray, out):
         return accept_tokens(batch, drafts, kept, out)
@@ -399,17 +378,6 @@ class Engine:
         self.drafters.release(rids)
         for rid in rids:
             self.gate.forget(rid)
-
-    def _oracle_lengths(self, batch: list[Sequence], drafts: Drafts) -> np.ndarray:
-        """True accepted lengths, learned by verifying every draft and rolling back (benchmarks only;
-        this extra pass is not counted in the step's measured time)."""
-        all_kept = np.diff(drafts.cu)
-        allowed = grammar_allowed(batch, drafts)
-        all_kept = all_kept if allowed is None else allowed
-        out = self.verify(batch, drafts, all_kept)
-        accepted, _ = accept_tokens(batch, drafts, all_kept, out)
-        self.target.truncate({s.rid: s.cached for s in batch})
-        return np.asarray(accepted, dtype=np.int64)
 
     def placement(self) -> dict:
         """Where the unit's parts run (node and placement group of each): operators and tests."""
