@@ -73,12 +73,15 @@ def test_chat_logprobs_and_streamed_logprobs_match(client):
                                                             messages=messages, logprobs=True, top_logprobs=3,
                                                             stream=True)
                 if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
-    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    # Tokens equal exactly; log-probabilities to float precision: each row comes from the step's
+    # one forward, whose batch (kept drafts, the drafter kind chosen) may differ between requests.
+    assert [c.token for c in streamed] == [c.token for c in content]
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-5)
     plain = client.completions.create(model="dcut-demo", prompt="w5 w6", max_tokens=5, temperature=0, logprobs=1)
     chunks = list(client.completions.create(model="dcut-demo", prompt="w5 w6", max_tokens=5, temperature=0,
                                             logprobs=1, stream=True))
     assert [x for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs] \
-        == plain.choices[0].logprobs.token_logprobs
+        == pytest.approx(plain.choices[0].logprobs.token_logprobs, abs=1e-5)
     with pytest.raises(openai.BadRequestError, match="top_logprobs"):
         client.chat.completions.create(model="dcut-demo", max_tokens=2, messages=messages, top_logprobs=2)
 
