@@ -1,7 +1,8 @@
 """Target model configuration, read from a Hugging Face `config.json`: the Qwen3-MoE and
-Qwen2-MoE families, Mixtral, OLMoE, GLM-4-MoE and Hunyuan-MoE (one decoder: RMSNorm, RoPE, GQA,
-a top-k router, SwiGLU experts; the families differ in q/k norms and where they sit, biases,
-shared experts, routing (softmax, or grouped sigmoid with a correction bias), partial RoPE)."""
+Qwen2-MoE families, Mixtral, OLMoE, GLM-4-MoE, Hunyuan-MoE and DeepSeek-V3 (one decoder: RMSNorm,
+RoPE, GQA or latent attention, a top-k router, SwiGLU experts; the families differ in q/k norms and
+where they sit, biases, shared experts, routing (softmax, or grouped sigmoid with a correction
+bias), partial RoPE, and DeepSeek-V3's multi-head latent attention)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,16 @@ import json
 import pathlib
 from dataclasses import asdict, dataclass, field
 
+from actors.target.rope import Rotary, yarn_mscale
 from dcut_core.hardware import ModelShape
 
-SUPPORTED_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "hunyuan_v1_moe", "dcut_moe")
+SUPPORTED_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "hunyuan_v1_moe", "deepseek_v3",
+                   "dcut_moe")
 WHOLE_WIDTH_EXPERTS = ("mixtral", "olmoe", "hunyuan_v1_moe")
 ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                  "mixtral": "MixtralForCausalLM", "olmoe": "OlmoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
-                 "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM"}
+                 "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM",
+                 "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,14 @@ class MoEConfig:
     qk_norm_full: bool = False  # OLMoE: q and k normalised over the whole projection, before the heads split
     qk_norm_after_rope: bool = False  # Hunyuan-MoE: the per-head q/k norm comes after RoPE
     attention_bias: bool = False
+    # Multi-head latent attention (DeepSeek-V3), on when kv_lora_rank > 0; head_dim is then the
+    # RoPE part of each query/key head (qk_rope_head_dim) and the cache holds the latent
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0  # 0: queries from one projection, else through a rank-q bottleneck
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # RoPE dims laid out in pairs (DeepSeek-V3's weights)
+    rope_yarn: tuple = ()  # YaRN parameters (key, value) as the config gives them; () = plain RoPE
     model_type: str = "qwen3_moe"
     bos_token_id: int | None = None
     eos_token_id: int | None = None
@@ -65,6 +77,25 @@ class MoEConfig:
     def rotary_dim(self) -> int:
         """Dims of each head that RoPE rotates (the first ones; the rest pass through)."""
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def latent(self) -> bool:
+        """Multi-head latent attention (the cache holds kv_lora_rank + head_dim per token and layer)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def rotary(self) -> Rotary:
+        return Rotary(self.rotary_dim, self.rope_theta, self.rope_yarn)
+
+    @property
+    def attention_scale(self) -> float:
+        """MLA's softmax scale: 1/sqrt of the query-key width (the no-RoPE part counts too), times
+        YaRN's mscale(mscale_all_dim)² where the config scales RoPE (DeepSeek-V3)."""
+        scale = (self.qk_nope_head_dim + self.head_dim) ** -0.5
+        yarn = dict(self.rope_yarn)
+        if yarn.get("mscale_all_dim"):
+            scale *= yarn_mscale(float(yarn["factor"]), float(yarn["mscale_all_dim"])) ** 2
+        return scale
 
     def is_moe_layer(self, layer: int) -> bool:
         return (
@@ -83,8 +114,11 @@ class MoEConfig:
         if model_type not in SUPPORTED_TYPES:
             raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_TYPES)}")
         scaling = d.get("rope_scaling") or d.get("rope_parameters")
-        if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) != "default":
-            raise ValueError(f"rope scaling {scaling!r} is not supported")
+        rope_type = scaling.get("rope_type", scaling.get("type", "default")) if isinstance(scaling, dict) else "default"
+        if rope_type not in ("default", "yarn"):
+            raise ValueError(f"rope scaling {scaling!r} is not supported (default and yarn are)")
+        yarn = tuple(sorted((k, v) for k, v in scaling.items() if k not in (
+            "rope_type", "type", "rope_theta", "partial_rotary_factor"))) if rope_type == "yarn" else ()
         if d.get("use_sliding_window") or (model_type == "mixtral" and d.get("sliding_window") is not None):
             raise ValueError("sliding-window attention is not supported")
         if d.get("clip_qkv") is not None:
@@ -94,6 +128,9 @@ class MoEConfig:
                         or d.get("use_cla")):
             raise ValueError("Hunyuan-MoE with per-layer expert counts or cross-layer attention is not supported")
         glm = model_type == "glm4_moe"  # GLM-4-MoE's own keys, beside ours (a config we wrote has ours)
+        deepseek = model_type == "deepseek_v3"
+        if deepseek and d.get("topk_method", "noaux_tc") != "noaux_tc":
+            raise ValueError(f"DeepSeek routing {d.get('topk_method')!r} is not supported (only noaux_tc)")
         partial = d.get("partial_rotary_factor")
         if partial is None and isinstance(scaling, dict):
             partial = scaling.get("partial_rotary_factor")
@@ -114,7 +151,7 @@ class MoEConfig:
             num_hidden_layers=int(d["num_hidden_layers"]),
             num_attention_heads=heads,
             num_key_value_heads=int(d.get("num_key_value_heads", heads)),
-            head_dim=int(d.get("head_dim") or d["hidden_size"] // heads),
+            head_dim=int(d["qk_rope_head_dim"]) if deepseek else int(d.get("head_dim") or d["hidden_size"] // heads),
             intermediate_size=int(d.get("intermediate_size", 0)),
             # Mixtral, OLMoE and Hunyuan-MoE have experts in every layer, `intermediate_size` wide
             moe_intermediate_size=int(d.get("intermediate_size", 0) if model_type in WHOLE_WIDTH_EXPERTS
@@ -123,8 +160,8 @@ class MoEConfig:
             num_experts_per_tok=int(d.get("num_experts_per_tok", d.get("moe_topk", 0))),
             norm_topk_prob=bool(d.get("norm_topk_prob", model_type not in ("qwen2_moe", "olmoe"))),
             shared_expert_intermediate_size=int(shared),
-            shared_expert_gated=bool(d.get("shared_expert_gated", not (glm or hunyuan))),
-            router=d.get("router", "sigmoid_grouped" if glm else "softmax"),
+            shared_expert_gated=bool(d.get("shared_expert_gated", not (glm or hunyuan or deepseek))),
+            router=d.get("router", "sigmoid_grouped" if glm or deepseek else "softmax"),
             n_group=int(d.get("n_group") or 1),
             topk_group=int(d.get("topk_group") or 1),
             routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0),
@@ -141,6 +178,12 @@ class MoEConfig:
             qk_norm_after_rope=bool(d.get("qk_norm_after_rope", hunyuan)),
             qk_norm_full=model_type == "olmoe",
             attention_bias=bool(d.get("attention_bias", model_type == "qwen2_moe")),
+            kv_lora_rank=int(d.get("kv_lora_rank") or 0) if deepseek else 0,
+            q_lora_rank=int(d.get("q_lora_rank") or 0) if deepseek else 0,
+            qk_nope_head_dim=int(d.get("qk_nope_head_dim") or 0) if deepseek else 0,
+            v_head_dim=int(d.get("v_head_dim") or 0) if deepseek else 0,
+            rope_interleave=bool(d.get("rope_interleave", True)) if deepseek else False,
+            rope_yarn=yarn,
             model_type=model_type,
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
@@ -156,8 +199,12 @@ class MoEConfig:
         d.pop("extra")
         d["mlp_only_layers"] = list(self.mlp_only_layers)
         d["architectures"] = [ARCHITECTURES.get(self.model_type, self.model_type)]
-        d["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        d.pop("rope_yarn")
+        d["rope_parameters"] = {"rope_type": "yarn" if self.rope_yarn else "default", "rope_theta": self.rope_theta,
+                                **dict(self.rope_yarn)}
         d["hidden_act"] = "silu"
+        if self.latent:
+            d["qk_rope_head_dim"] = self.head_dim
         return d
 
     def shape(self, name: str = "target", param_bytes: int = 4) -> ModelShape:

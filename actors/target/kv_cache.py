@@ -24,6 +24,13 @@ class CacheSpec:
     head_dim: int
     capacity_tokens: int
     block_size: int = 16
+    value_dim: int | None = None  # width of V; None: head_dim; 0: no V (latent attention keeps one row)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Cached values per token over all layers (times the dtype's size for bytes)."""
+        v = self.head_dim if self.value_dim is None else self.value_dim
+        return self.layers * self.kv_heads * (self.head_dim + v)
 
 
 class PagedKVCache:
@@ -36,7 +43,8 @@ class PagedKVCache:
         self.num_blocks = spec.capacity_tokens // spec.block_size
         slots = self.num_blocks * spec.block_size
         self.k = torch.zeros(spec.layers, slots, spec.kv_heads, spec.head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
+        v_dim = spec.head_dim if spec.value_dim is None else spec.value_dim
+        self.v = torch.zeros(spec.layers, slots, spec.kv_heads, v_dim, dtype=dtype, device=device)
         self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out low blocks first
         self._tables: dict[int, list[int]] = {}
         self._lengths: dict[int, int] = {}

@@ -10,6 +10,7 @@ from torch import nn
 
 from actors.target.config import MoEConfig
 from actors.target.kv_cache import PagedKVCache
+from actors.target.rope import Rotary
 
 
 class RMSNorm(nn.Module):
@@ -27,10 +28,7 @@ class RMSNorm(nn.Module):
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [N, head_dim] for the (non-interleaved, rotate-half) rotary embedding."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # [N, D/2]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
+    return Rotary(head_dim, theta).cos_sin(positions)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -58,7 +56,7 @@ class AttentionPlan:
 
 
 def plan_attention(cache: PagedKVCache, request_ids: list[int], cu: torch.Tensor, starts: list[int],
-                   head_dim: int, theta: float) -> AttentionPlan:
+                   rotary: Rotary) -> AttentionPlan:
     """Build the per-forward attention plan. Cache blocks must already be reserved."""
     lengths = (cu[1:] - cu[:-1]).tolist()
     r, q, t = len(request_ids), max(lengths, default=0), max((s + n for s, n in zip(starts, lengths, strict=True)),
@@ -79,7 +77,7 @@ def plan_attention(cache: PagedKVCache, request_ids: list[int], cu: torch.Tensor
     mask |= (~q_valid[:, :, None]) & (k_pos[None, None, :] == 0)  # padded queries see one key: no NaN
     q_index = torch.where(q_valid, cu[:-1, None] + j[None, :], torch.zeros((), dtype=torch.long))
     positions = q_pos[q_valid]  # [N] in flat order
-    cos, sin = rope_cos_sin(positions, head_dim, theta)
+    cos, sin = rotary.cos_sin(positions)
     write_slots = torch.cat(write) if write else torch.zeros(0, dtype=torch.long)
     dev = cache.k.device  # built on the host (small integer arithmetic), used where the cache lives
     return AttentionPlan(write_slots.to(dev), key_slots.to(dev), mask[:, None].to(dev), q_index.to(dev),

@@ -15,7 +15,8 @@ from torch import nn
 
 from actors.target.config import MoEConfig
 from actors.target.kv_cache import CacheSpec, PagedKVCache
-from actors.target.layers import Attention, RMSNorm, SwiGLU, plan_attention, rope_cos_sin
+from actors.target.latent import LatentAttention
+from actors.target.layers import Attention, RMSNorm, SwiGLU, plan_attention
 from actors.target.moe import MoEBlock, StepStats
 
 
@@ -53,7 +54,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: MoEConfig, layer: int, first_expert: int, local_experts: int | None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = LatentAttention(cfg, layer) if cfg.latent else Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.is_moe = cfg.is_moe_layer(layer)
         self.mlp = (MoEBlock(cfg, first_expert, local_experts) if self.is_moe
@@ -88,7 +89,9 @@ class MoETransformer(nn.Module):
 
     def new_cache(self, capacity_tokens: int, block_size: int = 16) -> PagedKVCache:
         c = self.cfg
-        spec = CacheSpec(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, capacity_tokens, block_size)
+        spec = (CacheSpec(c.num_hidden_layers, 1, c.kv_lora_rank + c.head_dim, capacity_tokens, block_size, 0)
+                if c.latent else
+                CacheSpec(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, capacity_tokens, block_size))
         return PagedKVCache(spec, dtype=self.lm_head.weight.dtype, device=str(self.lm_head.weight.device))
 
     def prepare(self, batch: ForwardBatch, cache: PagedKVCache) -> Prepared:
@@ -127,8 +130,7 @@ class MoETransformer(nn.Module):
         t0 = time.perf_counter()
         prep = batch if isinstance(batch, Prepared) else self.prepare(batch, cache)
         batch = prep.batch
-        plan = plan_attention(cache, batch.request_ids, batch.cu, prep.starts, self.cfg.rotary_dim,
-                              self.cfg.rope_theta)
+        plan = plan_attention(cache, batch.request_ids, batch.cu, prep.starts, self.cfg.rotary)
         x = self.embed_tokens(batch.tokens)  # [N, H]
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
@@ -149,7 +151,7 @@ class MoETransformer(nn.Module):
         """Whole sequences, causal, no cache (training): logits [B, T, V] and the mean
         load-balancing loss of the MoE layers."""
         b, t = tokens.shape
-        cos, sin = rope_cos_sin(torch.arange(t, device=tokens.device), self.cfg.rotary_dim, self.cfg.rope_theta)
+        cos, sin = self.cfg.rotary.cos_sin(torch.arange(t, device=tokens.device))
         x = self.embed_tokens(tokens)  # [B, T, H]
         aux = x.new_zeros(())
         for layer in self.layers:

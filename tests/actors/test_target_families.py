@@ -1,6 +1,7 @@
-"""More MoE families (issue #18): Mixtral and OLMoE checkpoints written by transformers itself,
-with tiny random weights, load and give transformers' logits (fp32, within 1e-5), and decode
-greedily through the engine exactly as transformers' `generate` does, at EP 1, 2 and 4."""
+"""More MoE families (issue #18): Mixtral, OLMoE, GLM-4-MoE, Hunyuan-MoE and DeepSeek-V3
+checkpoints written by transformers itself, with tiny random weights, load and give transformers'
+logits (fp32, within 1e-5), and decode greedily through the engine exactly as transformers'
+`generate` does, at EP 1, 2 and 4."""
 
 from __future__ import annotations
 
@@ -66,14 +67,34 @@ def hunyuan(tmp_path, seed: int = 0):
     return _write(transformers.HunYuanMoEV1ForCausalLM, cfg, tmp_path / "hunyuan", seed)
 
 
-FAMILIES = {"mixtral": mixtral, "olmoe": olmoe, "glm4_moe": glm4_moe, "hunyuan_v1_moe": hunyuan}
+YARN = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 16, "beta_fast": 32,
+        "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0}
+
+
+def deepseek_v3(tmp_path, seed: int = 0, q_lora_rank: int | None = 24, interleave: bool = True, rope=None):
+    """DeepSeek-V3: multi-head latent attention (queries through a rank-24 bottleneck, keys and
+    values one rank-32 latent plus an 8-dim RoPE key), a dense first layer, grouped sigmoid
+    routing with a correction bias, routed weights × 2.5, an ungated shared expert."""
+    cfg = transformers.DeepseekV3Config(**(COMMON | {"num_key_value_heads": 4}), intermediate_size=48,
+                                        moe_intermediate_size=16, n_routed_experts=8, n_shared_experts=1, n_group=2,
+                                        topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                                        q_lora_rank=q_lora_rank, kv_lora_rank=32, qk_nope_head_dim=16,
+                                        qk_rope_head_dim=8, v_head_dim=12, rope_interleave=interleave,
+                                        **({"rope_parameters": rope} if rope else {}))
+    cfg.num_hidden_layers = 3
+    return _write(transformers.DeepseekV3ForCausalLM, cfg, tmp_path / "deepseek_v3", seed, bias=True)
+
+
+FAMILIES = {"mixtral": mixtral, "olmoe": olmoe, "glm4_moe": glm4_moe, "hunyuan_v1_moe": hunyuan,
+            "deepseek_v3": deepseek_v3}
+DENSE_FIRST = ("glm4_moe", "deepseek_v3")
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_logits_equal_transformers(tmp_path, family):
     hf, path = FAMILIES[family](tmp_path)
     cfg = MoEConfig.load(path)
-    assert cfg.model_type == family and cfg.moe_layers == cfg.num_hidden_layers - (family == "glm4_moe")
+    assert cfg.model_type == family and cfg.moe_layers == cfg.num_hidden_layers - (family in DENSE_FIRST)
     model = load_model(path)
     with torch.no_grad():
         ref = hf(torch.tensor([TOKENS])).logits[0]
@@ -85,7 +106,7 @@ def test_logits_equal_transformers(tmp_path, family):
 
 @pytest.mark.usefixtures("local_ray")
 @pytest.mark.parametrize(("family", "eps"), [("mixtral", (1, 2, 4)), ("olmoe", (1, 2)), ("glm4_moe", (1, 2)),
-                                             ("hunyuan_v1_moe", (1, 2))])
+                                             ("hunyuan_v1_moe", (1, 2)), ("deepseek_v3", (1, 2))])
 def test_engine_decodes_as_transformers_generate(tmp_path, family, eps):
     hf, path = FAMILIES[family](tmp_path)
     prompts = [[5, 6, 7, 5, 6, 7], [9, 10, 11], [40, 41, 42, 40, 41, 42, 40]]
@@ -105,6 +126,53 @@ def test_engine_decodes_as_transformers_generate(tmp_path, family, eps):
             eng.shutdown()
 
 
+def _logits(hf, path, tokens):
+    model = load_model(path)
+    with torch.no_grad():
+        ref = hf(torch.tensor([tokens])).logits[0]
+        cache = model.new_cache(256)
+        ours, _ = model(ForwardBatch.from_lists([0], [tokens[:5]]), cache)  # a prefix, then the rest cached
+        rest, _ = model(ForwardBatch.from_lists([0], [tokens[5:]]), cache)
+    return torch.cat([ours, rest]), ref, model, cache
+
+
+@pytest.mark.parametrize(("q_lora_rank", "interleave"), [(None, True), (24, False)])
+def test_latent_attention_variants_and_the_cache_holds_the_latent(tmp_path, q_lora_rank, interleave):
+    """Queries from one projection or through the bottleneck, RoPE dims interleaved or not; the
+    paged cache holds one row of kv_lora_rank + qk_rope_head_dim per token and layer, no values
+    (40 numbers against 2 · 4 heads · 28 for the same model with expanded keys and values)."""
+    hf, path = deepseek_v3(tmp_path, q_lora_rank=q_lora_rank, interleave=interleave)
+    ours, ref, model, cache = _logits(hf, path, TOKENS * 3)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    assert cache.k.shape[2:] == (1, 32 + 8) and cache.v.shape[-1] == 0
+    assert cache.spec.bytes_per_token == 3 * 40 and model.cfg.latent
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "mixtral"])
+def test_yarn_rope_scaling(tmp_path, family):
+    """YaRN (DeepSeek-V3's long-context RoPE; its mscale also scales MLA's softmax) matches
+    transformers, and it matters: the same weights read as plain RoPE give other logits."""
+    import json
+    import pathlib
+
+    if family == "deepseek_v3":
+        hf, path = deepseek_v3(tmp_path, rope=YARN)
+    else:
+        cfg = transformers.MixtralConfig(**COMMON, head_dim=16, intermediate_size=32, num_local_experts=8,
+                                         rope_parameters=YARN)
+        hf, path = _write(transformers.MixtralForCausalLM, cfg, tmp_path / "mixtral", 0)
+    tokens = TOKENS * 4
+    ours, ref, model, _ = _logits(hf, path, tokens)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    assert dict(model.cfg.rope_yarn)["factor"] == 40.0
+    config = pathlib.Path(path) / "config.json"
+    d = json.loads(config.read_text())
+    d["rope_parameters"] = {"rope_type": "default", "rope_theta": YARN["rope_theta"]}
+    config.write_text(json.dumps(d))
+    plain, _, _, _ = _logits(hf, path, tokens)
+    assert (plain - ref).abs().max() > 1e-3
+
+
 def test_unsupported_variants_are_refused_by_name(tmp_path):
     _, path = mixtral(tmp_path)
     import json
@@ -115,6 +183,10 @@ def test_unsupported_variants_are_refused_by_name(tmp_path):
         MoEConfig.from_dict(d | {"sliding_window": 4096})
     with pytest.raises(ValueError, match="clip_qkv"):
         MoEConfig.from_dict(d | {"model_type": "olmoe", "clip_qkv": 8.0})
+    with pytest.raises(ValueError, match="rope scaling"):
+        MoEConfig.from_dict(d | {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}})
+    with pytest.raises(ValueError, match="noaux_tc"):
+        MoEConfig.from_dict(d | {"model_type": "deepseek_v3", "topk_method": "greedy", "qk_rope_head_dim": 8})
 
 
 def reference_dequantize(w: torch.Tensor, s: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:

@@ -120,7 +120,7 @@ def test_expert_slice_loading(tiny_checkpoint):
 def test_config_rejects_what_we_cannot_run_exactly(tmp_path):
     good = MoEConfig(8, 8, 1, 1, 1, 8, 8, 8, 2, 1).to_dict()
     with pytest.raises(ValueError, match="rope scaling"):
-        MoEConfig.from_dict(good | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+        MoEConfig.from_dict(good | {"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}})
     with pytest.raises(ValueError, match="model_type"):
         MoEConfig.from_dict(good | {"model_type": "llama"})
     with pytest.raises(ValueError, match="sliding"):
