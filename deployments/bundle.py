@@ -1,11 +1,12 @@
 """Where a model bundle's parts live: `ROOT/target` (HF checkpoint), `ROOT/drafter` (block
-drafter), `ROOT/mtp` (MTP drafter, DeepSeek next-n layout), `ROOT/tokenizer.json` and
-`tokenizer_config.json`. The bundled demo is `models/demo` in this repository.
+drafter), `ROOT/mtp` (MTP drafter, DeepSeek next-n layout), `ROOT/eagle3` (an EAGLE-3 drafter,
+speculators or SpecForge layout), `ROOT/tokenizer.json` and `tokenizer_config.json`. The bundled
+demo is `models/demo` in this repository.
 
 A plain Hugging Face folder works too (`dcut serve|generate --model DIR`): `ROOT/config.json`
 and its safetensors are the target, with the checkpoint's own tokenizer, chat template and
-generation config beside them; drafters in `ROOT/drafter` or `ROOT/mtp` if present (n-gram
-lookup needs none)."""
+generation config beside them; drafters in `ROOT/drafter`, `ROOT/mtp` or `ROOT/eagle3` if
+present (n-gram lookup needs none)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ class Bundle:
 
     def drafter_dir(self, kind: str) -> str:
         """The folder of a drafter kind's weights (none needed for ngram)."""
-        return self.mtp if kind == "mtp" else self.drafter
+        return str(self.root / kind) if kind in ("mtp", "eagle3") else self.drafter
 
     @property
     def tokenizer(self) -> str:
@@ -42,14 +43,18 @@ class Bundle:
 
     def has(self, kind: str) -> bool:
         """Whether the bundle holds drafter kind `kind`'s weights (n-gram needs none)."""
-        config = {"block": "drafter_config.json", "mtp": "mtp_config.json"}.get(kind)
+        if kind == "block":  # our own format, or a DFlash drafter (config.json with DFlashDraftModel)
+            from actors.drafter import is_dflash
+
+            return pathlib.Path(self.drafter, "drafter_config.json").exists() or is_dflash(self.drafter)
+        config = {"mtp": "mtp_config.json", "eagle3": "config.json"}.get(kind)
         return config is None or pathlib.Path(self.drafter_dir(kind), config).exists()
 
     def kinds(self, drafter: str) -> tuple[str, ...]:
         """The drafter kinds a `--drafter` value names: one kind, a comma list, or `auto` (every
         kind this bundle can serve)."""
         if drafter == "auto":
-            return tuple(k for k in ("block", "mtp", "ngram") if self.has(k))
+            return tuple(k for k in ("block", "mtp", "eagle3", "ngram") if self.has(k))
         return tuple(drafter.split(","))
 
     def eos_token_id(self) -> int | None:

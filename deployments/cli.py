@@ -18,7 +18,7 @@ from dcut_core.pruning import POLICY_NAMES
 def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="settings file (JSON object of ServeSettings fields)")
     p.add_argument("--model", help="a Hugging Face folder or a model bundle to serve (settings' model_root)")
-    p.add_argument("--drafter", help="block, mtp, ngram, several (block,ngram) or auto")
+    p.add_argument("--drafter", help="block, mtp, eagle3, ngram, several (block,ngram) or auto")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
 
@@ -29,7 +29,8 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="dcut", help=f"one of {', '.join(POLICY_NAMES)} (fixed-K as fixed-4)")
     p.add_argument("--block", type=int, default=16, help="drafter block size: drafts per request per step")
     p.add_argument("--drafter", default="block",
-                   help="block (trained block drafter), mtp (DeepSeek next-n module in ROOT/mtp), ngram, several "
+                   help="block (trained block drafter), mtp (DeepSeek next-n module in ROOT/mtp), eagle3 (an "
+                        "EAGLE-3 drafter in ROOT/eagle3, speculators or SpecForge layout), ngram, several "
                         "(block,mtp: the replicas host each and every request drafts with the kind chosen for it "
                         "each step), or auto (every kind the bundle holds)")
     p.add_argument("--max-tokens", type=int, default=64)

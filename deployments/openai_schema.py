@@ -8,6 +8,8 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, model_validator
 
+from actors.drafter import KINDS
+
 # Strict scalars: a JSON true is not the integer 1, "0.5" is not a number, 2.5 is not an integer
 # (ints are still numbers). Any integer size is accepted; the range checks say what fits.
 
@@ -22,6 +24,7 @@ def _unicode(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_unicode)]
+DrafterKind = Literal[KINDS]  # one of actors.drafter.KINDS
 
 
 class StreamOptions(BaseModel):
@@ -108,7 +111,7 @@ class _Common(BaseModel):
     stop_token_ids: list[StrictInt] | None = Field(None, description="extension: finish after any of these tokens")
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
-    drafter: Literal["block", "mtp", "ngram"] | list[Literal["block", "mtp", "ngram"]] | None = Field(
+    drafter: DrafterKind | list[DrafterKind] | None = Field(
         None, description="extension: the drafter kind(s) this request may draft with (default: any the server "
                           "hosts, chosen per step); output is the same whatever drafts")
 

@@ -22,8 +22,8 @@ class ServeSettings(BaseModel):
 
     model_root: str = Field(str(BUNDLED), description="bundle folder: target/, drafter/, tokenizer.json")
     model_name: str = "dcut-demo"
-    drafter: str = Field("block", description="block, mtp or ngram; several (block,mtp), chosen per request; or "
-                                              "auto: every kind the bundle holds")
+    drafter: str = Field("block", description="block, mtp, eagle3 or ngram; several (block,mtp), chosen per "
+                                              "request; or auto: every kind the bundle holds")
     policy: str = "dcut"
     block: int = Field(16, ge=2, le=16)
     ep: int = Field(1, ge=1)

@@ -62,7 +62,8 @@ def tiny_drafter_weights(path, target: MoETransformer, block: int = 8, seed: int
 
 @pytest.fixture(scope="session")
 def tiny_bundle(tmp_path_factory) -> str:
-    """A model bundle (target/, drafter/, mtp/) of the tiny model, sharpened so sampling is not flat."""
+    """A model bundle (target/, drafter/, mtp/, eagle3/) of the tiny model, sharpened so sampling is
+    not flat."""
     import torch
 
     root = tmp_path_factory.mktemp("bundle")
@@ -72,6 +73,7 @@ def tiny_bundle(tmp_path_factory) -> str:
     save_model(model, root / "target")
     tiny_drafter_weights(root / "drafter", model)
     tiny_mtp(str(root / "target"), root / "mtp")
+    tiny_eagle3(str(root / "target"), root / "eagle3")
     tiny_tokenizer().save(str(root / "tokenizer.json"))
     (root / "tokenizer_config.json").write_text(json.dumps(tokenizer_config()))  # the demo's chat template
     return str(root)
@@ -104,4 +106,30 @@ def tiny_mtp(target_dir: str, out, seed: int = 0):
         for p in module.parameters():
             p.add_(0.02 * torch.randn_like(p)) if p.dim() == 1 else p.normal_(0, 0.08)
     module.save(out, dtype=torch.float32)
+    return module
+
+
+def tiny_eagle3(target_dir: str, out, seed: int = 0, draft_vocab: int = 64):
+    """A random EAGLE-3 drafter for the tiny target in the speculators layout: features from
+    target layers 1, 2, 3, a draft vocabulary of `draft_vocab` of the 96 ids (its head the
+    target's rows for them)."""
+    import torch
+
+    from actors.drafter.eagle3 import Eagle3Config, Eagle3Module
+    from actors.engine.replica import shared_embeddings
+    from actors.target.rope import Rotary
+
+    torch.manual_seed(seed)
+    embed, head = shared_embeddings(target_dir)
+    cfg = Eagle3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       intermediate_size=96, vocab_size=96, draft_vocab_size=draft_vocab, target_layers=(1, 2, 3),
+                       prefix="layers.0.", rotary=Rotary(16, 10000.0))
+    module = Eagle3Module(cfg, embed)
+    keep = torch.sort(torch.randperm(96)[:draft_vocab]).values
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.02 * torch.randn_like(p)) if p.dim() == 1 else p.normal_(0, 0.08)
+        module.lm_head.weight.copy_(head.weight[keep])
+        module.d2t.copy_(keep - torch.arange(draft_vocab))
+    module.save(out)
     return module

@@ -1,3 +1,13 @@
-"""Drafters: the block drafter, the MTP (next-n) chain and n-gram lookup."""
+"""Drafters: the block drafter (our own format or DFlash's), the MTP (next-n) chain, EAGLE-3 and
+n-gram lookup."""
 
-KINDS = ("block", "mtp", "ngram")  # the drafter kinds a replica can host (`--drafter`, per request)
+import json
+import pathlib
+
+KINDS = ("block", "mtp", "eagle3", "ngram")  # the drafter kinds a replica can host (`--drafter`, per request)
+
+
+def is_dflash(folder: str | pathlib.Path) -> bool:
+    """Whether `folder` holds a DFlash drafter (config.json naming DFlashDraftModel)."""
+    path = pathlib.Path(folder) / "config.json"
+    return path.exists() and "DFlashDraftModel" in (json.loads(path.read_text()).get("architectures") or ())

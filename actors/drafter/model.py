@@ -36,6 +36,7 @@ class DraftConfig:
     head_tokens: int | None = None  # LM head over only the N most frequent tokens (None: all)
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    qk_norm: bool = False  # per-head RMSNorm of queries and keys before RoPE (DFlash's Qwen3 layers)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -62,13 +63,20 @@ class DraftLayer(nn.Module):
         self.o_proj = nn.Linear(self.heads * d, h, bias=False)
         self.norm_mlp = RMSNorm(h, cfg.rms_norm_eps)
         self.mlp = SwiGLU(h, cfg.intermediate_size)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def _heads(self, proj: nn.Linear, norm: RMSNorm | None, x: torch.Tensor, heads: int) -> torch.Tensor:
+        """x projected and split into heads [n, heads, D], normed per head where the layer does."""
+        out = proj(x).view(-1, heads, self.head_dim)
+        return out if norm is None else norm(out)
 
     def context_kv(self, feats: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [n, Hkv, D] of projected context features [n, H] at their positions."""
         n = feats.shape[0]
         x = self.norm_ctx(feats)
-        k = apply_rope(self.k_proj(x).view(n, self.kv_heads, self.head_dim), cos, sin)
+        k = apply_rope(self._heads(self.k_proj, self.k_norm, x, self.kv_heads), cos, sin)
         return k, self.v_proj(x).view(n, self.kv_heads, self.head_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor,
@@ -82,8 +90,8 @@ class DraftLayer(nn.Module):
         flat = x.reshape(b * k, -1)
         h = self.norm_in(flat if rows is None else flat[rows])
         c, s = (cos, sin) if rows is None else (cos[rows], sin[rows])
-        q = apply_rope(self.q_proj(h).view(-1, self.heads, self.head_dim), c, s)
-        bk = apply_rope(self.k_proj(h).view(-1, self.kv_heads, self.head_dim), c, s)
+        q = apply_rope(self._heads(self.q_proj, self.q_norm, h, self.heads), c, s)
+        bk = apply_rope(self._heads(self.k_proj, self.k_norm, h, self.kv_heads), c, s)
         bv = self.v_proj(h).view(-1, self.kv_heads, self.head_dim)
         if rows is not None:  # back to [B·K, ...] with zeros at absent positions (masked out below)
             q, bk, bv = (_scatter(t, rows, b * k) for t in (q, bk, bv))

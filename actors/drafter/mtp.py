@@ -75,6 +75,7 @@ class MTPModule(nn.Module):
         self.shared_head = nn.Module()
         self.shared_head.norm = RMSNorm(h, cfg.rms_norm_eps)
         self._shared = (embed, head)  # the target's, frozen; not this module's parameters
+        self.vocab_size = head.out_features
 
     def combine(self, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """x [N, H] from tokens [N] and the hidden states [N, H] of the positions before them."""
@@ -147,6 +148,10 @@ class MTPDrafter:
     def target_layers(self) -> tuple[int, ...]:
         return (self.layer,)
 
+    def _features(self, hidden: dict) -> torch.Tensor:
+        """What the module conditions on, per position, from the target's captured states."""
+        return self.final_norm(torch.as_tensor(hidden[self.layer]).float())
+
     @torch.inference_mode()
     def commit(self, request_ids: list[int], tokens: list[list[int]], hidden: list[dict]) -> None:
         new = []  # (request, tokens, states) of the pairs complete now
@@ -155,7 +160,7 @@ class MTPDrafter:
             buf_t, buf_h = self._tokens.setdefault(rid, []), self._hidden.setdefault(rid, [])
             buf_t.extend(toks[1:] if first else toks)  # pair j takes token j: the first token never is one
             if h:
-                buf_h.extend(self.final_norm(torch.as_tensor(h[self.layer]).float()))
+                buf_h.extend(self._features(h))
             m = min(len(buf_t), len(buf_h))
             if m:
                 new.append((rid, torch.tensor(buf_t[:m]), torch.stack(buf_h[:m])))
@@ -224,7 +229,7 @@ class MTPDrafter:
                 g = self.module.finish(x, _attend(q[:, None], k_all[:, :t + s + 1], v_all[:, :t + s + 1],
                                                   mask[:, None, :t + s + 1])[:, 0])
         rows = [steps[s][j] for j, i in enumerate(live) for s in range(lengths[i])]
-        logits = torch.stack(rows) if rows else torch.zeros(0, self.module._shared[1].out_features)
+        logits = torch.stack(rows) if rows else torch.zeros(0, self.module.vocab_size)
         return sample_drafts(logits, lengths, temperature, rng)
 
     def release(self, request_ids: list[int]) -> None:

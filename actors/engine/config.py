@@ -14,7 +14,7 @@ from actors.target.group import EPConfig
 class EngineConfig:
     target_dir: str
     tokenizer_path: str | None = None
-    drafter: str = "block"  # "block", "mtp" or "ngram", or several ("block,mtp,ngram"): chosen per request
+    drafter: str = "block"  # "block", "mtp", "eagle3" or "ngram", or several ("block,mtp,ngram"): chosen per request
     drafter_dir: str | None = None  # the weights of a single kind
     block: int = 16
     policy: str = "dcut"

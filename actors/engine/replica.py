@@ -17,7 +17,6 @@ from safetensors import safe_open
 from actors.drafter import KINDS
 from actors.drafter.base import DraftOutput, merge_outputs
 from actors.drafter.block import BlockDrafter
-from actors.drafter.model import DraftModel
 from actors.drafter.ngram import NgramDrafter
 from actors.drafter.pending import PendingContext
 from actors.engine.backlog import CatchUp
@@ -30,7 +29,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class DrafterSpec:
-    kind: str  # "block", "mtp" or "ngram", or several: "block,mtp,ngram" (one replica hosts them all)
+    kind: str  # "block", "mtp", "eagle3" or "ngram", or several: "block,mtp,ngram" (one replica hosts them all)
     target_dir: str
     drafter_dir: str | None  # the weights of a single kind
     block: int
@@ -97,11 +96,22 @@ def build_drafter(spec: DrafterSpec, kind: str | None = None):
         embed, head = shared_embeddings(spec.target_dir)
         return MTPDrafter(MTPModule.load(folder, embed, head), target_final_norm(spec.target_dir),
                           MoEConfig.load(spec.target_dir).num_hidden_layers, spec.capacity_tokens, spec.block)
+    if kind == "eagle3":
+        from actors.drafter.eagle3 import CONFIG as EAGLE3_CONFIG
+        from actors.drafter.eagle3 import Eagle3Drafter, Eagle3Module
+
+        if not folder or not (pathlib.Path(folder) / EAGLE3_CONFIG).exists():
+            raise ValueError(f"the eagle3 drafter needs a folder with {EAGLE3_CONFIG} and its weights (drafter_dir)")
+        embed, _ = shared_embeddings(spec.target_dir)
+        module = Eagle3Module.load(folder, embed, MoEConfig.load(spec.target_dir).num_hidden_layers)
+        return Eagle3Drafter(module, spec.capacity_tokens, spec.block)
     if kind == "block":
         if not folder:
             raise ValueError("the block drafter needs drafter weights (drafter_dir)")
+        from actors.drafter.dflash import load_block_model
+
         embed, head = shared_embeddings(spec.target_dir)
-        return BlockDrafter(DraftModel.load(folder, embed, head), spec.capacity_tokens, spec.block)
+        return BlockDrafter(load_block_model(folder, embed, head), spec.capacity_tokens, spec.block)
     raise ValueError(f"unknown drafter {kind!r}; choose from {', '.join(KINDS)}")
 
 

@@ -20,13 +20,14 @@ from dcut_core.gate import DraftingGate, replay
 from tests.actors.test_engine import POLICIES, PROMPTS
 
 pytestmark = pytest.mark.usefixtures("local_ray")
-KINDS = "block,mtp,ngram"
+KINDS = "block,mtp,eagle3,ngram"
 MAX_TOKENS = 12
 
 
 def engine(bundle: str, tmp_path, **kw) -> Engine:
     cfg = dict(target_dir=f"{bundle}/target", drafter=KINDS, block=6, policy="dcut", cost_model_cache=str(tmp_path),
-               drafter_dirs=(("block", f"{bundle}/drafter"), ("mtp", f"{bundle}/mtp")), max_running=64)
+               drafter_dirs=(("block", f"{bundle}/drafter"), ("mtp", f"{bundle}/mtp"), ("eagle3", f"{bundle}/eagle3")),
+               max_running=64)
     return Engine(EngineConfig(**(cfg | kw)))
 
 
@@ -39,7 +40,7 @@ def reference(tiny_bundle):
 def test_mixed_drafters_in_one_batch_are_lossless_for_every_policy(tiny_bundle, reference, tmp_path, ep):
     eng = engine(tiny_bundle, tmp_path, ep=ep)
     try:
-        assert eng.kinds == ("block", "mtp", "ngram") and len(eng.draft_cost.costs) == 3
+        assert eng.kinds == ("block", "mtp", "eagle3", "ngram") and len(eng.draft_cost.costs) == 4
         for policy in POLICIES:
             eng.set_policy(policy)
             for concurrency in (1, 7, 64):
@@ -78,7 +79,8 @@ def test_a_request_drafts_only_with_the_kinds_it_names(tiny_bundle, reference, t
         out = eng.generate(PROMPTS[:8], [SamplingParams(max_tokens=MAX_TOKENS, drafters=("ngram",))] * 8)
         assert [s.output for s in out] == reference[:8]
         counts = eng.drafted_by_kind
-        assert counts["ngram"]["drafted"] > 0 and counts["block"]["drafted"] == counts["mtp"]["drafted"] == 0
+        assert counts["ngram"]["drafted"] > 0
+        assert counts["block"]["drafted"] == counts["mtp"]["drafted"] == counts["eagle3"]["drafted"] == 0
         with pytest.raises(ValueError, match="not served here"):
             eng.add(PROMPTS[0], SamplingParams(drafters=("eagle",)))
     finally:

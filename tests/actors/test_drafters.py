@@ -110,8 +110,8 @@ def test_a_replica_of_several_kinds_drafts_what_each_kind_alone_drafts(tiny_bund
     from actors.engine.replica import Drafter, DrafterSpec
     from actors.target.checkpoint import load_model
 
-    kinds = ("block", "mtp", "ngram")
-    dirs = (("block", f"{tiny_bundle}/drafter"), ("mtp", f"{tiny_bundle}/mtp"))
+    kinds = ("block", "mtp", "eagle3", "ngram")
+    dirs = (("block", f"{tiny_bundle}/drafter"), ("mtp", f"{tiny_bundle}/mtp"), ("eagle3", f"{tiny_bundle}/eagle3"))
     spec = DrafterSpec(",".join(kinds), f"{tiny_bundle}/target", None, 6, dirs=dirs, pending_tokens=limit)
     mixed = Drafter(spec)
     alone = [Drafter(DrafterSpec(k, f"{tiny_bundle}/target", dict(dirs).get(k), 6)) for k in kinds]
@@ -129,9 +129,9 @@ def test_a_replica_of_several_kinds_drafts_what_each_kind_alone_drafts(tiny_bund
         for d in alone:
             d.commit(catchup)
         mixed.commit(catchup)
-        assert all(mixed.pending.held(k, r) <= limit for k in range(3) for r in rids)
+        assert all(mixed.pending.held(k, r) <= limit for k in range(len(kinds)) for r in rids)
         fed = {r: len(history[r]) for r in rids}
-        choice = rng.integers(0, 3, len(rids)).tolist()
+        choice = rng.integers(0, len(kinds), len(rids)).tolist()
         lengths = rng.integers(1, 5, len(rids)).tolist()
         last = [history[r][-1] for r in rids]
         got = mixed.draft(rids, last, lengths, None, choice)
@@ -142,7 +142,7 @@ def test_a_replica_of_several_kinds_drafts_what_each_kind_alone_drafts(tiny_bund
         for r in rids:  # the request goes on: its next tokens
             history[r] += rng.integers(1, 96, int(rng.integers(1, 4))).tolist()
     mixed.release(list(history))
-    assert not any(mixed.pending.sizes[k] for k in range(3))
+    assert not any(mixed.pending.sizes[k] for k in range(len(kinds)))
 
 
 def test_a_request_whose_kind_drafts_nothing_is_drafted_by_its_fallback(tiny_bundle):

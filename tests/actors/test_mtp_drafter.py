@@ -29,8 +29,15 @@ def naive_drafts(module: MTPModule, norm, model, tokens: list[int], k: int) -> l
     with torch.no_grad():
         _, captured = model(ForwardBatch.from_lists([0], [tokens[:-1]], "last"), model.new_cache(256),
                             capture_layers=(3,))
-        h = norm(captured[3])  # [n - 1, H]
-        toks, hid, out = list(tokens[1:]), [*h], []
+    return naive_chain(module, tokens, norm(captured[3]), k)
+
+
+def naive_chain(module, tokens: list[int], hidden: torch.Tensor, k: int) -> list[int]:
+    """k greedy drafts of a chained module (MTP, EAGLE-3) from scratch: pairs (token j + 1, state
+    j) for every committed position, full causal attention, each draft appended with the module's
+    own output as its state."""
+    with torch.no_grad():
+        toks, hid, out = list(tokens[1:]), [*hidden], []
         for _ in range(k):
             x = module.combine(torch.tensor(toks), torch.stack(hid))
             n = len(toks)
