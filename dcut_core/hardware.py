@@ -83,22 +83,66 @@ class ModelShape:
     moe_layers: int = 0
     param_bytes: int = 2
     act_bytes: int = 2
+    # Multi-head latent attention (DeepSeek-V3) when kv_lora_rank > 0: head_dim is then the RoPE
+    # part of a query/key head, and each token caches one latent of kv_lora_rank + head_dim
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
 
     @property
     def is_moe(self) -> bool:
         return self.experts > 0
 
     @property
+    def latent(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
     def expert_params(self) -> int:
         return 3 * self.hidden * self.expert_intermediate  # SwiGLU: gate, up, down
 
     @property
+    def attention_params(self) -> int:
+        """Weights of one layer's attention."""
+        if not self.latent:
+            return self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        qk = self.qk_nope_head_dim + self.head_dim
+        q = (self.hidden * self.q_lora_rank + self.q_lora_rank * self.heads * qk if self.q_lora_rank
+             else self.hidden * self.heads * qk)
+        kv = self.hidden * (self.kv_lora_rank + self.head_dim)
+        kv += self.kv_lora_rank * self.heads * (self.qk_nope_head_dim + self.v_head_dim)
+        return q + kv + self.heads * self.v_head_dim * self.hidden
+
+    @property
+    def kv_per_token(self) -> int:
+        """Values one token keeps in one layer's cache: K and V of every KV head, or MLA's latent."""
+        return self.kv_lora_rank + self.head_dim if self.latent else 2 * self.kv_heads * self.head_dim
+
+    @property
+    def attention_flops_per_key(self) -> int:
+        """FLOPs of one query against one cached key in one layer (scores and weighted values);
+        MLA attends in the latent space (the up-projection absorbed into query and output)."""
+        if self.latent:
+            return 2 * self.heads * (2 * self.kv_lora_rank + self.head_dim)
+        return 4 * self.heads * self.head_dim
+
+    @property
     def dense_params(self) -> int:
         """Parameters every token passes through: attention, dense/shared MLP, LM head."""
-        attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
         dense_layers = self.layers - self.moe_layers
         mlp = 3 * self.hidden * (self.intermediate * dense_layers + self.shared_intermediate * self.moe_layers)
-        return self.layers * attn + mlp + self.vocab * self.hidden
+        return self.layers * self.attention_params + mlp + self.vocab * self.hidden
+
+    @property
+    def total_params(self) -> int:
+        """Every weight: embedding and LM head (untied), attention, dense MLPs, all experts."""
+        return self.dense_params + self.vocab * self.hidden + self.moe_layers * self.experts * self.expert_params
+
+    @property
+    def active_params(self) -> int:
+        """Weights one token passes through (the top-k experts of each MoE layer), LM head included."""
+        return self.dense_params + self.moe_layers * self.top_k * self.expert_params
 
 
 MODELS: dict[str, ModelShape] = {

@@ -6,6 +6,7 @@ procedure) and runs the MoE presets; with --model it runs one preset deployment:
     dcut simulate --out runs/simulate
     dcut simulate --model moe-295b-a21b --hardware h20 --ep 32 --batch 4,16,64 --block 16
     dcut simulate --model dense-8b --trace runs/steps.msgpack      # acceptance recorded by the engine
+    dcut simulate --model-config cluster_configs/models/deepseek-v3.json --hardware h200 --ep 32
 
 Writes DIR/results.json (one record per policy × batch) and DIR/tables.md (markdown tables, the
 published cells beside the simulated ones).
@@ -22,7 +23,7 @@ import numpy as np
 
 from dcut_core.cost_model import preset
 from dcut_core.drafting import DraftCost
-from dcut_core.hardware import HARDWARE, MODELS
+from dcut_core.hardware import HARDWARE, MODELS, ModelShape
 from dcut_core.pruning import policy_from_name
 from dcut_core.published import (
     BATCHES,
@@ -46,6 +47,8 @@ MOE_DEPLOYMENTS = (("moe-35b-a3b", "h20", 8), ("moe-295b-a21b", "h20", 8), ("moe
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=sorted(MODELS), help="model preset (default: reproduce the published results)")
+    p.add_argument("--model-config", help="a checkpoint's config.json (or its folder) instead of a preset: the "
+                                           "model's shape from it alone (any family `dcut serve` reads)")
     p.add_argument("--hardware", choices=sorted(HARDWARE), default="h20")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (EP > 8 crosses nodes over RDMA)")
     p.add_argument("--batch", default=",".join(map(str, BATCHES)), help="concurrencies, comma-separated")
@@ -73,7 +76,7 @@ def _trace(args: argparse.Namespace):
     return trace
 
 
-def _preset_costs(model: str, hardware: str, ep: int, context: int):
+def _preset_costs(model: str | ModelShape, hardware: str, ep: int, context: int):
     cm = preset(model, hardware, ep)
     return (lambda b: cm.verify_curve(b, b * context)), (
         lambda b: float(cm.verify_curve(b, b * context).seconds(np.array([b]))[0]))
@@ -152,15 +155,23 @@ def reproduce(args: argparse.Namespace) -> tuple[list[SimResult], list[str]]:
 
 def run(args: argparse.Namespace) -> int:
     t0 = time.time()
-    if args.model is None:
+    model = args.model
+    if args.model_config:
+        from actors.target.config import model_shape
+
+        model = model_shape(args.model_config)
+        print(f"{model.name}: {model.total_params / 1e9:.1f} B parameters, {model.active_params / 1e9:.1f} B active, "
+              f"{model.layers * model.kv_per_token * model.act_bytes / 1024:.1f} KiB of KV per token")
+    if model is None:
         results, md = reproduce(args)
     else:
-        verify, ar = _preset_costs(args.model, args.hardware, args.ep, args.context)
+        label = model if isinstance(model, str) else model.name
+        verify, ar = _preset_costs(model, args.hardware, args.ep, args.context)
         batches = [int(b) for b in args.batch.split(",")]
         policies = [p for p in args.policies.split(",") if p]
         results = _run(policies, batches, args.block, _trace(args), verify, ar, args,
-                       f"{args.model} {args.hardware} EP{args.ep}")
-        md = [f"## {args.model}, {args.hardware}, EP {args.ep}, block {args.block}", "",
+                       f"{label} {args.hardware} EP{args.ep}")
+        md = [f"## {label}, {args.hardware}, EP {args.ep}, block {args.block}", "",
               "| policy | " + " | ".join(f"B={b}" for b in batches) + " |", "|---" * (len(batches) + 1) + "|"]
         for pol in policies:
             cells = [r for r in results if r.policy == policy_from_name(pol, args.block).name]

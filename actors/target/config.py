@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import pathlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from actors.target.rope import Rotary, yarn_mscale
 from dcut_core.hardware import ModelShape
@@ -218,4 +218,24 @@ class MoEConfig:
             expert_intermediate=self.moe_intermediate_size,
             shared_intermediate=self.shared_expert_intermediate_size,
             moe_layers=self.moe_layers, param_bytes=param_bytes, act_bytes=param_bytes,
+            kv_lora_rank=self.kv_lora_rank, q_lora_rank=self.q_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
+            v_head_dim=self.v_head_dim,
         )
+
+
+# Settings that change a model's numbers but not the cost of a step: a cost-model view of a
+# config.json drops them instead of refusing the folder (serving still refuses what it cannot run).
+NUMERICS_ONLY = ("rope_scaling", "rope_parameters", "clip_qkv", "topk_method", "quantization_config")
+
+
+def model_shape(path: str | pathlib.Path, name: str | None = None, act_bytes: int = 2) -> ModelShape:
+    """The cost model's and simulator's view of a checkpoint from its config.json alone (the file
+    or its folder): a preset for a model this machine cannot hold. FP8 block-scaled weights
+    (`quantization_config.quant_method: fp8`) count one byte a parameter, others two."""
+    path = pathlib.Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    d = json.loads(file.read_text())
+    fp8 = (d.get("quantization_config") or {}).get("quant_method") == "fp8"
+    cfg = MoEConfig.from_dict({k: v for k, v in d.items() if k not in NUMERICS_ONLY})
+    shape = cfg.shape(name or file.parent.name if file.name == "config.json" else file.stem, 1 if fp8 else 2)
+    return replace(shape, act_bytes=act_bytes)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pathlib
 import subprocess
 import sys
 
@@ -34,6 +35,18 @@ def test_simulate_writes_results_and_tables(tmp_path):
     assert {(r["policy"], r["batch"]) for r in records} == {("full", 4), ("full", 64), ("dcut", 4), ("dcut", 64)}
     assert all(r["speedup"] > 0 and 0 <= r["keep_ratio"] <= 1 for r in records)
     assert "| dcut |" in (out / "tables.md").read_text()
+
+
+def test_simulate_takes_a_models_config_json_alone(tmp_path, capsys):
+    """A DeepSeek-V3 deployment simulated from its config.json (FP8, MLA, YaRN: the settings that
+    change numbers but not cost are dropped, not refused)."""
+    root = pathlib.Path(__file__).parents[2]
+    out = tmp_path / "sim"
+    assert main(["simulate", "--model-config", str(root / "cluster_configs/models/deepseek-v3.json"), "--hardware",
+                 "h200", "--ep", "32", "--batch", "16", "--policies", "full,dcut", "--steps", "60",
+                 "--out", str(out)]) == 0
+    assert "deepseek-v3: 670.9 B parameters, 36.5 B active, 68.6 KiB of KV per token" in capsys.readouterr().out
+    assert "## deepseek-v3, h200, EP 32" in (out / "tables.md").read_text()
 
 
 def test_console_entry_point_runs():
