@@ -47,7 +47,11 @@ class Bundle:
             from actors.drafter import is_dflash
 
             return pathlib.Path(self.drafter, "drafter_config.json").exists() or is_dflash(self.drafter)
-        config = {"mtp": "mtp_config.json", "eagle3": "config.json"}.get(kind)
+        if kind == "mtp" and not pathlib.Path(self.mtp, "mtp_config.json").exists():
+            from actors.drafter import has_nextn
+
+            return pathlib.Path(self.target, "config.json").exists() and has_nextn(self.target)  # its own next-n
+        config = {"eagle3": "config.json"}.get(kind)
         return config is None or pathlib.Path(self.drafter_dir(kind), config).exists()
 
     def kinds(self, drafter: str) -> tuple[str, ...]:

@@ -139,7 +139,11 @@ class MTPDrafter:
     def __init__(self, module: MTPModule, final_norm: RMSNorm, target_layer: int, capacity_tokens: int = 65536,
                  block: int = 16) -> None:
         self.module, self.final_norm, self.layer, self.block = module, final_norm, target_layer, block
-        self.cache = PagedKVCache(CacheSpec(1, module.kv_heads, module.head_dim, capacity_tokens))
+        # keys and values per pair; a latent-attention module (a DeepSeek-V3 next-n layer) keeps one
+        # latent row as the key and its first `value_dim` values as the value
+        self.cache = PagedKVCache(CacheSpec(1, module.kv_heads, module.head_dim, capacity_tokens,
+                                            value_dim=getattr(module, "value_dim", None)))
+        self.scale = getattr(module, "scale", None)  # softmax scale (None: 1/sqrt(head_dim))
         self._tokens: dict[int, list[int]] = {}  # committed tokens from pair index + 1 on
         self._hidden: dict[int, list[torch.Tensor]] = {}  # target states from pair index on
         self._last: dict[int, torch.Tensor] = {}  # g of the newest pair
@@ -189,7 +193,7 @@ class MTPDrafter:
         for i, (rid, t) in enumerate(zip(rids, ctx, strict=True)):
             keys[i, :t] = self.cache.slots(rid, 0, t)
         mask = torch.arange(max(ctx))[None, :] < torch.tensor(ctx)[:, None]  # [R, T]
-        attn = _attend(q[newest][:, None], self.cache.k[0][keys], self.cache.v[0][keys], mask[:, None])
+        attn = _attend(q[newest][:, None], self.cache.k[0][keys], self.cache.v[0][keys], mask[:, None], self.scale)
         g = self.module.finish(x[newest], attn[:, 0])
         for rid, row in zip(rids, g, strict=True):
             self._last[rid] = row
@@ -213,7 +217,7 @@ class MTPDrafter:
             n = max(lengths)
             # keys and values: the cached pairs, then room for the chain's own (written in place)
             k_all = self.cache.k.new_zeros((len(live), t + n, *self.cache.k.shape[2:]))
-            v_all = torch.zeros_like(k_all)
+            v_all = self.cache.v.new_zeros((len(live), t + n, *self.cache.v.shape[2:]))
             k_all[:, :t], v_all[:, :t] = self.cache.k[0][keys], self.cache.v[0][keys]
             mask = torch.zeros(len(live), t + n, dtype=torch.bool)
             mask[:, :t] = torch.arange(t)[None, :] < torch.tensor(ctx)[:, None]
@@ -227,7 +231,7 @@ class MTPDrafter:
                 q, k_all[:, t + s], v_all[:, t + s] = self.module.qkv(x, torch.tensor(ctx) + 1 + s)
                 mask[:, t + s] = True
                 g = self.module.finish(x, _attend(q[:, None], k_all[:, :t + s + 1], v_all[:, :t + s + 1],
-                                                  mask[:, None, :t + s + 1])[:, 0])
+                                                  mask[:, None, :t + s + 1], self.scale)[:, 0])
         rows = [steps[s][j] for j, i in enumerate(live) for s in range(lengths[i])]
         logits = torch.stack(rows) if rows else torch.zeros(0, self.module.vocab_size)
         return sample_drafts(logits, lengths, temperature, rng)
@@ -240,10 +244,11 @@ class MTPDrafter:
             self._last.pop(rid, None)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """q [B, Q, H, D], k/v [B, T, Hkv, D], mask [B, Q, T] → [B, Q, H · D] (grouped-query: the
-    key/value heads are shared, not copied)."""
-    b, nq, heads, d = q.shape
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+            scale: float | None = None) -> torch.Tensor:
+    """q [B, Q, H, D], k [B, T, Hkv, D], v [B, T, Hkv, Dv], mask [B, Q, T] → [B, Q, H · Dv]
+    (grouped-query: the key/value heads are shared, not copied)."""
+    b, nq = q.shape[:2]
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=mask[:, None], enable_gqa=True)
-    return out.transpose(1, 2).reshape(b, nq, heads * d)
+                                         attn_mask=mask[:, None], scale=scale, enable_gqa=True)
+    return out.transpose(1, 2).reshape(b, nq, -1)

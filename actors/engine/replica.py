@@ -89,12 +89,19 @@ def build_drafter(spec: DrafterSpec, kind: str | None = None):
     if kind == "ngram":
         return NgramDrafter(block_size=spec.block)
     if kind == "mtp":
+        from actors.drafter import has_nextn
         from actors.drafter.mtp import CONFIG, MTPDrafter, MTPModule
+        from actors.drafter.nextn import NextNModule
 
-        if not folder or not (pathlib.Path(folder) / CONFIG).exists():
-            raise ValueError(f"the mtp drafter needs a folder with {CONFIG} and its weights (drafter_dir)")
         embed, head = shared_embeddings(spec.target_dir)
-        return MTPDrafter(MTPModule.load(folder, embed, head), target_final_norm(spec.target_dir),
+        if folder and (pathlib.Path(folder) / CONFIG).exists():
+            module = MTPModule.load(folder, embed, head)
+        elif has_nextn(spec.target_dir):  # the checkpoint's own next-n layer (DeepSeek-V3, GLM-4-MoE)
+            module = NextNModule.load(spec.target_dir, embed, head)
+        else:
+            raise ValueError(f"the mtp drafter needs a folder with {CONFIG} and its weights (drafter_dir), or a "
+                             "target checkpoint with a next-n layer")
+        return MTPDrafter(module, target_final_norm(spec.target_dir),
                           MoEConfig.load(spec.target_dir).num_hidden_layers, spec.capacity_tokens, spec.block)
     if kind == "eagle3":
         from actors.drafter.eagle3 import CONFIG as EAGLE3_CONFIG

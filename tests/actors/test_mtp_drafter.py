@@ -44,7 +44,8 @@ def naive_chain(module, tokens: list[int], hidden: torch.Tensor, k: int) -> list
             q, kk, v = module.qkv(x, torch.arange(1, n + 1))
             rep = module.heads // module.kv_heads
             keys, values = (t.repeat_interleave(rep, 1).transpose(0, 1)[None] for t in (kk, v))
-            attn = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, is_causal=True)
+            attn = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, is_causal=True,
+                                                  scale=getattr(module, "scale", None))
             g = module.finish(x, attn[0].transpose(0, 1).reshape(n, -1))
             nxt = int(module.logits(g[-1]).argmax())
             out.append(nxt)
