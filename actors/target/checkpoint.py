@@ -110,6 +110,16 @@ class _Tensors:
     def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
         return self._dequantized(key, self._tensor(key, start, stop), lambda s: self._tensor(s, start, stop))
 
+    def raw(self, key: str, start: int | None = None,
+            stop: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The tensor as stored and, for an FP8 one, its block scales (else None); rows
+        start..stop of the leading dimension if given."""
+        t = self._tensor(key, start, stop)
+        scale = f"{key}_scale_inv"
+        if self.block is None or t.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or scale not in self._where:
+            return t, None
+        return t, self._tensor(scale, start, stop)
+
     def _tensor(self, key: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
         handle, name = self._where[key]
         return handle.get_tensor(name) if start is None else handle.get_slice(name)[start:stop]
@@ -167,6 +177,28 @@ def _load_experts(tensors: _Tensors, layer: int, first: int, count: int) -> tupl
                for e in range(first, first + count)]
     down = [tensors.get(f"{prefix}.{e}.down_proj.weight") for e in range(first, first + count)]
     return torch.stack(gate_up), torch.stack(down)
+
+
+def raw_experts(tensors: _Tensors, layer: int, first: int, count: int):
+    """FP8 expert weights of one layer as stored, with their block scales: ((gate_up [E, 2I, H],
+    scales), (down [E, H, I], scales)); None if they are not FP8 or gate/up would not split on a
+    block boundary."""
+    prefix = _expert_prefix(layer)
+    if f"{prefix}.gate_up_proj" in tensors:
+        gate_up, down = (tensors.raw(f"{prefix}.{n}", first, first + count) for n in ("gate_up_proj", "down_proj"))
+    elif f"{prefix}.{first}.gate_proj.weight" in tensors:
+        parts = {n: [tensors.raw(f"{prefix}.{e}.{n}.weight") for e in range(first, first + count)]
+                 for n in ("gate_proj", "up_proj", "down_proj")}
+        if any(s is None for p in parts.values() for _, s in p) or parts["gate_proj"][0][0].shape[0] % 128:
+            return None
+        gate_up = (torch.stack([torch.cat([g, u]) for (g, _), (u, _) in zip(parts["gate_proj"], parts["up_proj"],
+                                                                                strict=True)]),
+                   torch.stack([torch.cat([g, u]) for (_, g), (_, u) in zip(parts["gate_proj"], parts["up_proj"],
+                                                                                strict=True)]))
+        down = (torch.stack([w for w, _ in parts["down_proj"]]), torch.stack([s for _, s in parts["down_proj"]]))
+    else:
+        return None
+    return None if gate_up[1] is None or down[1] is None else (gate_up, down)
 
 
 def _hf_state(model: MoETransformer, layout: str) -> Iterator[tuple[str, torch.Tensor]]:

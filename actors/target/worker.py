@@ -118,6 +118,10 @@ class TargetRank:
             self.link = RankLink(control, s.rank)
         first, count = expert_range(_num_experts(s.model_dir), s.rank, s.world)
         self.model = load_model(s.model_dir, first, count).to(s.device)
+        if s.device != "cpu":  # FP8 checkpoints: weights stay FP8 where the device multiplies them
+            from actors.target.fp8 import keep_fp8
+
+            keep_fp8(self.model, s.model_dir, first, count)
         if s.world > 1:
             apply_expert_parallel(self.model, s.rank, s.world, self.data)
         self.cache = self.model.new_cache(s.kv_capacity_tokens, s.kv_block_size)

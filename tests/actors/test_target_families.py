@@ -5,6 +5,9 @@ logits (fp32, within 1e-5), and decode greedily through the engine exactly as tr
 
 from __future__ import annotations
 
+import json
+import pathlib
+
 import pytest
 import torch
 import transformers
@@ -15,6 +18,7 @@ from actors.engine.sequence import SamplingParams
 from actors.target.checkpoint import load_model
 from actors.target.config import MoEConfig
 from actors.target.model import ForwardBatch
+from tests.actors.fp8_checkpoints import quantize, reference_dequantize, write_fp8
 
 TOKENS = [3, 17, 5, 90, 41, 8, 8, 60, 2]
 COMMON = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -152,9 +156,6 @@ def test_latent_attention_variants_and_the_cache_holds_the_latent(tmp_path, q_lo
 def test_yarn_rope_scaling(tmp_path, family):
     """YaRN (DeepSeek-V3's long-context RoPE; its mscale also scales MLA's softmax) matches
     transformers, and it matters: the same weights read as plain RoPE give other logits."""
-    import json
-    import pathlib
-
     if family == "deepseek_v3":
         hf, path = deepseek_v3(tmp_path, rope=YARN)
     else:
@@ -175,9 +176,6 @@ def test_yarn_rope_scaling(tmp_path, family):
 
 def test_unsupported_variants_are_refused_by_name(tmp_path):
     _, path = mixtral(tmp_path)
-    import json
-    import pathlib
-
     d = json.loads((pathlib.Path(path) / "config.json").read_text())
     with pytest.raises(ValueError, match="sliding"):
         MoEConfig.from_dict(d | {"sliding_window": 4096})
@@ -187,32 +185,6 @@ def test_unsupported_variants_are_refused_by_name(tmp_path):
         MoEConfig.from_dict(d | {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}})
     with pytest.raises(ValueError, match="noaux_tc"):
         MoEConfig.from_dict(d | {"model_type": "deepseek_v3", "topk_method": "greedy", "qk_rope_head_dim": 8})
-
-
-def reference_dequantize(w: torch.Tensor, s: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """Block by block, as written: each (br × bc) tile times its own scale."""
-    out = torch.empty(w.shape, dtype=torch.float32)
-    br, bc = block
-    for idx in torch.cartesian_prod(*[torch.arange(n) for n in w.shape[:-2]]) if w.dim() > 2 else [()]:
-        lead = tuple(torch.atleast_1d(torch.as_tensor(idx)).tolist())
-        for i in range(s.shape[-2]):
-            for j in range(s.shape[-1]):
-                tile = (*lead, slice(i * br, (i + 1) * br), slice(j * bc, (j + 1) * bc))
-                out[tile] = w[tile].float() * s[(*lead, i, j)]
-    return out
-
-
-def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP8 weights and per-block scales as DeepSeek's layout stores them (amax / 448 per block)."""
-    br, bc = block
-    rows, cols = w.shape[-2:]
-    nr, nc = -(-rows // br), -(-cols // bc)
-    padded = torch.zeros((*w.shape[:-2], nr * br, nc * bc))
-    padded[..., :rows, :cols] = w
-    tiles = padded.view(*w.shape[:-2], nr, br, nc, bc)
-    scale = tiles.abs().amax(dim=(-3, -1)).clamp_min(1e-12) / 448.0  # [..., nr, nc]
-    q = (tiles / scale[..., :, None, :, None]).view_as(padded)[..., :rows, :cols].to(torch.float8_e4m3fn)
-    return q.contiguous(), scale
 
 
 def test_fp8_block_dequantization_is_exact():
@@ -228,40 +200,19 @@ def test_an_fp8_checkpoint_loads_as_its_dequantized_weights(tmp_path, make_tiny)
     """Every linear weight of the tiny model stored in FP8 with per-block scales (and the
     quantization_config that says so): loading gives exactly the dequantized weights, and the
     same logits as a float32 checkpoint of those weights."""
-    import json
-
-    from safetensors.torch import load_file, save_file
-
     from actors.target.checkpoint import save_model
 
     save_model(make_tiny(2), tmp_path / "fp32")
-    tensors = load_file(str(tmp_path / "fp32" / "model.safetensors"))
-    block = (32, 32)
-    quantized, dequantized = {}, {}
-    for name, t in tensors.items():
-        linear = (name.endswith("_proj.weight") or name.endswith("_proj")) and "norm" not in name
-        if linear:
-            q, s = quantize(t.float(), block)
-            quantized[name], quantized[f"{name}_scale_inv"] = q, s
-            dequantized[name] = reference_dequantize(q, s, block)
-        else:
-            quantized[name] = dequantized[name] = t
-    assert sum(t.dtype == torch.float8_e4m3fn for t in quantized.values()) >= 8
-    config = json.loads((tmp_path / "fp32" / "config.json").read_text())
-    for folder, weights, extra in (("fp8", quantized, {"quantization_config": {
-            "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block), "activation_scheme": "dynamic"}}),
-            ("dequantized", dequantized, {})):
-        (tmp_path / folder).mkdir()
-        (tmp_path / folder / "config.json").write_text(json.dumps(config | extra))
-        save_file(weights, str(tmp_path / folder / "model.safetensors"))
-    fp8, plain = load_model(tmp_path / "fp8"), load_model(tmp_path / "dequantized")
+    fp8_dir, plain_dir = write_fp8(tmp_path / "fp32", tmp_path, (32, 32))
+    fp8, plain = load_model(fp8_dir), load_model(plain_dir)
     for (name, a), (_, b) in zip(fp8.state_dict().items(), plain.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
     with torch.no_grad():
         la, _ = fp8(ForwardBatch.from_lists([0], [TOKENS]), fp8.new_cache(256))
         lb, _ = plain(ForwardBatch.from_lists([0], [TOKENS]), plain.new_cache(256))
     assert torch.equal(la, lb)
+    config = json.loads((fp8_dir / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "awq", "bits": 4}
-    (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
+    (fp8_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="unsupported quantization"):
-        load_model(tmp_path / "fp8")
+        load_model(fp8_dir)

@@ -49,3 +49,34 @@ def test_expert_dispatch_stays_on_the_device():
     w = torch.full((5, 2), 0.5, device="cuda")
     y = Dispatch()(x, idx, w, experts, 4, StepStats())
     assert y.device.type == "cuda" and y.shape == (5, 16)
+
+
+def test_fp8_weights_stay_fp8_on_a_gpu_that_multiplies_them(tmp_path):
+    """On capability ≥ 9.0: the FP8 checkpoint's 128-wide layers and experts are swapped for FP8
+    ones using `F.scaled_mm` block-wise (the device check passes), and the logits are the
+    dequantized model's up to the activations' FP8 rounding. Below 9.0 nothing is swapped."""
+    from actors.target.checkpoint import save_model
+    from actors.target.fp8 import Fp8Experts, device_supports_fp8, keep_fp8
+    from tests.actors.fp8_checkpoints import write_fp8
+    from tests.conftest import tiny_model
+
+    model = tiny_model(3, hidden_size=128, head_dim=32, moe_intermediate_size=128, intermediate_size=128)
+    save_model(model, tmp_path / "fp32", layout="per_expert")
+    fp8_dir, plain_dir = write_fp8(tmp_path / "fp32", tmp_path, (128, 128))
+    tokens = [3, 17, 5, 90, 41, 8, 8, 60, 2, 33, 71]
+
+    def logits(path, keep):
+        m = load_model(str(path)).to("cuda").eval()
+        swapped = keep_fp8(m, path, 0, 8) if keep else 0
+        b = ForwardBatch.from_lists([0], [tokens])
+        with torch.no_grad():
+            out = m(ForwardBatch(b.request_ids, b.tokens.cuda(), b.cu, b.logit_index.cuda()), m.new_cache(64))[0]
+        return out.float().cpu(), swapped, m
+
+    plain, _, _ = logits(plain_dir, False)
+    kept, swapped, m = logits(fp8_dir, True)
+    if not device_supports_fp8("cuda"):
+        assert swapped == 0
+        return
+    assert swapped > 0 and any(isinstance(x, Fp8Experts) for x in m.modules())
+    assert float((kept - plain).norm() / plain.norm()) < 0.05

@@ -1,0 +1,85 @@
+"""FP8 weights kept in FP8 (actors/target/fp8.py, issue #18). The device kernel (`F.scaled_mm`
+with block-wise scales) exists only on CUDA at capability ≥ 9.0 and is checked by
+tests/gpu/test_cuda.py; here the same code runs with `reference_mm`, its block-by-block float32
+stand-in, so the input quantization, the scale layout, which layers are swapped (both expert
+layouts) and the fall-back are tested on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actors.target.checkpoint import load_model, save_model
+from actors.target.fp8 import Fp8Experts, Fp8Linear, keep_fp8, quantize_rows, reference_mm
+from actors.target.model import ForwardBatch
+from tests.actors.fp8_checkpoints import write_fp8
+from tests.conftest import tiny_model
+
+TOKENS = [3, 17, 5, 90, 41, 8, 8, 60, 2, 33, 71]
+
+
+def test_inputs_are_quantized_per_row_and_128_columns():
+    torch.manual_seed(0)
+    x = torch.randn(5, 256) * torch.tensor([1.0, 100.0]).repeat_interleave(128)  # blocks of other ranges
+    q, s = quantize_rows(x)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (5, 2)
+    for r in range(5):
+        for b in range(2):
+            block = x[r, b * 128:(b + 1) * 128]
+            assert s[r, b] == pytest.approx(float(block.abs().max()) / 448.0)
+            back = q[r, b * 128:(b + 1) * 128].float() * s[r, b]
+            assert torch.all((back - block).abs() <= block.abs() / 16 + 1e-6 * float(block.abs().max()))
+
+
+@pytest.fixture(scope="module")
+def fp8_pair(tmp_path_factory):
+    """A model with 128-wide blocks (hidden 128, experts 128 wide, q and o projections 128 wide)
+    stored in FP8, per-expert layout, and its exact dequantized twin."""
+    tmp = tmp_path_factory.mktemp("fp8")
+    model = tiny_model(3, hidden_size=128, head_dim=32, moe_intermediate_size=128, intermediate_size=128)
+    save_model(model, tmp / "fp32", layout="per_expert")
+    return write_fp8(tmp / "fp32", tmp, (128, 128))
+
+
+def logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ForwardBatch.from_lists([0], [TOKENS]), model.new_cache(64))[0]
+
+
+def test_fp8_layers_and_experts_are_swapped_and_compute_the_dequantized_model(fp8_pair):
+    fp8_dir, plain_dir = fp8_pair
+    plain = logits(load_model(plain_dir))
+    for first, count in ((0, 8), (4, 4)):  # the whole model, and an EP rank's half of the experts
+        model = load_model(fp8_dir, first, count)
+        swapped = keep_fp8(model, fp8_dir, first, count, mm=reference_mm)
+        fp8_linears = [n for n, m in model.named_modules() if isinstance(m, Fp8Linear)]
+        fp8_experts = [n for n, m in model.named_modules() if isinstance(m, Fp8Experts)]
+        assert {n.rsplit(".", 1)[-1] for n in fp8_linears} >= {"q_proj", "o_proj", "gate_proj", "up_proj"}
+        assert len(fp8_experts) == model.cfg.moe_layers and swapped == len(fp8_linears) + len(fp8_experts)
+        assert all(isinstance(model.get_submodule(n), torch.nn.Linear) for n in ("layers.0.self_attn.k_proj",
+                                                                                 "lm_head"))  # 64 wide; the head
+        assert model.moe_blocks()[0].experts.first == first and model.moe_blocks()[0].experts.count == count
+    ours = logits(load_model(fp8_dir))  # dequantized, as on CPU
+    model = load_model(fp8_dir)
+    keep_fp8(model, fp8_dir, 0, 8, mm=reference_mm)
+    kept = logits(model)
+    assert torch.equal(ours, plain)
+    assert float((kept - plain).norm() / plain.norm()) < 0.05  # only the activations' FP8 rounding differs
+    assert not torch.equal(kept, plain)
+
+
+def test_a_failing_or_wrong_kernel_leaves_the_dequantized_weights(fp8_pair):
+    fp8_dir, _ = fp8_pair
+
+    def broken(*_args):
+        raise RuntimeError("no kernel for this device")
+
+    def wrong(a, a_scale, w, w_scale, out_dtype):
+        return 2 * reference_mm(a, a_scale, w, w_scale, out_dtype)
+
+    for mm in (broken, wrong):
+        model = load_model(fp8_dir)
+        assert keep_fp8(model, fp8_dir, 0, 8, mm=mm) == 0
+        assert not any(isinstance(m, (Fp8Linear, Fp8Experts)) for m in model.modules())
+    model = load_model(fp8_dir)
+    assert keep_fp8(model, fp8_dir, 0, 8) == 0  # the real kernel: not on a CPU
