@@ -86,8 +86,13 @@ class Eagle3Config:
         theta = float(rope.get("rope_theta", layer.get("rope_theta", 10000.0)))
         yarn = tuple(sorted((k, v) for k, v in rope.items() if k not in ("rope_type", "type", "rope_theta")))
         ids = d.get("eagle_aux_hidden_state_layer_ids") or (d.get("eagle_config") or {}).get(
-            "eagle_aux_hidden_state_layer_ids") or [2, target_layers // 2, target_layers - 3]
-        ids = tuple(min(max(int(i), 1), target_layers) for i in ids)
+            "eagle_aux_hidden_state_layer_ids")
+        if ids is None:  # vLLM's and SpecForge's default, kept inside a small target
+            ids = tuple(min(max(i, 1), target_layers) for i in (2, target_layers // 2, target_layers - 3))
+        ids = tuple(int(i) for i in ids)
+        if min(ids) < 1 or max(ids) > target_layers:
+            raise ValueError(f"EAGLE-3 feature layers {list(ids)} must be in 1..{target_layers} (layer 0, the "
+                             "embeddings, is not captured)")
         if len(ids) != 3 or d.get("target_hidden_size") not in (None, layer["hidden_size"]):
             raise ValueError("EAGLE-3 features must be three target layers as wide as the drafter")
         return cls(

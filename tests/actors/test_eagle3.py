@@ -96,6 +96,9 @@ def test_broken_folders_are_refused_with_the_reason(tmp_path):
     (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(ValueError, match="not an EAGLE-3 folder"):
         Eagle3Module.load(folder, embed, 8)
+    (folder / "config.json").write_text(json.dumps(config | {"eagle_aux_hidden_state_layer_ids": [0, 2, 3]}))
+    with pytest.raises(ValueError, match="layer 0, the embeddings"):
+        Eagle3Module.load(folder, embed, 8)
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="does not fit"):
         Eagle3Module.load(folder, torch.nn.Embedding(128, 64), 8)
