@@ -216,3 +216,33 @@ def test_an_fp8_checkpoint_loads_as_its_dequantized_weights(tmp_path, make_tiny)
     (fp8_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="unsupported quantization"):
         load_model(fp8_dir)
+
+
+def test_a_sharded_deepseek_checkpoint_loads_and_a_rank_reads_only_its_experts(tmp_path):
+    """transformers' own sharding (index + shards): the same logits, and an EP rank's load asks
+    the reader for no other rank's expert tensor."""
+    from actors.target import checkpoint
+
+    hf, _ = deepseek_v3(tmp_path)
+    sharded = tmp_path / "sharded"
+    hf.save_pretrained(sharded, max_shard_size="40KB")
+    assert (sharded / "model.safetensors.index.json").exists() and len(list(sharded.glob("*.safetensors"))) > 2
+    model = load_model(sharded)
+    with torch.no_grad():
+        ref = hf(torch.tensor([TOKENS])).logits[0]
+        ours, _ = model(ForwardBatch.from_lists([0], [TOKENS]), model.new_cache(256))
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    read = []
+    original = checkpoint._Tensors._tensor
+
+    def spy(self, key, start=None, stop=None):
+        read.append(key)
+        return original(self, key, start, stop)
+
+    checkpoint._Tensors._tensor = spy
+    try:
+        load_model(sharded, first_expert=4, local_experts=4)
+    finally:
+        checkpoint._Tensors._tensor = original
+    experts = {int(k.split(".experts.")[1].split(".")[0]) for k in read if ".experts." in k}
+    assert experts == {4, 5, 6, 7}
