@@ -2,13 +2,15 @@
 request (`auto`), on code, docstring, comment and documentation prompts held out from training.
 
     .venv/bin/python benchmarks/drafter_mix.py [--rounds 2] [--concurrency 1,4,16] [--out runs/drafter-mix]
+        [--model BUNDLE]
 
-One engine per setting (`ar`: plain decoding; `block`, `mtp`, `ngram`: that kind alone; `auto`:
-all three hosted, the gate choosing per request and step), all in this process on the bundled
-demo model, the `dcut` policy. Every round runs every setting on the same prompts, in a rotated
-order, at each concurrency: the mixed workload, then each domain alone. A row is a setting's
-median over rounds; speed-ups are medians of ratios within a round. Greedy outputs of every
-setting must equal `ar`'s (checked). Writes OUT/results.json and prints markdown tables.
+One engine per setting (`ar`: plain decoding; `block`, `mtp`, `ngram`, and `eagle3` when the
+bundle holds one: that kind alone; `auto`: all of them hosted, the gate choosing per request and
+step), all in this process on the bundled demo model (or --model), the `dcut` policy. Every
+round runs every setting on the same prompts, in a rotated order, at each concurrency: the mixed
+workload, then each domain alone. A row is a setting's median over rounds; speed-ups are medians
+of ratios within a round. Greedy outputs of every setting must equal `ar`'s (checked). Writes
+OUT/results.json and prints markdown tables.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 SETTINGS = {"ar": "block", "block": "block", "mtp": "mtp", "ngram": "ngram", "auto": "auto"}
+SINGLE = ("block", "mtp", "eagle3", "ngram")
 
 
 def main() -> int:
@@ -33,6 +36,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--block", type=int, default=8)
     p.add_argument("--out", default="runs/drafter-mix")
+    p.add_argument("--model", help="a bundle folder (default: the bundled demo)")
     args = p.parse_args()
 
     from tokenizers import Tokenizer
@@ -42,21 +46,25 @@ def main() -> int:
     from actors.engine.loadgen import closed_loop
     from actors.ray_env import start_local_ray
     from deployments.bench_command import kinds_chosen
-    from deployments.bundle import BUNDLED
+    from deployments.bundle import BUNDLED, Bundle
     from deployments.settings import ServeSettings
+
+    root = pathlib.Path(args.model) if args.model else BUNDLED
+    if Bundle(root).has("eagle3"):
+        SETTINGS["eagle3"] = "eagle3"
 
     levels = [int(c) for c in args.concurrency.split(",")]
     domain_levels = {int(c) for c in args.domain_concurrency.split(",") if c}
     n_max = max(args.prompts, 2 * max(levels))
     pairs = mixed_prompts(n_max + 8, seed=11)
     warm, pairs = pairs[:8], pairs[8:]
-    tok = Tokenizer.from_file(str(BUNDLED / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(root / "tokenizer.json"))
     ids = [tok.encode(t).ids for _, t in pairs]
     domains = [d for d, _ in pairs]
     start_local_ray(num_cpus=8)
     engines = {}
     for name, drafter in SETTINGS.items():
-        s = ServeSettings(model_root=str(BUNDLED), drafter=drafter, block=args.block, max_running=max(levels),
+        s = ServeSettings(model_root=str(root), drafter=drafter, block=args.block, max_running=max(levels),
                           policy="ar" if name == "ar" else "dcut", cost_model_cache="runs/cache")
         engines[name] = Engine(s.engine_config())
         closed_loop(engines[name], [tok.encode(t).ids for _, t in warm], 4, args.max_tokens)  # warm-up, learning
@@ -114,7 +122,7 @@ def summarize(runs: list[dict]) -> list[dict]:
         for setting in SETTINGS:
             rs = [rd[setting] for rd in by_round.values()]
             vs_ar = [rd[setting]["tok_s"] / rd["ar"]["tok_s"] for rd in by_round.values()]
-            vs_best = [rd[setting]["tok_s"] / max(rd[k]["tok_s"] for k in ("block", "mtp", "ngram"))
+            vs_best = [rd[setting]["tok_s"] / max(rd[k]["tok_s"] for k in SINGLE if k in rd)
                        for rd in by_round.values()]
             row = {"workload": workload, "concurrency": c, "setting": setting,
                    "tok_s": statistics.median(r["tok_s"] for r in rs), "mat": statistics.median(r["mat"] for r in rs),
@@ -130,11 +138,12 @@ def summarize(runs: list[dict]) -> list[dict]:
 
 
 def tables(rows: list[dict]) -> str:
-    lines = ["| workload | C | setting | tok/s | × ar | × best single | MAT | auto's choice (block/mtp/ngram) |",
+    kinds = [k for k in SINGLE if k in SETTINGS]
+    lines = [f"| workload | C | setting | tok/s | × ar | × best single | MAT | auto's choice ({'/'.join(kinds)}) |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         chosen = r.get("kinds_chosen")
-        share = "/".join(f"{chosen.get(k, 0):.2f}" for k in ("block", "mtp", "ngram")) if chosen else ""
+        share = "/".join(f"{chosen.get(k, 0):.2f}" for k in kinds) if chosen else ""
         lines.append(f"| {r['workload']} | {r['concurrency']} | {r['setting']} | {r['tok_s']:.1f} | {r['vs_ar']:.2f} "
                      f"{r['vs_ar_runs']} | {r['vs_best_single']:.2f} {r['vs_best_runs']} | {r['mat']:.2f} | {share} |")
     return "\n".join(lines)

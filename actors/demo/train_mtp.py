@@ -108,20 +108,28 @@ def main() -> None:
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             getattr(module.self_attn, name).weight.copy_(getattr(last.self_attn, name).weight)
         module.shared_head.norm.weight.copy_(target.norm.weight)
+    fit(module, data.tokens, lambda seqs: hidden[seqs], data.prompt_len, args, lambda: module.save(args.out))
+
+
+def fit(module: torch.nn.Module, tokens: torch.Tensor, hidden_of, prompt_len: int, args: argparse.Namespace,
+        save) -> None:
+    """Train a chained drafter module (`batch_loss`) on sequences `tokens` [S, T] whose states
+    `hidden_of(indices)` gives [n, T, H]; the last 1/16 (at least 64) are held out, and `save`
+    runs whenever their loss is the best so far. Logs to args.log."""
     opt = torch.optim.AdamW(module.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     rng = np.random.default_rng(args.seed)
-    n_val = max(64, args.sequences // 16)
+    n_val = max(64, len(tokens) // 16)
     log = pathlib.Path(args.log)
     log.parent.mkdir(parents=True, exist_ok=True)
-    print(f"mtp: {sum(p.numel() for p in module.parameters()) / 1e6:.2f} M own parameters, "
-          f"{len(data.tokens) - n_val} training sequences")
+    print(f"{type(module).__name__}: {sum(p.numel() for p in module.parameters()) / 1e6:.2f} M own parameters, "
+          f"{len(tokens) - n_val} training sequences")
     t0, best = time.time(), float("inf")
-    bar = tqdm(range(args.steps), desc="mtp", unit="step")
+    bar = tqdm(range(args.steps), desc="train", unit="step")
     for step in bar:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, 100)
-        seqs = torch.from_numpy(rng.integers(0, len(data.tokens) - n_val, args.seqs_per_step))
-        loss, _ = batch_loss(module, data.tokens[seqs], hidden[seqs], data.prompt_len)
+        seqs = torch.from_numpy(rng.integers(0, len(tokens) - n_val, args.seqs_per_step))
+        loss, _ = batch_loss(module, tokens[seqs], hidden_of(seqs), prompt_len)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
         opt.step()
@@ -129,8 +137,8 @@ def main() -> None:
         bar.set_postfix(loss=f"{loss.item():.3f}")
         if (step + 1) % 250 == 0 or step + 1 == args.steps:
             with torch.no_grad():
-                seqs = torch.arange(len(data.tokens) - n_val, len(data.tokens))
-                val, acc = batch_loss(module, data.tokens[seqs], hidden[seqs], data.prompt_len)
+                seqs = torch.arange(len(tokens) - n_val, len(tokens))
+                val, acc = batch_loss(module, tokens[seqs], hidden_of(seqs), prompt_len)
             record = {"step": step + 1, "minutes": round((time.time() - t0) / 60, 2), "val_loss": round(val.item(), 4),
                       "val_accuracy_step1": round(acc[0].item(), 3), "val_accuracy_step2": round(acc[1].item(), 3)}
             with log.open("a") as f:
@@ -138,7 +146,7 @@ def main() -> None:
             bar.write(json.dumps(record))
             if val.item() < best:  # it overfits its few thousand sequences late in training: keep the best
                 best = val.item()
-                module.save(args.out)
+                save()
 
 
 if __name__ == "__main__":

@@ -154,7 +154,7 @@ class Eagle3Module(nn.Module):
         return torch.cat([self.input_layernorm(self._embed[0](tokens)), normed, residual], dim=-1)
 
     def qkv(self, x: torch.Tensor, positions: torch.Tensor):
-        n, a, y = x.shape[0], self.self_attn, x[:, :2 * self.cfg.hidden_size]
+        n, a, y = x.shape[0], self.self_attn, x[..., :2 * self.cfg.hidden_size]
         q = a.q_proj(y).view(n, self.heads, self.head_dim)
         k = a.k_proj(y).view(n, self.kv_heads, self.head_dim)
         if self.cfg.qk_norm:
@@ -164,7 +164,7 @@ class Eagle3Module(nn.Module):
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """g from the pairs x and their attention output [N, heads · D] (normed under norm_output)."""
-        g = x[:, 2 * self.cfg.hidden_size:] + self.self_attn.o_proj(attn)
+        g = x[..., 2 * self.cfg.hidden_size:] + self.self_attn.o_proj(attn)
         g = g + self.mlp(self.post_attention_layernorm(g))
         return self.norm(g) if self.cfg.norm_output else g
 
