@@ -39,6 +39,8 @@ def main() -> None:
     ap.add_argument("--seqs-per-step", type=int, default=16)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--train-head", action="store_true",
+                    help="train the LM head too (default: the target's, frozen, as our MTP module shares it)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log", default="runs/demo/eagle3_log.jsonl")
     args = ap.parse_args()
@@ -71,6 +73,7 @@ def main() -> None:
         module.mlp.down_proj.weight.zero_()
         module.norm.weight.copy_(target.norm.weight)
         module.lm_head.weight.copy_(target.lm_head.weight)
+    module.lm_head.weight.requires_grad_(args.train_head)  # 1 M parameters on 1920 sequences overfit
 
     def hidden_of(seqs: torch.Tensor) -> torch.Tensor:
         f = data.features[seqs].float()

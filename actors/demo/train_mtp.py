@@ -116,12 +116,13 @@ def fit(module: torch.nn.Module, tokens: torch.Tensor, hidden_of, prompt_len: in
     """Train a chained drafter module (`batch_loss`) on sequences `tokens` [S, T] whose states
     `hidden_of(indices)` gives [n, T, H]; the last 1/16 (at least 64) are held out, and `save`
     runs whenever their loss is the best so far. Logs to args.log."""
-    opt = torch.optim.AdamW(module.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     rng = np.random.default_rng(args.seed)
     n_val = max(64, len(tokens) // 16)
     log = pathlib.Path(args.log)
     log.parent.mkdir(parents=True, exist_ok=True)
-    print(f"{type(module).__name__}: {sum(p.numel() for p in module.parameters()) / 1e6:.2f} M own parameters, "
+    print(f"{type(module).__name__}: {sum(p.numel() for p in params) / 1e6:.2f} M trained parameters, "
           f"{len(tokens) - n_val} training sequences")
     t0, best = time.time(), float("inf")
     bar = tqdm(range(args.steps), desc="train", unit="step")
@@ -131,7 +132,7 @@ def fit(module: torch.nn.Module, tokens: torch.Tensor, hidden_of, prompt_len: in
         seqs = torch.from_numpy(rng.integers(0, len(tokens) - n_val, args.seqs_per_step))
         loss, _ = batch_loss(module, tokens[seqs], hidden_of(seqs), prompt_len)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         bar.set_postfix(loss=f"{loss.item():.3f}")
