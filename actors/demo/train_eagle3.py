@@ -18,11 +18,8 @@ import pathlib
 
 import torch
 
-from actors.demo.data import token_array
-from actors.demo.distill import DistillSet, generate
-from actors.demo.train_mtp import fit
+from actors.demo.train_mtp import distilled, fit, frozen_target, training_arguments
 from actors.drafter.eagle3 import Eagle3Config, Eagle3Module
-from actors.target.checkpoint import load_model
 from actors.target.rope import Rotary
 
 LAYERS = (2, 4, 6)
@@ -30,34 +27,15 @@ LAYERS = (2, 4, 6)
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", default="models/demo/target")
-    ap.add_argument("--tokenizer", default="models/demo/tokenizer.json")
-    ap.add_argument("--out", default="runs/demo/eagle3")
-    ap.add_argument("--sequences", type=int, default=2048)
-    ap.add_argument("--intermediate", type=int, default=512, help="the layer's MLP width")
-    ap.add_argument("--steps", type=int, default=2000)
-    ap.add_argument("--seqs-per-step", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--threads", type=int, default=2)
+    training_arguments(ap, "runs/demo/eagle3", 2048, "runs/demo/eagle3_log.jsonl")
     ap.add_argument("--train-head", action="store_true",
                     help="train the LM head too (default: the target's, frozen, as our MTP module shares it)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--log", default="runs/demo/eagle3_log.jsonl")
     args = ap.parse_args()
 
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    target = load_model(args.target).eval()
-    for p in target.parameters():
-        p.requires_grad_(False)
-    cache = pathlib.Path(f"runs/demo/distill_dfly_train_{args.sequences}_96.pt")
-    if cache.exists():
-        data = DistillSet(**torch.load(cache))
-    else:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        data = generate(target, token_array(args.tokenizer, "train"), args.sequences, 32, 96, LAYERS,
-                        sample_fraction=0.25, seed=5)
-        torch.save(data.__dict__, cache)
+    target = frozen_target(args)
+    # the DFly head experiment's set (benchmarks/dfly_head.py writes and reads the same file)
+    data = distilled(target, args, pathlib.Path(f"runs/demo/distill_dfly_train_{args.sequences}_96.pt"), LAYERS,
+                     32, 96, 0.25, 5)
     c = target.cfg
     cfg = Eagle3Config(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
                        num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,

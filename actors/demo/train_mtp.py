@@ -65,38 +65,55 @@ def batch_loss(module: MTPModule, tokens: torch.Tensor, hidden: torch.Tensor,
     return losses[0] + 0.5 * losses[1], torch.stack(accs)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def training_arguments(ap: argparse.ArgumentParser, out: str, sequences: int, log: str) -> None:
+    """The options every chained-drafter trainer takes (this one, `train_eagle3`)."""
     ap.add_argument("--target", default="models/demo/target")
     ap.add_argument("--tokenizer", default="models/demo/tokenizer.json")
-    ap.add_argument("--out", default="models/demo/mtp")
-    ap.add_argument("--sequences", type=int, default=3072)
-    ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--total-len", type=int, default=96)
-    ap.add_argument("--sample-fraction", type=float, default=0.25)
+    ap.add_argument("--out", default=out)
+    ap.add_argument("--sequences", type=int, default=sequences)
     ap.add_argument("--intermediate", type=int, default=512, help="the module's MLP width")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--seqs-per-step", type=int, default=16)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--log", default="runs/demo/mtp_log.jsonl")
-    args = ap.parse_args()
+    ap.add_argument("--log", default=log)
 
+
+def frozen_target(args: argparse.Namespace):
+    """Threads and seed set, the target loaded with its weights frozen."""
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     target = load_model(args.target).eval()
     for p in target.parameters():
         p.requires_grad_(False)
-    layer = target.cfg.num_hidden_layers
-    cache = pathlib.Path(f"runs/demo/distill_mtp_{args.sequences}_{args.total_len}.pt")
+    return target
+
+
+def distilled(target, args: argparse.Namespace, cache: pathlib.Path, layers: tuple[int, ...], prompt_len: int,
+              total_len: int, sample_fraction: float, seed: int) -> DistillSet:
+    """The self-distillation set (`distill.py`) from `cache`, generated and saved there if absent."""
     if cache.exists():
-        data = DistillSet(**torch.load(cache))
-    else:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        data = generate(target, token_array(args.tokenizer, "train"), args.sequences, args.prompt_len,
-                        args.total_len, (layer,), sample_fraction=args.sample_fraction, seed=args.seed)
-        torch.save(data.__dict__, cache)
+        return DistillSet(**torch.load(cache))
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    data = generate(target, token_array(args.tokenizer, "train"), args.sequences, prompt_len, total_len, layers,
+                    sample_fraction=sample_fraction, seed=seed)
+    torch.save(data.__dict__, cache)
+    return data
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    training_arguments(ap, "models/demo/mtp", 3072, "runs/demo/mtp_log.jsonl")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--total-len", type=int, default=96)
+    ap.add_argument("--sample-fraction", type=float, default=0.25)
+    args = ap.parse_args()
+
+    target = frozen_target(args)
+    layer = target.cfg.num_hidden_layers
+    data = distilled(target, args, pathlib.Path(f"runs/demo/distill_mtp_{args.sequences}_{args.total_len}.pt"),
+                     (layer,), args.prompt_len, args.total_len, args.sample_fraction, args.seed)
     with torch.no_grad():
         hidden = target.norm(data.features.float())  # [S, T, H]: what DeepSeek's main model hands over
     c = target.cfg
