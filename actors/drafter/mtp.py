@@ -114,10 +114,7 @@ class MTPModule(nn.Module):
         a layer-specific `embed_tokens` likewise (DeepSeek stores both; they equal the target's)."""
         module = cls(cfg, embed, head)
         own = {k.removeprefix(cfg.prefix): v.float() for k, v in tensors.items() if k.startswith(cfg.prefix)}
-        for shared, weight in (("shared_head.head.weight", head.weight), ("embed_tokens.weight", embed.weight)):
-            copy = own.pop(shared, None)
-            if copy is not None and not torch.allclose(copy, weight.float(), atol=1e-2):
-                raise ValueError(f"{cfg.prefix}{shared} differs from the target's: not a module of this target")
+        check_shared_copies(cfg.prefix, lambda name: own.pop(name, None), embed, head)
         missing, unexpected = module.load_state_dict(own, strict=False)
         if missing or unexpected:
             raise ValueError(f"MTP weights under {cfg.prefix}: missing {missing}, unexpected {unexpected}")
@@ -127,6 +124,15 @@ class MTPModule(nn.Module):
     def load(cls, path: str | pathlib.Path, embed: nn.Embedding, head: nn.Linear) -> MTPModule:
         path = pathlib.Path(path)
         return cls.from_tensors(MTPConfig.load(path / CONFIG), load_file(str(path / WEIGHTS)), embed, head)
+
+
+def check_shared_copies(prefix: str, copy_of, embed: nn.Embedding, head: nn.Linear) -> None:
+    """A next-n layer's own copies of the LM head (`shared_head.head`) and the embedding, where
+    the checkpoint stores them (`copy_of(name)`, None if not), must be the target's."""
+    for shared, weight in (("shared_head.head.weight", head.weight), ("embed_tokens.weight", embed.weight)):
+        copy = copy_of(shared)
+        if copy is not None and not torch.allclose(copy.float(), weight.float(), atol=1e-2):
+            raise ValueError(f"{prefix}{shared} differs from the target's: not a module of this target")
 
 
 class MTPDrafter:

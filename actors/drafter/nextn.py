@@ -24,6 +24,7 @@ from contextlib import ExitStack
 import torch
 from torch import nn
 
+from actors.drafter.mtp import check_shared_copies
 from actors.target.checkpoint import _load_experts, _Tensors
 from actors.target.config import MoEConfig
 from actors.target.layers import RMSNorm
@@ -88,10 +89,8 @@ class NextNModule(nn.Module):
         state: dict[str, torch.Tensor] = {}
         with ExitStack() as stack:
             tensors = _Tensors(target_dir, stack)
-            for shared, weight in (("shared_head.head.weight", head.weight), ("embed_tokens.weight", embed.weight)):
-                if prefix + shared in tensors and not torch.allclose(tensors.get(prefix + shared).float(),
-                                                                     weight.float(), atol=1e-2):
-                    raise ValueError(f"{prefix}{shared} differs from the target's: not this target's next-n layer")
+            check_shared_copies(prefix, lambda name: tensors.get(prefix + name) if prefix + name in tensors else None,
+                                embed, head)
             for name, _ in module.named_parameters():
                 if ".experts." not in name:
                     state[name] = tensors.get(prefix + name)
