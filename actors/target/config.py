@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import pathlib
 from dataclasses import asdict, dataclass, field, replace
+from functools import cached_property
 
 from actors.target.rope import Rotary, yarn_mscale
 from dcut_core.hardware import ModelShape
@@ -83,7 +84,7 @@ class MoEConfig:
         """Multi-head latent attention (the cache holds kv_lora_rank + head_dim per token and layer)."""
         return self.kv_lora_rank > 0
 
-    @property
+    @cached_property
     def rotary(self) -> Rotary:
         return Rotary(self.rotary_dim, self.rope_theta, self.rope_yarn)
 

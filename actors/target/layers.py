@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -26,9 +27,12 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+_rotary = functools.lru_cache(maxsize=16)(Rotary)  # one table per (dims, theta): drafters ask every pass
+
+
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [N, head_dim] for the (non-interleaved, rotate-half) rotary embedding."""
-    return Rotary(head_dim, theta).cos_sin(positions)
+    return _rotary(head_dim, theta).cos_sin(positions)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

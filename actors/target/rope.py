@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -52,9 +53,13 @@ class Rotary:
         base = self.theta ** exponents
         return (1.0 / (factor * base)) * (1 - keep) + (1.0 / base) * keep, float(attention)
 
+    @cached_property
+    def _table(self) -> tuple[torch.Tensor, float]:
+        return self.inv_freq()  # once per Rotary: every forward asks for it
+
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [N, dim] at integer positions [N]."""
-        inv, scale = self.inv_freq()
+        inv, scale = self._table
         freqs = positions.float()[:, None] * inv.to(positions.device)[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         if scale == 1.0:
