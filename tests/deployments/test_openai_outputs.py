@@ -195,17 +195,17 @@ def drafts_by_kind() -> dict[tuple[str, str], float]:
 
 
 def test_a_request_names_the_drafters_it_may_use(client, reference):
-    """The `drafter` extension: the main app hosts block, MTP and n-gram drafters; a request that
+    """The `drafter` extension: the main app hosts block, MTP, EAGLE-3 and n-gram drafters; a request that
     names one drafts only with it (the per-kind counters of /metrics move for it alone), with
     the same output; a kind the server does not host, or no kind, is a 400 naming the field."""
     assert drafts_by_kind()[("mtp", "drafted")] >= 0
-    for kinds in (["mtp"], ["ngram"], "block"):
+    for kinds in (["mtp"], ["ngram"], "block", ["eagle3"]):
         before = drafts_by_kind()
         out = client.completions.create(model="dcut-demo", prompt=PROMPT, max_tokens=12, temperature=0,
                                         extra_body={"drafter": kinds})
         assert out.choices[0].text.strip() == words(reference)
         after = drafts_by_kind()
-        moved = {k for k in ("block", "mtp", "ngram") if after[(k, "chosen")] > before[(k, "chosen")]}
+        moved = {k for k in ("block", "mtp", "eagle3", "ngram") if after[(k, "chosen")] > before[(k, "chosen")]}
         assert moved <= set([kinds] if isinstance(kinds, str) else kinds), (kinds, moved)
     both = client.completions.create(model="dcut-demo", prompt=PROMPT, max_tokens=12, temperature=0,
                                      extra_body={"drafter": ["block", "ngram"]})
@@ -214,6 +214,7 @@ def test_a_request_names_the_drafters_it_may_use(client, reference):
         with pytest.raises(openai.BadRequestError, match="drafter"):
             client.completions.create(model="dcut-demo", prompt=PROMPT, max_tokens=4, extra_body={"drafter": bad})
     guarded = openai.OpenAI(base_url=f"{BASE}/guarded/v1", api_key="sekret", max_retries=0)
-    with pytest.raises(openai.BadRequestError, match="drafts with ngram"):
-        guarded.completions.create(model="dcut-demo", prompt=PROMPT, max_tokens=4, extra_body={"drafter": "mtp"})
+    for unserved in ("mtp", "eagle3"):
+        with pytest.raises(openai.BadRequestError, match="drafts with ngram"):
+            guarded.completions.create(model="dcut-demo", prompt=PROMPT, max_tokens=4, extra_body={"drafter": unserved})
     assert_still_serving(client)
