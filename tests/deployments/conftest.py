@@ -28,7 +28,8 @@ def server(tiny_bundle, tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("cache"))
     common = dict(model_root=tiny_bundle, block=6, cost_model_cache=cache, max_prompt_tokens=64,
                   max_tokens_limit=32, max_stop=2, max_body_bytes=300_000)
-    serve.run(build_app(ServeSettings(**common, drafter="auto")), name="main", route_prefix="/")  # block, mtp, eagle3, ngram
+    # main: every kind the tiny bundle holds (block, mtp, eagle3, ngram)
+    serve.run(build_app(ServeSettings(**common, drafter="auto")), name="main", route_prefix="/")
     serve.run(build_app(ServeSettings(**common, api_key="sekret", max_running=1, max_waiting=1, drafter="ngram")),
               name="guarded", route_prefix="/guarded")
     serve.run(build_app(ServeSettings(**common, ep=2, threads_per_rank=1, cpus_per_rank=1, policy="full")), name="ep2",
