@@ -123,16 +123,24 @@ class AsyncEngine:
                     await asyncio.to_thread(self.engine.step)
                     self.steps += 1
                     self.last_step_s = time.perf_counter() - t0
-                    self._publish()
                     failures = 0
+                self._publish()  # also what finished without a step (refused at admission)
             except Exception as exc:  # a fault of the step, not of one request
                 failures += 1
                 await self._recover(exc, failures)
                 continue
-            if not len(self.engine.scheduler):
-                self._idle = True
+            # Sleep only when nothing at all is pending. Requests that arrived while the step ran
+            # are in `_new`, not yet in the scheduler: the wake-up they set must not be cleared
+            # (the hang of multi-choice requests whose first choice finished on its first token).
+            if not self._pending():
+                self._idle, self._beat = True, time.monotonic()
                 self._wake.clear()
                 await self._wake.wait()
+
+    def _pending(self) -> bool:
+        """Work the loop has not finished: queued, running, or not yet published."""
+        sched = self.engine.scheduler
+        return bool(len(sched) or self._new or self._aborted or any(r in self._queues for r in sched.finished))
 
     async def _recover(self, exc: Exception, failures: int) -> None:
         log.exception("engine step failed; failing its requests and rebuilding the target", exc_info=exc)
@@ -197,7 +205,9 @@ class AsyncEngine:
 
     def health(self) -> Health:
         in_flight = self.load
-        idle = 0.0 if self._idle or not in_flight else time.monotonic() - self._beat
+        # Work in flight and no progress since the last beat: a running step that takes too long,
+        # or a loop asleep while requests wait (a bug, which must not look healthy).
+        idle = time.monotonic() - self._beat if in_flight else 0.0
         facts = dict(in_flight=in_flight, steps=self.steps, idle_s=idle)
         if self._fatal is not None:
             return Health(False, f"the engine could not rebuild after a failed step: {self._fatal}", **facts)

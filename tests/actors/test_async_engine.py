@@ -91,6 +91,58 @@ def test_refused_requests_fail_alone(tiny_bundle, tmp_path, reference):
     assert good == reference
 
 
+def test_a_request_that_arrives_during_a_step_is_served_when_that_step_ends_everything(tiny_bundle, tmp_path,
+                                                                                     reference):
+    """The hang of multi-choice requests: choice 0 runs a step alone and finishes on its first
+    token; choice 1 arrived while that step ran. The loop must not go to sleep on it. Also a
+    request refused at admission while nothing else runs (no step at all) gets its answer."""
+    eng = async_engine(tiny_bundle, tmp_path, kv_capacity_tokens=256, policy="full")
+    one = SamplingParams(max_tokens=1)
+
+    async def go():
+        outs = []
+        for _ in range(5):
+            first = asyncio.create_task(collect(eng, PROMPTS[0], one))
+            while not eng.engine.scheduler.running:  # admitted: its step is under way in the worker thread
+                await asyncio.sleep(0.0005)
+            second = await asyncio.wait_for(collect(eng, PROMPTS[1], one), 20)
+            outs.append((await first, second))
+        alone_too_big = await asyncio.wait_for(collect(eng, PROMPTS[0] * 40), 20)
+        return outs, alone_too_big, eng.health()
+
+    try:
+        outs, too_big, health = run(go())
+    finally:
+        eng.shutdown()
+    assert outs == [(reference[0][:1], reference[1][:1])] * 5
+    assert isinstance(too_big, EngineError) and "KV cache" in too_big.message
+    assert health.ok and health.in_flight == 0
+
+
+def test_health_tells_a_loop_asleep_with_work_in_flight(tiny_bundle, tmp_path):
+    """Were the loop ever to sleep while a request waits, /health must say so after the stall
+    timeout rather than report the replica fine."""
+    eng = async_engine(tiny_bundle, tmp_path, stall_timeout_s=0.3, policy="full")
+
+    async def go():
+        eng._ensure_loop = lambda: None  # a loop that never wakes for the request
+        eng._beat = time.monotonic()  # (what _ensure_loop does when work arrives)
+        task = asyncio.create_task(collect(eng, PROMPTS[0]))
+        await asyncio.sleep(0.05)
+        early = eng.health()
+        await asyncio.sleep(0.5)
+        late = eng.health()
+        task.cancel()
+        return early, late
+
+    try:
+        early, late = run(go())
+    finally:
+        eng.shutdown()
+    assert early.ok and early.in_flight == 1
+    assert not late.ok and "no step finished" in late.reason
+
+
 def test_a_request_that_cannot_be_built_is_refused_before_the_engine():
     with pytest.raises(ValueError, match="nothing left"):
         GenerateRequest([1, 2], SamplingParams(max_tokens=2), [3, 4])

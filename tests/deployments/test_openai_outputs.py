@@ -218,3 +218,53 @@ def test_a_request_names_the_drafters_it_may_use(client, reference):
         with pytest.raises(openai.BadRequestError, match="drafts with ngram"):
             guarded.completions.create(model="dcut-demo", prompt=PROMPT, max_tokens=4, extra_body={"drafter": unserved})
     assert_still_serving(client)
+
+
+def _shapes(first: int) -> list[tuple[str, dict]]:
+    """Requests whose every choice may end on its first generated token (or has none to make),
+    as lm-eval, a classifier or a stop list sends them: prompts × choices, streamed or not."""
+    ids = [PROMPT_IDS, [9, 10, 11, 9], [3, 4, 3, 4, 3], [20, 21, 22]]
+    base = {"model": "dcut-demo", "temperature": 0}
+    return [
+        ("completions", base | {"prompt": ids, "max_tokens": 1}),
+        ("completions", base | {"prompt": ids, "max_tokens": 1, "stream": True}),
+        ("completions", base | {"prompt": PROMPT, "max_tokens": 1, "n": 4}),
+        ("completions", base | {"prompt": PROMPT, "max_tokens": 1, "n": 3, "stream": True}),
+        ("completions", base | {"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 1}),  # lm-eval, batch 4
+        ("completions", base | {"prompt": ids, "max_tokens": 1, "echo": True, "logprobs": 1}),
+        ("completions", base | {"prompt": PROMPT, "max_tokens": 8, "n": 3, "stop_token_ids": [first]}),
+        ("completions", base | {"prompt": PROMPT, "max_tokens": 8, "n": 2, "stop": [words([first])],
+                                "stream": True}),
+        ("completions", base | {"prompt": ids[:2], "max_tokens": 2, "n": 2, "stop_token_ids": [first]}),
+        ("chat/completions", base | {"messages": [{"role": "user", "content": "w1 w2"}], "max_tokens": 1,
+                                     "n": 3}),
+        ("chat/completions", base | {"messages": [{"role": "user", "content": "w1 w2"}], "max_tokens": 1,
+                                     "n": 2, "stream": True}),
+    ]
+
+
+def test_every_request_shape_gets_its_answer(server, client, reference):
+    """No request waits forever: each shape several times, each answered within seconds with
+    every choice finished (the hang: a choice finishing on its first token while another choice
+    of the same request arrived during that step)."""
+    shapes = _shapes(reference[0])
+    with httpx.Client(timeout=30) as http:
+        for _ in range(4):
+            for path, body in shapes:
+                if body.get("stream"):
+                    with http.stream("POST", f"{BASE}/v1/{path}", json=body) as r:
+                        assert r.status_code == 200, (body, r.read())
+                        events = [json.loads(e[6:]) for e in r.read().decode().split("\n\n")
+                                  if e.startswith("data: {")]
+                    finished = {c["index"] for e in events for c in e["choices"] if c["finish_reason"]}
+                    choices = body.get("n", 1) * (len(body["prompt"]) if isinstance(body.get("prompt"), list) else 1)
+                else:
+                    r = http.post(f"{BASE}/v1/{path}", json=body)
+                    assert r.status_code == 200, (body, r.text)
+                    out = r.json()
+                    finished = {c["index"] for c in out["choices"] if c["finish_reason"]}
+                    choices = len(out["choices"])
+                    assert choices == body.get("n", 1) * (len(body["prompt"]) if "prompt" in body and
+                                                          isinstance(body["prompt"], list) else 1)
+                assert finished == set(range(choices)), body
+    assert_still_serving(client)
