@@ -53,8 +53,10 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = 
               lambda p: _lazy("deployments.bench_command").add_arguments(p)),
     "profile": ("profile the deployment's step cost and write the fitted cost model",
                 lambda p: _lazy("deployments.profile_command").add_arguments(p)),
-    "simulate": ("cluster-scale what-if runs from the cost model",
+    "simulate": ("cluster-scale what-if runs from the cost model, or the engine's decisions over a trace",
                  lambda p: _lazy("deployments.simulate_command").add_arguments(p)),
+    "trace": ("record a counterfactual trace: every drafter kind's drafts at every position of a workload",
+              lambda p: _lazy("deployments.trace_command").add_arguments(p)),
 }
 
 
@@ -73,7 +75,7 @@ def _lazy(module: str):
 
 IMPLEMENTED = {"profile": "deployments.profile_command", "generate": "deployments.generate_command",
                "serve": "deployments.serve_command", "bench": "deployments.bench_command",
-               "simulate": "deployments.simulate_command"}
+               "simulate": "deployments.simulate_command", "trace": "deployments.trace_command"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,6 +7,7 @@ procedure) and runs the MoE presets; with --model it runs one preset deployment:
     dcut simulate --model moe-295b-a21b --hardware h20 --ep 32 --batch 4,16,64 --block 16
     dcut simulate --model dense-8b --trace runs/steps.msgpack      # acceptance recorded by the engine
     dcut simulate --model-config cluster_configs/models/deepseek-v3.json --hardware h200 --ep 32
+    dcut simulate --trace runs/train.trace --batch 1,4,16   # a counterfactual trace of `dcut trace`
 
 Writes DIR/results.json (one record per policy × batch) and DIR/tables.md (markdown tables, the
 published cells beside the simulated ones).
@@ -56,7 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", default="full,fixed-4,tetris,dcut-buckets,dcut,oracle")
     p.add_argument("--context", type=int, default=1024, help="cached tokens per request (cost-model presets)")
     p.add_argument("--trace", default="published",
-                   help="'published' (fitted to the paper's equal-budget experiment) or an engine step log")
+                   help="'published' (fitted to the paper's equal-budget experiment), an engine step log, or a "
+                        "counterfactual trace of `dcut trace` (then the engine's own decisions are replayed over "
+                        "it at each --batch, beside the hindsight oracle)")
     p.add_argument("--refit", action="store_true", help="fit the published trace again (about a minute)")
     p.add_argument("--draft-ms", default="0,0,0", help="drafting cost: per call, per request, per draft (ms)")
     p.add_argument("--steps", type=int, help="steps per run (default: about 40 000 request-steps)")
@@ -154,6 +157,11 @@ def reproduce(args: argparse.Namespace) -> tuple[list[SimResult], list[str]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from deployments.trace_command import is_trace
+    from deployments.trace_command import simulate as simulate_trace
+
+    if args.trace != "published" and is_trace(args.trace):
+        return simulate_trace(args.trace, [int(b) for b in args.batch.split(",")], args.out)
     t0 = time.time()
     model = args.model
     if args.model_config:

@@ -1,0 +1,130 @@
+"""Recording a counterfactual trace (`dcut trace`; the format is `dcut_core.counterfactual`).
+
+1. The greedy output of every prompt, from a plain decoding loop of the target (what every
+   lossless policy produces).
+2. The target's features at every position of prompt + output, from one forward per request
+   (as float16, as the engine hands them to drafters).
+3. Every hosted drafter kind, built as the engine builds it, walks every request position by
+   position through its own `commit` / `draft` protocol: at output position t it has been given
+   the context up to t, drafts block − 1 tokens, and the drafts are compared with the output.
+   Drafts of n < block − 1 are the first n of these (one pass drafts the block; a chain drafts
+   in order; n-gram lookup truncates), so one walk serves every length a policy may ask for.
+4. The unit's costs: an engine built as `dcut serve` builds it serves the prompts once with the
+   `dcut` policy and once plain, and what it measured is read back (cost model and correction,
+   each kind's drafting rates, the step's own time).
+
+Float results of a batched verify forward may differ from this one in the last bits, so a draft
+can differ from the engine's at a near-tie: the trace is exact up to those (the validation table
+in docs/benchmarks.md says how close the simulator then comes).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from actors.engine.config import EngineConfig
+from actors.engine.replica import build_drafter
+from actors.target.checkpoint import load_model
+from actors.target.decode import greedy_decode
+from actors.target.local import LocalTarget
+from dcut_core.counterfactual import RequestTrace, Trace, TraceCosts, accepted_prefix
+from dcut_core.drafting import DraftCost
+
+log = logging.getLogger(__name__)
+
+
+def record_trace(cfg: EngineConfig, prompts: list[list[int]], max_tokens: int, cost_rounds: int = 1,
+                 meta: dict | None = None) -> Trace:
+    """The trace of `prompts` under the engine configured by `cfg` (its hosted kinds, block)."""
+    t0 = time.perf_counter()
+    model = load_model(cfg.target_dir)
+    room = max(map(len, prompts)) + max_tokens + cfg.block + 16
+    outputs = greedy_decode(LocalTarget(model, kv_capacity_tokens=len(prompts) * room), list(range(len(prompts))),
+                            prompts, max_tokens, cfg.eos_token_id)
+    drafters = [build_drafter(cfg.drafter_spec(), kind) for kind in cfg.kinds]
+    layers = tuple(sorted({layer for d in drafters for layer in getattr(d, "target_layers", ())}))
+    features = _features(model, prompts, outputs, layers, room)
+    width = cfg.block - 1
+    walks = [_walk(d, prompts, outputs, features, width) for d in drafters]
+    requests = tuple(RequestTrace(len(p), np.asarray(o, dtype=np.int64),
+                                  *(np.stack([w[name][i] for w in walks]) for name in
+                                    ("count", "accepted", "confidence", "margin", "tokens")))
+                     for i, (p, o) in enumerate(zip(prompts, outputs, strict=True)))
+    log.info("trace of %d requests walked in %.1f s", len(prompts), time.perf_counter() - t0)
+    costs = measure_costs(cfg, prompts, max_tokens, cost_rounds)
+    return Trace(cfg.kinds, cfg.block, max_tokens, requests, costs, dict(meta or {}))
+
+
+def _features(model, prompts, outputs, layers, room) -> list[dict[int, np.ndarray]]:
+    """Per request: layer -> [len(prompt) + len(output) − 1, H] float16, the target's outputs at
+    every position a drafter may be given (all but the newest token's)."""
+    if not layers:
+        return [{} for _ in prompts]
+    target = LocalTarget(model, kv_capacity_tokens=room)
+    out = []
+    for i, (p, o) in enumerate(zip(prompts, outputs, strict=True)):
+        with torch.no_grad():
+            res = target.forward([i], [[*p, *o[:-1]]], logits="last", capture_layers=layers)
+        out.append({k: np.asarray(v, dtype=np.float16) for k, v in res.captured[0].items()})
+        target.release([i])
+    return out
+
+
+def _walk(drafter, prompts, outputs, features, width: int) -> dict[str, list[np.ndarray]]:
+    """One kind's drafts at every position of every request (all requests in one batch)."""
+    n = len(prompts)
+    longest = max(map(len, outputs))
+    shape = [(len(o),) for o in outputs]
+    rec = {"count": [np.zeros(s, np.int64) for s in shape], "accepted": [np.zeros(s, np.int64) for s in shape],
+           "confidence": [np.zeros((*s, width), np.float32) for s in shape],
+           "margin": [np.zeros((*s, width), np.float32) for s in shape],
+           "tokens": [np.full((*s, width), -1, np.int64) for s in shape]}
+    rids = list(range(n))
+    drafter.commit(rids, [[*p, o[0]] for p, o in zip(prompts, outputs, strict=True)],
+                   [{k: v[:len(p)] for k, v in f.items()} for p, f in zip(prompts, features, strict=True)])
+    for t in range(1, longest):
+        live = [i for i in rids if t < len(outputs[i])]
+        out = drafter.draft(live, [outputs[i][t - 1] for i in live], [width] * len(live))
+        for j, i in enumerate(live):
+            sl = slice(out.cu[j], out.cu[j + 1])
+            c = sl.stop - sl.start
+            rec["count"][i][t] = c
+            rec["tokens"][i][t, :c] = out.tokens[sl]
+            rec["confidence"][i][t, :c] = out.confidence[sl]
+            rec["margin"][i][t, :c] = out.margin[sl]
+            rec["accepted"][i][t] = accepted_prefix(out.tokens[sl], np.asarray(outputs[i][t:]))
+        at = [len(prompts[i]) + t - 1 for i in live]  # the position just processed: the token before output[t]
+        drafter.commit(live, [[outputs[i][t]] for i in live],
+                       [{k: v[a:a + 1] for k, v in features[i].items()} for i, a in zip(live, at, strict=True)])
+    drafter.release(rids)
+    return rec
+
+
+def measure_costs(cfg: EngineConfig, prompts: list[list[int]], max_tokens: int, rounds: int = 1) -> TraceCosts:
+    """What an engine built from `cfg` measures serving the prompts (closed loop at 4): once
+    with `dcut` (drafting costs, the drafting step's overhead), once plain (a plain step's)."""
+    from actors.engine.coordinator import Engine
+    from actors.engine.loadgen import closed_loop
+
+    engine = Engine(cfg)
+    try:
+        for _ in range(rounds):
+            for policy in ("dcut", "ar"):
+                engine.set_policy(policy)
+                closed_loop(engine, prompts, min(4, len(prompts)), max_tokens)
+        learner, over = engine.draft_cost, engine.overhead
+        draft = tuple(learner.costs) if hasattr(learner, "learners") else (learner.costs[0],)
+        shared = float(getattr(learner, "shared", 0.0))
+        plain = over.mean.get(False, 0.0)
+        return TraceCosts(engine.cost.model, engine.cost.scale, tuple(DraftCost(*_fields(d)) for d in draft), shared,
+                          plain, over.extra)
+    finally:
+        engine.shutdown()
+
+
+def _fields(d: DraftCost) -> tuple[float, ...]:
+    return float(d.fixed), float(d.per_request), float(d.per_position), float(d.per_context), float(d.per_pass)

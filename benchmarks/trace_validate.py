@@ -1,0 +1,118 @@
+"""Does the trace simulator predict the engine? (issue #24, item 2)
+
+Records a counterfactual trace of the held-out mixed workload (the prompts the benchmarks
+report; nothing is tuned here), then for each setting — plain decoding, each drafter kind alone,
+every kind chosen per request (`auto`) — and each concurrency, runs the engine end to end
+(closed loop, in-process, EP 1, built as `dcut serve` builds it) and the simulator over the
+trace, and reports predicted / measured tok/s. Rounds alternate the settings' order; the table
+gives the median ratio and its range over rounds.
+
+    .venv/bin/python benchmarks/trace_validate.py --rounds 3 --out runs/trace-validate
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from actors.ray_env import set_local_env
+
+set_local_env()
+
+KINDS = ("block", "mtp", "ngram")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--concurrency", default="1,4,16")
+    p.add_argument("--prompts", type=int, default=24)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--block", type=int, default=8)
+    p.add_argument("--out", default="runs/trace-validate")
+    args = p.parse_args()
+
+    from tokenizers import Tokenizer
+
+    from actors.demo.prompts import mixed_prompts
+    from actors.engine.coordinator import Engine
+    from actors.engine.loadgen import closed_loop
+    from actors.engine.trace_record import record_trace
+    from actors.ray_env import start_local_ray
+    from dcut_core.trace_sim import oracle_run, simulate_trace
+    from deployments.bundle import BUNDLED
+    from deployments.settings import ServeSettings
+    from deployments.trace_command import settings_of, write_trace
+
+    levels = [int(c) for c in args.concurrency.split(",")]
+    pairs = mixed_prompts(args.prompts + 8, seed=11)[8:]  # drafter_mix.py's held-out workload (its first 8 warm up)
+    tok = Tokenizer.from_file(str(BUNDLED / "tokenizer.json"))
+    ids = [tok.encode(t).ids for _, t in pairs]
+    start_local_ray(num_cpus=8)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def engine_of(name: str) -> Engine:
+        drafter = ",".join(KINDS) if name in ("auto", "ar") else name
+        s = ServeSettings(model_root=str(BUNDLED), drafter=drafter, block=args.block, max_running=max(levels),
+                          policy="ar" if name == "ar" else "dcut", cost_model_cache="runs/cache")
+        return Engine(s.engine_config())
+
+    auto = ServeSettings(model_root=str(BUNDLED), drafter=",".join(KINDS), block=args.block, max_running=max(levels),
+                         cost_model_cache="runs/cache").engine_config()
+    trace = record_trace(auto, ids, args.max_tokens, meta={"prompts": "mixed:11 held-out"})
+    write_trace(trace, out / "heldout.trace")
+    settings = settings_of(trace)
+    engines = {name: engine_of(name) for name in settings}
+    for e in engines.values():  # warm-up: what a serving engine has learnt after its first requests
+        closed_loop(e, ids[:8], 4, args.max_tokens)
+    runs = []
+    try:
+        for rnd in range(args.rounds):
+            names = list(settings)
+            names = names[rnd % len(names):] + names[:rnd % len(names)]
+            for c in levels:
+                for name in names:
+                    res = closed_loop(engines[name], ids, c, args.max_tokens)
+                    measured = res.output_tokens / res.wall_s
+                    runs.append({"round": rnd, "concurrency": c, "setting": name, "measured": measured,
+                                 "mat": res.mat()})
+                    print(json.dumps(runs[-1]), flush=True)
+    finally:
+        for e in engines.values():
+            e.shutdown()
+    rows = []
+    for c in levels:
+        for name, s in settings.items():
+            sim = simulate_trace(trace, s, c)
+            meas = [r["measured"] for r in runs if r["concurrency"] == c and r["setting"] == name]
+            ratios = [sim.tok_s / m for m in meas]
+            rows.append({"concurrency": c, "setting": name, "predicted": sim.tok_s, "measured": statistics.median(meas),
+                         "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+                         "mat_predicted": sim.mat,
+                         "mat_measured": statistics.median(r["mat"] for r in runs
+                                                           if r["concurrency"] == c and r["setting"] == name)})
+        rows.append({"concurrency": c, "setting": "oracle", "predicted": oracle_run(trace, trace.kinds, c).tok_s})
+    md = ["| C | setting | predicted tok/s | measured tok/s (median) | predicted / measured (range) "
+          "| MAT pred / meas |",
+          "|---|---|---|---|---|---|"]
+    for r in rows:
+        if "measured" in r:
+            md.append(f"| {r['concurrency']} | {r['setting']} | {r['predicted']:.0f} | {r['measured']:.0f} | "
+                      f"{r['ratio']:.2f} ({r['ratio_min']:.2f}–{r['ratio_max']:.2f}) | "
+                      f"{r['mat_predicted']:.2f} / {r['mat_measured']:.2f} |")
+        else:
+            md.append(f"| {r['concurrency']} | hindsight oracle | {r['predicted']:.0f} | — | — | — |")
+    (out / "results.json").write_text(json.dumps({"runs": runs, "rows": rows, "args": vars(args)}, indent=1))
+    (out / "table.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""Counterfactual traces: what every drafter kind would have proposed at every position of a
+known greedy output, and what the target would have accepted of it.
+
+Greedy decoding is lossless whatever drafts, so a request's output is known before any policy
+runs. At output position t (t tokens committed: the prompt's first token came from prefill, so
+t ≥ 1) drafter kind k, given the context prompt + output[:t], proposes up to L drafts with their
+confidences; the target accepts the longest prefix equal to output[t:]. A policy that keeps n
+of them gets min(n, accepted) accepted plus one bonus token. Recorded once (`dcut trace`), any
+gate, chooser or pruning policy replays over it exactly (`dcut_core.trace_sim`), with the unit's
+measured costs (`TraceCosts`).
+
+Plain data in and out (numpy): `as_dict` / `from_dict` give msgpack-ready values (raw buffers
+for arrays, so the same trace packs to the same bytes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dcut_core.cost_model import CostModel, StepShape
+from dcut_core.drafting import DraftCost
+
+VERSION = 1
+
+
+def _pack(a: np.ndarray) -> dict:
+    a = np.ascontiguousarray(a)
+    return {"dtype": a.dtype.str, "shape": list(a.shape), "data": a.tobytes()}
+
+
+def _unpack(d: dict) -> np.ndarray:
+    return np.frombuffer(d["data"], dtype=np.dtype(d["dtype"])).reshape(d["shape"]).copy()
+
+
+@dataclass(frozen=True)
+class RequestTrace:
+    """One request: its prompt's length, its greedy output [T], and per drafter kind and
+    position the drafts it would get. Row t of each [K, T, ...] array is drafting after t output
+    tokens (row 0 is never drafted: prefill makes the first token)."""
+
+    prompt_len: int
+    output: np.ndarray  # [T] int64
+    count: np.ndarray  # [K, T] int64 drafts proposed (≤ L; an n-gram drafter may propose fewer or none)
+    accepted: np.ndarray  # [K, T] int64 leading drafts equal to output[t:] (≤ count)
+    confidence: np.ndarray  # [K, T, L] float32 the drafter's probability of each draft (0 past count)
+    margin: np.ndarray  # [K, T, L] float32 top-1 minus top-2 probability
+    tokens: np.ndarray  # [K, T, L] int64 the drafts (-1 past count)
+
+    @property
+    def length(self) -> int:
+        return len(self.output)
+
+    def as_dict(self) -> dict:
+        return {"prompt_len": self.prompt_len, **{k: _pack(getattr(self, k)) for k in ARRAYS}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RequestTrace:
+        return cls(int(d["prompt_len"]), **{k: _unpack(d[k]) for k in ARRAYS})
+
+
+ARRAYS = ("output", "count", "accepted", "confidence", "margin", "tokens")
+
+
+@dataclass(frozen=True)
+class TraceCosts:
+    """The unit's measured costs: the verify forward (cost model and its online correction),
+    each kind's drafting pass, what any drafting call adds, and the step's own time outside the
+    passes (a plain step's, and what a drafting step adds to it)."""
+
+    verify: CostModel
+    verify_scale: float
+    draft: tuple[DraftCost, ...]  # per kind
+    shared: float = 0.0  # seconds any drafting call costs beyond its kinds' passes
+    overhead: float = 0.0  # seconds a plain step spends outside the forward
+    overhead_drafting: float = 0.0  # what a drafting step spends outside the passes beyond a plain one
+
+    def forward_seconds(self, shape: StepShape) -> float:
+        return self.verify_scale * self.verify.predict(shape)
+
+    def verify_curve(self, requests: int, context: int):
+        base = self.verify.verify_curve(requests, context)
+        s = self.verify_scale
+        from dcut_core.pruning import StepCost
+
+        return StepCost(lambda tokens: s * base.verify_seconds(tokens), 0.0, s * base.min_marginal)
+
+    def as_dict(self) -> dict:
+        return {"verify": self.verify.to_json(), "verify_scale": self.verify_scale,
+                "draft": [[d.fixed, d.per_request, d.per_position, d.per_context, d.per_pass] for d in self.draft],
+                "shared": self.shared, "overhead": self.overhead, "overhead_drafting": self.overhead_drafting}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TraceCosts:
+        return cls(CostModel.from_json(d["verify"]), float(d["verify_scale"]),
+                   tuple(DraftCost(*map(float, x)) for x in d["draft"]), float(d["shared"]), float(d["overhead"]),
+                   float(d["overhead_drafting"]))
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Requests of one workload under one unit: kinds name the [K] axis of every request's
+    arrays; block − 1 = L drafts at most per position; max_tokens each request's limit."""
+
+    kinds: tuple[str, ...]
+    block: int
+    max_tokens: int
+    requests: tuple[RequestTrace, ...]
+    costs: TraceCosts
+    meta: dict = field(default_factory=dict)  # provenance: model, prompts file, when (informative)
+
+    def __post_init__(self) -> None:
+        k, width = len(self.kinds), self.block - 1
+        for r in self.requests:
+            t = r.length
+            if r.count.shape != (k, t) or r.accepted.shape != (k, t) or r.confidence.shape != (k, t, width):
+                raise ValueError(f"request arrays do not match {k} kinds × {t} positions × {width} drafts")
+            if (r.accepted > r.count).any() or (r.count > width).any() or (r.count[:, 0] != 0).any():
+                raise ValueError("accepted ≤ count ≤ block − 1, and nothing drafted at position 0")
+        if len(self.costs.draft) != k:
+            raise ValueError(f"{len(self.costs.draft)} drafting costs for {k} kinds")
+
+    def kind_index(self, names: tuple[str, ...]) -> list[int]:
+        unknown = set(names) - set(self.kinds)
+        if unknown:
+            raise ValueError(f"the trace has no {', '.join(sorted(unknown))} (it has {', '.join(self.kinds)})")
+        return [self.kinds.index(n) for n in names]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(r.length for r in self.requests)
+
+    def as_dict(self) -> dict:
+        return {"version": VERSION, "kinds": list(self.kinds), "block": self.block, "max_tokens": self.max_tokens,
+                "requests": [r.as_dict() for r in self.requests], "costs": self.costs.as_dict(),
+                "meta": self.meta}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Trace:
+        if d.get("version") != VERSION:
+            raise ValueError(f"unsupported trace version {d.get('version')!r} (this code reads {VERSION})")
+        return cls(tuple(d["kinds"]), int(d["block"]), int(d["max_tokens"]),
+                   tuple(RequestTrace.from_dict(r) for r in d["requests"]), TraceCosts.from_dict(d["costs"]),
+                   dict(d.get("meta") or {}))
+
+
+def accepted_prefix(drafts: np.ndarray, truth: np.ndarray) -> int:
+    """Leading drafts equal to the true continuation (as long as both last)."""
+    n = min(len(drafts), len(truth))
+    miss = np.nonzero(np.asarray(drafts[:n]) != np.asarray(truth[:n]))[0]
+    return int(miss[0]) if len(miss) else n

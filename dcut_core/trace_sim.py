@@ -1,0 +1,376 @@
+"""The engine's decisions replayed over a counterfactual trace (`dcut_core.counterfactual`).
+
+A closed loop at concurrency C over the trace's requests (a finished request is replaced by the
+next one, as `dcut bench` drives the engine): every step schedules (prefill in chunks riding in
+the step's forward), plans with the real `DraftingGate` (and its kind chooser), takes each
+request's drafts at its position from the trace, prunes with the real policy on calibrated
+survivals, accepts min(kept, accepted) + the bonus token, and teaches the calibrators and the
+gate exactly as `actors/engine/learning.py` does. Time advances by the trace's measured costs:
+the forward of the step's shape, each kind's drafting pass and catch-up, the step's own time.
+
+What the engine learns about costs online is given here as the measured costs (the gate sees the
+truth); everything it learns about acceptance is learnt here as there. `oracle_run` is the
+hindsight bound: each request-step drafts with the kind that would have had the most accepted,
+exactly that many drafts, where that pays (`oracle_step`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dcut_core import ragged
+from dcut_core.acceptance import Calibrator, survival, verify_outcomes
+from dcut_core.cost_model import StepShape
+from dcut_core.counterfactual import Trace
+from dcut_core.drafting import AcceptanceTracker, DraftCost, Exploration
+from dcut_core.gate import DraftingGate
+from dcut_core.pruning import DraftBatch, policy_from_name
+
+
+@dataclass(frozen=True)
+class SimSettings:
+    """What an engine is configured with (the `EngineConfig` fields the decisions read)."""
+
+    policy: str = "dcut"
+    kinds: tuple[str, ...] = ("block",)  # the drafter kinds hosted (one: a single kind; several: chosen per request)
+    block: int | None = None  # default: the trace's
+    drafting_gate: bool = True
+    explore_every: int = 50
+    explore_requests: int = 4
+    explore_warmup: int = 64
+    draft_slack: int = 2
+    draft_extend: bool = True
+    guard_threshold: float = 0.02
+    max_budget: int | None = None
+    prefill_chunk: int = 512
+    prefill_budget: int = 2048
+    backlog_tokens: int = 512  # one kind: context held back per request before it is sent anyway
+
+
+@dataclass
+class SimResult:
+    """One simulated run: tokens, seconds and where the time went."""
+
+    policy: str
+    kinds: tuple[str, ...]
+    concurrency: int
+    tokens: int = 0
+    seconds: float = 0.0
+    steps: int = 0
+    decode_steps: int = 0  # request-steps that decoded (MAT's denominator)
+    accepted: int = 0
+    drafted: int = 0
+    kept: int = 0
+    draft_seconds: float = 0.0
+    forward_seconds: float = 0.0
+    chosen: dict[str, int] = field(default_factory=dict)  # request-steps drafted by each kind
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def mat(self) -> float:
+        return (self.accepted + self.decode_steps) / self.decode_steps if self.decode_steps else 0.0
+
+    @property
+    def drafting_share(self) -> float:
+        return self.draft_seconds / self.seconds if self.seconds else 0.0
+
+    def record(self) -> dict:
+        return {"policy": self.policy, "kinds": list(self.kinds), "concurrency": self.concurrency,
+                "tok_s": self.tok_s, "mat": self.mat, "drafting_share": self.drafting_share, "steps": self.steps,
+                "keep_ratio": self.kept / self.drafted if self.drafted else 0.0, "chosen": self.chosen}
+
+
+@dataclass
+class _Live:
+    """One running request of the simulated loop."""
+
+    rid: int
+    q: int  # index into trace.requests
+    fed: int = 0  # prompt tokens in the KV cache
+    t: int = 0  # output tokens committed
+    seen: np.ndarray | None = None  # per hosted kind: context length its drafter has seen
+
+    def cached(self, prompt_len: int) -> int:
+        return prompt_len + self.t - 1
+
+
+class _Run:
+    """The state of one simulated engine (the parts `Engine` owns that decide)."""
+
+    def __init__(self, trace: Trace, s: SimSettings, concurrency: int) -> None:
+        self.trace, self.s, self.c = trace, s, concurrency
+        self.block = s.block or trace.block
+        if self.block > trace.block:
+            raise ValueError(f"block {self.block} is above the trace's {trace.block}")
+        self.policy = policy_from_name(s.policy, self.block, **({"guard_threshold": s.guard_threshold,
+                                                                  "max_budget": s.max_budget}
+                                                                 if s.policy == "dcut" else {}))
+        self.kidx = trace.kind_index(s.kinds)  # hosted kind j is trace kind kidx[j]
+        k = len(s.kinds)
+        self.multi = k > 1
+        self.calibrators = [Calibrator(block=self.block) for _ in range(k)]
+        self.gate = DraftingGate([AcceptanceTracker(block=self.block) for _ in range(k)],
+                                 Exploration(s.explore_every, s.explore_requests, s.explore_warmup), s.max_budget,
+                                 s.draft_slack, s.draft_extend)
+        costs = trace.costs
+        self.draft = [costs.draft[i] for i in self.kidx]
+        self.queue = deque(range(len(trace.requests)))
+        self.running: list[_Live] = []
+        self.next_rid = 0
+        self.out = SimResult(s.policy, s.kinds, concurrency)
+
+    # -- the loop -----------------------------------------------------------------------------------
+
+    def run(self) -> SimResult:
+        while self.queue or self.running:
+            self.step()
+        return self.out
+
+    def step(self) -> None:
+        while self.queue and len(self.running) < self.c:
+            q = self.queue.popleft()
+            self.running.append(_Live(self.next_rid, q, seen=np.zeros(len(self.kidx), dtype=np.int64)))
+            self.next_rid += 1
+        batch = [r for r in self.running if r.t > 0]
+        feeding = self._feed([r for r in self.running if r.t == 0])
+        lengths, kinds, fallback = self._plan(batch)
+        drafts, used = self._propose(batch, lengths, kinds, fallback)
+        kept, estimate = self._prune(batch, drafts, used)
+        accepted = np.minimum(drafts["accepted"], kept)
+        self._learn(batch, drafts, used, lengths, kept, accepted, estimate)
+        self._advance_time(batch, feeding, kept, drafts, used)
+        self._commit(batch, feeding, accepted)
+
+    def _feed(self, fresh: list[_Live]) -> list[tuple[_Live, int, int]]:
+        """(request, start, tokens) prefill chunks of this step (`feed_chunks`)."""
+        budget, out = self.s.prefill_budget, []
+        for r in fresh:
+            n = min(self.s.prefill_chunk, self.trace.requests[r.q].prompt_len - r.fed, budget)
+            if n <= 0:
+                break
+            out.append((r, r.fed, n))
+            budget -= n
+        return out
+
+    def _remaining(self, r: _Live) -> int:
+        return self.trace.max_tokens - r.t
+
+    def _curve(self, batch: list[_Live]):
+        context = sum(r.cached(self.trace.requests[r.q].prompt_len) for r in batch)
+        return self.trace.costs.verify_curve(len(batch), context)
+
+    def _plan(self, batch: list[_Live]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(drafts [R], hosted kind [R], fallback [R] or None), as `Engine.plan`."""
+        r = len(batch)
+        zeros = np.zeros(r, dtype=np.int64)
+        if not r or not self.policy.drafts:
+            return zeros, zeros, None
+        cap = np.array([max(0, min(self.block - 1, self._remaining(x) - 1)) for x in batch], dtype=np.int64)
+        ungated = not self.policy.gated or not self.s.drafting_gate
+        if ungated and not self.multi:
+            return cap, zeros, None
+        rids = [x.rid for x in batch]
+        curve = self._curve(batch)
+        costs = self.trace.costs
+        if ungated:
+            return cap, self.gate.choose_kinds(rids, cap, curve, self.draft), self.gate.fallback
+        held = np.array([[x.cached(self.trace.requests[x.q].prompt_len) - x.seen[j] for j in range(len(self.kidx))]
+                         for x in batch], dtype=np.int64)
+        remaining = np.array([self._remaining(x) for x in batch])
+        extra = costs.overhead_drafting
+        if self.multi:
+            kinds, lengths = self.gate.decide_kinds(rids, cap, remaining, held, curve, self.draft, None,
+                                                    costs.shared + extra)
+            return lengths, kinds, self.gate.fallback
+        d = self.draft[0]
+        one = DraftCost(d.fixed + costs.shared + extra, d.per_request, d.per_position, d.per_context, d.per_pass)
+        _, lengths = self.gate.decide_kinds(rids, cap, remaining, held[:, 0], curve, one)
+        return lengths, zeros, None
+
+    def _propose(self, batch, lengths, kinds, fallback) -> tuple[dict, np.ndarray]:
+        """Each request's drafts at its position (its kind's, or the fallback's if that made
+        none), as ragged arrays; and the hosted kind that drafted each request."""
+        used = np.asarray(kinds, dtype=np.int64).copy()
+        rows = []
+        for i, x in enumerate(batch):
+            n = int(lengths[i])
+            rt = self.trace.requests[x.q]
+            k = int(used[i])
+            got = min(n, int(rt.count[self.kidx[k], x.t]))
+            if n and not got and fallback is not None and 0 <= fallback[i] != k:
+                k = int(fallback[i])
+                got = min(n, int(rt.count[self.kidx[k], x.t]))
+                used[i] = k
+            rows.append((rt, self.kidx[k], x.t, got))
+        counts = np.array([g for *_, g in rows], dtype=np.int64)
+        cu = np.zeros(len(batch) + 1, dtype=np.int64)
+        np.cumsum(counts, out=cu[1:])
+        conf = np.concatenate([rt.confidence[k, t, :g] for rt, k, t, g in rows] or [np.zeros(0)]).astype(np.float64)
+        margin = np.concatenate([rt.margin[k, t, :g] for rt, k, t, g in rows] or [np.zeros(0)]).astype(np.float64)
+        truth = np.array([min(g, int(rt.accepted[k, t])) for rt, k, t, g in rows], dtype=np.int64)
+        return {"cu": cu, "confidence": conf, "margin": margin, "accepted": truth}, used
+
+    def _prune(self, batch, drafts: dict, used: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        cu = drafts["cu"]
+        if cu[-1] == 0:
+            return np.zeros(len(batch), dtype=np.int64), None
+        pos = ragged.positions(cu)
+        p = np.zeros(len(pos))
+        kind = np.repeat(used, np.diff(cu))
+        for k in np.unique(kind):
+            m = kind == k
+            p[m] = self.calibrators[k].estimate(drafts["confidence"][m], drafts["margin"][m], pos[m])
+        truth = drafts["accepted"] if self.policy.needs_truth else None
+        decision = self.policy.choose(DraftBatch(survival(p, cu), cu, truth), self._curve(batch))
+        return decision.kept, p
+
+    def _learn(self, batch, drafts, used, lengths, kept, accepted, estimate) -> None:
+        """As `actors.engine.learning.learn`: calibration of judged drafts, the gate's trackers."""
+        cu = drafts["cu"]
+        idx, ok = verify_outcomes(cu, kept, accepted)
+        if len(idx):
+            pos = ragged.positions(cu)[idx]
+            kind = np.repeat(used, np.diff(cu))[idx]
+            for k in np.unique(kind):
+                m = kind == k
+                self.calibrators[k].observe(drafts["confidence"][idx][m], drafts["margin"][idx][m], pos[m], ok[m])
+        for i, x in enumerate(batch):
+            beyond = estimate[cu[i] + kept[i]:cu[i + 1]] if estimate is not None else None
+            self.gate.observe(x.rid, int(used[i]), int(kept[i]), int(accepted[i]), beyond)
+        if self.multi:
+            for i, x in enumerate(batch):
+                if lengths[i] > 0 and cu[i + 1] == cu[i]:
+                    self.gate.empty(x.rid, int(used[i]))
+
+    def _advance_time(self, batch, feeding, kept, drafts, used) -> None:
+        trace, costs = self.trace, self.trace.costs
+        prompt = [trace.requests[x.q].prompt_len for x in batch]
+        counts = np.diff(drafts["cu"])
+        context = sum(x.cached(p) for x, p in zip(batch, prompt, strict=True))
+        shape = StepShape(len(batch) + len(feeding), len(batch) + int(kept.sum()) + sum(n for *_, n in feeding),
+                          context + sum(start for _, start, _ in feeding))
+        forward = costs.forward_seconds(shape) if shape.tokens else 0.0
+        draft = 0.0
+        if counts.sum():
+            draft = costs.shared + costs.overhead_drafting
+            for j in np.unique(used[counts > 0]):
+                mine = np.nonzero((used == j) & (counts > 0))[0]
+                caught = sum(batch[i].cached(prompt[i]) - batch[i].seen[j] for i in mine)
+                draft += float(self.draft[j].seconds(len(mine), int(counts[mine].sum()), caught,
+                                                     int(counts[mine].max())))
+                for i in mine:
+                    batch[i].seen[j] = batch[i].cached(prompt[i])
+        if not self.multi:  # one kind: context past the backlog limit is sent anyway
+            for x, p in zip(batch, prompt, strict=True):
+                if x.cached(p) - x.seen[0] > self.s.backlog_tokens:
+                    draft += self.draft[0].per_context * (x.cached(p) - x.seen[0])
+                    x.seen[0] = x.cached(p)
+        o = self.out
+        o.steps += 1
+        o.forward_seconds += forward
+        o.draft_seconds += draft
+        o.seconds += forward + draft + costs.overhead
+        o.drafted += int(counts.sum())
+        o.kept += int(kept.sum())
+        for j in used[counts > 0]:
+            name = self.s.kinds[j]
+            o.chosen[name] = o.chosen.get(name, 0) + 1
+
+    def _commit(self, batch, feeding, accepted) -> None:
+        o = self.out
+        for x, a in zip(batch, accepted, strict=True):
+            made = min(int(a) + 1, self.trace.requests[x.q].length - x.t)
+            x.t += made
+            o.tokens += made
+            o.accepted += made - 1
+            o.decode_steps += 1
+        for x, _, n in feeding:
+            x.fed += n
+            if x.fed == self.trace.requests[x.q].prompt_len:
+                x.t = 1  # prefill's token
+                o.tokens += 1
+        done = [x for x in self.running if x.t >= self.trace.requests[x.q].length]
+        for x in done:
+            self.gate.forget(x.rid)
+        self.running = [x for x in self.running if x.t < self.trace.requests[x.q].length]
+
+
+def simulate_trace(trace: Trace, settings: SimSettings, concurrency: int) -> SimResult:
+    """One closed-loop run of the engine's decisions over every request of the trace."""
+    return _Run(trace, settings, concurrency).run()
+
+
+def oracle_step(gains: np.ndarray, kinds: np.ndarray, verify_per_token: float, base_seconds: float,
+                draft: list[DraftCost], backlog: np.ndarray, shared: float) -> np.ndarray:
+    """Which requests draft in a hindsight-perfect step: request i, if it drafts, drafts exactly
+    the gains[i] drafts that kind kinds[i] would have accepted, so it gains gains[i] tokens for
+    verify_per_token · gains[i] more forward and its kind's drafting (per request, per position,
+    catching up on backlog[i]); a kind's pass costs its `fixed` once, any drafting `shared` once.
+    Returns the mask [R] that maximises (R + Σ gains) / seconds. For each set of kinds in use
+    the best requests form a prefix of the gain-to-cost order (a ratio of sums is maximised by
+    every item above the optimum ratio), so the scan is exact for a linear verify cost."""
+    r = len(gains)
+    best_rate, best = r / base_seconds if r else 0.0, np.zeros(r, dtype=bool)
+    cost = np.array([verify_per_token * g + draft[k].per_request + (draft[k].per_position + draft[k].per_pass) * g
+                     + draft[k].per_context * b for g, k, b in zip(gains, kinds, backlog, strict=True)])
+    cand = np.nonzero(gains > 0)[0]
+    used_kinds = sorted({int(kinds[i]) for i in cand})
+    for subset in range(1, 2 ** len(used_kinds)):
+        inside = {k for j, k in enumerate(used_kinds) if subset >> j & 1}
+        mine = [i for i in cand if int(kinds[i]) in inside]
+        order = sorted(mine, key=lambda i: -gains[i] / cost[i] if cost[i] > 0 else -np.inf)
+        seconds = base_seconds + shared + sum(draft[k].fixed for k in inside)
+        tokens = float(r)
+        for n, i in enumerate(order):
+            tokens += gains[i]
+            seconds += cost[i]
+            if tokens / seconds > best_rate * (1 + 1e-12):
+                best_rate, best = tokens / seconds, np.zeros(r, dtype=bool)
+                best[order[:n + 1]] = True
+    return best
+
+
+class _OracleRun(_Run):
+    """Knows each request's acceptance at its position under every hosted kind: drafts with the
+    kind that would have had the most accepted (the cheaper on ties), exactly that many, for the
+    requests `oracle_step` picks; keeps every draft."""
+
+    def _plan(self, batch):
+        r = len(batch)
+        zeros = np.zeros(r, dtype=np.int64)
+        if not r:
+            return zeros, zeros, None
+        gains, kinds, backlog = np.zeros(r, dtype=np.int64), zeros.copy(), np.zeros(r)
+        for i, x in enumerate(batch):
+            rt = self.trace.requests[x.q]
+            cap = max(0, min(self.block - 1, self._remaining(x) - 1))
+            per_kind = [min(cap, int(rt.accepted[k, x.t])) for k in self.kidx]
+            # most accepted, then the cheapest to draft that many
+            j = max(range(len(per_kind)), key=lambda j: (per_kind[j], -self.draft[j].per_position))
+            gains[i], kinds[i] = per_kind[j], j
+            backlog[i] = x.cached(rt.prompt_len) - x.seen[j]
+        curve = self._curve(batch)
+        base = float(curve.seconds(np.array([r]))[0])
+        span = max(1, int(gains.sum()))  # the verify curve's slope over the tokens the oracle may add
+        per_token = (float(curve.seconds(np.array([r + span]))[0]) - base) / span
+        costs = self.trace.costs
+        mask = oracle_step(gains, kinds, per_token, base + costs.overhead, self.draft, backlog,
+                           costs.shared + costs.overhead_drafting)
+        return np.where(mask, gains, 0), kinds, None
+
+    def _prune(self, batch, drafts, used):
+        return np.diff(drafts["cu"]), None
+
+    def _learn(self, *args) -> None:
+        pass
+
+
+def oracle_run(trace: Trace, kinds: tuple[str, ...], concurrency: int, block: int | None = None) -> SimResult:
+    """The hindsight bound over the trace at concurrency C with these kinds hosted."""
+    return _OracleRun(trace, SimSettings(policy="oracle", kinds=kinds, block=block), concurrency).run()

@@ -1,0 +1,83 @@
+"""`dcut trace` on the tiny bundle: the recorded outputs are the target's greedy ones, and what the
+trace says each drafter kind would draft and have accepted is what the engine really drafts and
+accepts, step by step, when it verifies every draft (`full`); the trace file round-trips."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from actors.engine.config import EngineConfig
+from actors.engine.coordinator import Engine
+from actors.engine.sequence import SamplingParams
+from actors.engine.trace_record import record_trace
+from actors.target.checkpoint import load_model
+from actors.target.decode import greedy_decode
+from actors.target.local import LocalTarget
+from dcut_core.trace_sim import SimSettings, simulate_trace
+from deployments.trace_command import is_trace, read_trace, write_trace
+
+PROMPTS = [[5, 6, 7, 5, 6, 7, 5], [9, 10, 11, 9, 10], [3, 4, 3, 4, 3, 4, 3, 4], [20, 21, 22, 23, 20, 21]]
+MAX_TOKENS, BLOCK = 14, 5
+KINDS = ("block", "mtp", "ngram")
+
+pytestmark = pytest.mark.usefixtures("local_ray")  # tests/actors/conftest.py
+
+
+def config(bundle: str, tmp_path, kinds: str, policy: str = "dcut") -> EngineConfig:
+    return EngineConfig(target_dir=f"{bundle}/target", drafter=kinds, block=BLOCK, policy=policy,
+                        cost_model_cache=str(tmp_path), max_running=8,
+                        drafter_dirs=(("block", f"{bundle}/drafter"), ("mtp", f"{bundle}/mtp")))
+
+
+@pytest.fixture(scope="module")
+def trace(tiny_bundle, tmp_path_factory):
+    return record_trace(config(tiny_bundle, tmp_path_factory.mktemp("cache"), ",".join(KINDS)), PROMPTS, MAX_TOKENS)
+
+
+def test_outputs_are_the_targets_greedy_ones_and_the_file_round_trips(trace, tiny_bundle, tmp_path):
+    greedy = greedy_decode(LocalTarget(load_model(f"{tiny_bundle}/target")), list(range(len(PROMPTS))), PROMPTS,
+                           MAX_TOKENS)
+    assert [r.output.tolist() for r in trace.requests] == greedy
+    assert trace.kinds == KINDS and trace.block == BLOCK
+    for r in trace.requests:
+        for k in range(len(KINDS)):
+            for t in range(1, r.length):  # accepted = the drafts' agreement with the output
+                d = r.tokens[k, t, :r.count[k, t]]
+                truth = r.output[t:t + len(d)]
+                assert r.accepted[k, t] == next((j for j in range(len(truth)) if d[j] != truth[j]), len(truth))
+    assert sum(int(r.accepted[2].sum()) for r in trace.requests) > 0  # n-gram drafts on repetitive prompts pass
+    path = tmp_path / "t.trace"
+    write_trace(trace, path)
+    assert is_trace(str(path))
+    again = read_trace(path)
+    assert all((a.confidence == b.confidence).all() for a, b in zip(again.requests, trace.requests, strict=True))
+    c = trace.costs
+    assert c.verify_scale > 0 and c.overhead > 0 and all(d.per_position + d.per_pass > 0 or d.fixed > 0
+                                                          for d in c.draft)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_engine_drafts_and_accepts_what_the_trace_says(trace, tiny_bundle, tmp_path, kind):
+    """The engine under `full` (every draft verified) with one kind: at every step of every
+    request, the drafts it made and accepted are the trace's at that position."""
+    k = KINDS.index(kind)
+    eng = Engine(config(tiny_bundle, tmp_path, kind, policy="full"))
+    try:
+        seqs = eng.generate(PROMPTS, [SamplingParams(max_tokens=MAX_TOKENS)] * len(PROMPTS))
+    finally:
+        eng.shutdown()
+    for s, r in zip(seqs, trace.requests, strict=True):
+        assert s.output == r.output.tolist()
+        t, drafted, accepted = 1, [], []
+        while t < r.length:
+            cap = min(BLOCK - 1, MAX_TOKENS - t - 1)
+            n = min(cap, int(r.count[k, t]))
+            drafted.append(n)
+            accepted.append(min(n, int(r.accepted[k, t])))
+            t += accepted[-1] + 1
+        assert (s.drafted, s.accepted) == (drafted, accepted)
+    sim = simulate_trace(trace, SimSettings(policy="full", kinds=(kind,)), len(PROMPTS))
+    assert sim.accepted == sum(sum(s.accepted) for s in seqs)
+    assert sim.decode_steps == sum(s.steps for s in seqs)
+    assert np.isfinite(sim.tok_s) and sim.tok_s > 0

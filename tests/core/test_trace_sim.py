@@ -1,0 +1,183 @@
+"""Counterfactual traces and the simulator that replays the engine's decisions over them: exact
+hand-made cases, a straightforward reference loop for the static policies, and the hindsight
+oracle's step against brute force."""
+
+from __future__ import annotations
+
+import itertools
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dcut_core.cost_model import CostModel, StepShape
+from dcut_core.counterfactual import RequestTrace, Trace, TraceCosts, accepted_prefix
+from dcut_core.drafting import DraftCost
+from dcut_core.hardware import ModelShape
+from dcut_core.trace_sim import SimSettings, oracle_run, oracle_step, simulate_trace
+
+SHAPE = ModelShape("tiny", layers=2, hidden=8, heads=2, kv_heads=2, head_dim=4, vocab=32, intermediate=16)
+
+
+DRAFT = DraftCost(0.002, 0.0, 0.0005)
+
+
+def costs(fixed=0.010, per_token=0.001, kinds=1, draft=DRAFT, overhead=0.0) -> TraceCosts:
+    model = CostModel(SHAPE, 1, {"fixed": fixed, "dense": per_token})  # linear in tokens, no context term
+    return TraceCosts(model, 1.0, (draft,) * kinds, overhead=overhead)
+
+
+def request(prompt_len: int, accepted: list[list[int]], block: int, conf: float = 0.9) -> RequestTrace:
+    """accepted[k][t] for t = 1 .. T−1 (row 0 is prefill's); every kind drafts a full block."""
+    k, t = len(accepted), len(accepted[0]) + 1
+    acc = np.zeros((k, t), dtype=np.int64)
+    acc[:, 1:] = accepted
+    count = np.full((k, t), block - 1, dtype=np.int64)
+    count[:, 0] = 0
+    width = block - 1
+    return RequestTrace(prompt_len, np.arange(t, dtype=np.int64), count, acc,
+                        np.full((k, t, width), conf, np.float32), np.full((k, t, width), 0.5, np.float32),
+                        np.zeros((k, t, width), np.int64))
+
+
+def test_accepted_prefix():
+    assert accepted_prefix(np.array([1, 2, 3]), np.array([1, 2, 4, 5])) == 2
+    assert accepted_prefix(np.array([1, 2]), np.array([1, 2, 3])) == 2
+    assert accepted_prefix(np.array([1, 2, 3]), np.array([1])) == 1
+    assert accepted_prefix(np.array([7]), np.array([1])) == 0
+
+
+def test_trace_packs_to_the_same_bytes_and_back():
+    trace = Trace(("block", "ngram"), 4, 8, (request(5, [[1, 3, 0, 2, 1], [0, 0, 3, 1, 0]], 4),), costs(kinds=2),
+                  {"model": "tiny"})
+    raw = msgpack.packb(trace.as_dict())
+    again = Trace.from_dict(msgpack.unpackb(raw))
+    assert msgpack.packb(again.as_dict()) == raw
+    assert again.requests[0].accepted.tolist() == trace.requests[0].accepted.tolist()
+    assert again.costs.draft == trace.costs.draft
+
+
+def test_a_malformed_trace_is_refused():
+    r = request(5, [[1, 3, 0]], 4)
+    with pytest.raises(ValueError, match="kinds"):
+        Trace(("block", "ngram"), 4, 8, (r,), costs(kinds=2))
+    with pytest.raises(ValueError, match="version"):
+        Trace.from_dict({"version": 99})
+
+
+def test_full_policy_one_request_by_hand():
+    """Block 4, accepted 2 at every position: prefill gives token 1, then each step commits 3
+    (2 accepted + bonus) until 10 tokens: 1 + 3 + 3 + 3 = 10 in 1 prefill + 3 decode steps."""
+    trace = Trace(("block",), 4, 10, (request(6, [[2] * 9], 4),), costs())
+    out = simulate_trace(trace, SimSettings(policy="full", kinds=("block",)), 1)
+    assert (out.tokens, out.steps, out.decode_steps, out.accepted) == (10, 4, 3, 6)
+    # prefill forward: 6 tokens; decode steps verify 1 + 3 drafts, the last 1 + 2 (3 tokens left:
+    # drafts are capped at remaining − 1)
+    forward = (0.010 + 0.001 * 6) + 2 * (0.010 + 0.001 * 4) + (0.010 + 0.001 * 3)
+    assert out.seconds == pytest.approx(forward + 2 * (0.002 + 0.0005 * 3) + (0.002 + 0.0005 * 2))
+    assert out.mat == pytest.approx(3.0)
+
+
+def reference_static(trace: Trace, policy: str, concurrency: int) -> tuple[int, int, float]:
+    """(tokens, steps, seconds) of a static policy (ar, full, fixed-K) with one kind, written
+    as plainly as possible: requests enter in order, a whole prompt prefills in one step."""
+    keep = {"ar": 0, "full": trace.block - 1}[policy] if policy in ("ar", "full") else int(policy[6:])
+    queue, running, tokens, steps, seconds = list(range(len(trace.requests))), [], 0, 0, 0.0
+    c, d = trace.costs, trace.costs.draft[0]
+    while queue or running:
+        while queue and len(running) < concurrency:
+            running.append([queue.pop(0), 0])  # [request, tokens committed]
+        decoding = [x for x in running if x[1] > 0]
+        fresh = [x for x in running if x[1] == 0]
+        kept, drafted = [], 0
+        for q, t in decoding:
+            r = trace.requests[q]
+            n = 0 if policy == "ar" else max(0, min(trace.block - 1, trace.max_tokens - t - 1, int(r.count[0, t])))
+            drafted += n
+            kept.append((n, min(keep, n)))  # (drafted, kept)
+        context = sum(trace.requests[q].prompt_len + t - 1 for q, t in decoding)
+        shape = StepShape(len(running), len(decoding) + sum(k for _, k in kept) +
+                          sum(trace.requests[q].prompt_len for q, _ in fresh), context)
+        seconds += c.forward_seconds(shape) + c.overhead
+        if drafted:
+            seconds += float(d.seconds(sum(1 for n, _ in kept if n), drafted, 0, max(n for n, _ in kept)))
+        for x, (_, k) in zip(decoding, kept, strict=True):
+            a = min(k, int(trace.requests[x[0]].accepted[0, x[1]]))
+            made = min(a + 1, trace.requests[x[0]].length - x[1])
+            x[1] += made
+            tokens += made
+        for x in fresh:
+            x[1], tokens = 1, tokens + 1
+        running = [x for x in running if x[1] < trace.requests[x[0]].length]
+        steps += 1
+    return tokens, steps, seconds
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), block=st.integers(2, 6), concurrency=st.integers(1, 4), policy=st.sampled_from(
+    ["ar", "full", "fixed-1", "fixed-2"]))
+def test_static_policies_equal_a_plain_reference_loop(data, block, concurrency, policy):
+    n = data.draw(st.integers(1, 5))
+    reqs = []
+    for _ in range(n):
+        t = data.draw(st.integers(1, 12))
+        acc = data.draw(st.lists(st.integers(0, block - 1), min_size=t - 1, max_size=t - 1))
+        reqs.append(request(data.draw(st.integers(1, 20)), [acc], block))
+    trace = Trace(("block",), block, 12, tuple(reqs), costs())
+    if policy.startswith("fixed-") and int(policy[6:]) > block:
+        return
+    out = simulate_trace(trace, SimSettings(policy=policy, kinds=("block",)), concurrency)
+    tokens, steps, seconds = reference_static(trace, policy, concurrency)
+    assert (out.tokens, out.steps) == (tokens, steps)
+    assert out.tokens == trace.output_tokens
+    assert out.seconds == pytest.approx(seconds)
+
+
+def test_dcut_and_auto_run_the_real_gate_and_produce_every_token():
+    rng = np.random.default_rng(0)
+    reqs = tuple(request(8, rng.integers(0, 4, size=(3, 30)).tolist(), 5, conf=0.7) for _ in range(6))
+    trace = Trace(("block", "mtp", "ngram"), 5, 31, reqs, costs(kinds=3))
+    for kinds in (("block",), ("block", "mtp", "ngram")):
+        out = simulate_trace(trace, SimSettings(policy="dcut", kinds=kinds), 4)
+        assert out.tokens == trace.output_tokens and out.steps > 0
+        assert out.drafted > 0  # it speculated
+    bound = oracle_run(trace, ("block", "mtp", "ngram"), 4)
+    assert bound.tokens == trace.output_tokens
+    assert bound.kept == bound.accepted  # the oracle drafts exactly what is accepted
+
+
+def test_the_oracle_is_never_beaten_by_a_policy_on_its_own_kinds():
+    rng = np.random.default_rng(1)
+    reqs = tuple(request(8, rng.integers(0, 5, size=(2, 40)).tolist(), 6) for _ in range(5))
+    trace = Trace(("block", "ngram"), 6, 41, reqs, costs(kinds=2))
+    bound = oracle_run(trace, ("block", "ngram"), 2).tok_s
+    for policy in ("ar", "full", "fixed-2", "dcut"):
+        for kinds in (("block",), ("ngram",), ("block", "ngram")):
+            assert simulate_trace(trace, SimSettings(policy=policy, kinds=kinds), 2).tok_s <= bound * 1.0001
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_oracle_step_equals_brute_force(data):
+    r = data.draw(st.integers(0, 6))
+    k = data.draw(st.integers(1, 3))
+    gains = np.array(data.draw(st.lists(st.integers(0, 6), min_size=r, max_size=r)), dtype=np.int64)
+    kinds = np.array(data.draw(st.lists(st.integers(0, k - 1), min_size=r, max_size=r)), dtype=np.int64)
+    backlog = np.array(data.draw(st.lists(st.integers(0, 50), min_size=r, max_size=r)), dtype=np.float64)
+    money = st.floats(0.0, 0.01)
+    draft = [DraftCost(data.draw(money), data.draw(money), data.draw(money), data.draw(st.floats(0, 1e-4)))
+             for _ in range(k)]
+    per_token, base, shared = data.draw(st.floats(0, 0.01)), data.draw(st.floats(0.001, 0.05)), data.draw(money)
+
+    def rate(mask) -> float:
+        used = {int(kinds[i]) for i in range(r) if mask[i]}
+        seconds = base + (shared if used else 0.0) + sum(draft[j].fixed for j in used)
+        seconds += sum(per_token * gains[i] + draft[kinds[i]].per_request + draft[kinds[i]].per_position * gains[i]
+                       + draft[kinds[i]].per_context * backlog[i] for i in range(r) if mask[i])
+        return (r + sum(gains[i] for i in range(r) if mask[i])) / seconds
+
+    best = max(rate(m) for m in itertools.product([False, True], repeat=r))
+    got = oracle_step(gains, kinds, per_token, base, draft, backlog, shared)
+    assert rate(got) == pytest.approx(best, rel=1e-9)
