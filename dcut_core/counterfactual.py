@@ -73,11 +73,17 @@ class TraceCosts:
     verify_scale: float
     draft: tuple[DraftCost, ...]  # per kind
     shared: float = 0.0  # seconds any drafting call costs beyond its kinds' passes
-    overhead: float = 0.0  # seconds a plain step spends outside the forward
-    overhead_drafting: float = 0.0  # what a drafting step spends outside the passes beyond a plain one
+    # A step's own time outside the forward and the drafters' passes, a + b·R for R requests:
+    own: tuple[float, float] = (0.0, 0.0)  # plain decoding (`ar`)
+    own_policy: tuple[float, float] = (0.0, 0.0)  # what a drafting policy's step that drafts nothing adds (the gate)
+    own_drafting: tuple[float, float] = (0.0, 0.0)  # what a drafting step adds to one that drafts nothing
 
     def forward_seconds(self, shape: StepShape) -> float:
         return self.verify_scale * self.verify.predict(shape)
+
+    def own_seconds(self, requests: int, policy_drafts: bool, drafting: bool) -> float:
+        parts = [self.own] + ([self.own_policy] if policy_drafts else []) + ([self.own_drafting] if drafting else [])
+        return max(0.0, sum(a + b * requests for a, b in parts))
 
     def verify_curve(self, requests: int, context: int):
         base = self.verify.verify_curve(requests, context)
@@ -89,13 +95,14 @@ class TraceCosts:
     def as_dict(self) -> dict:
         return {"verify": self.verify.to_json(), "verify_scale": self.verify_scale,
                 "draft": [[d.fixed, d.per_request, d.per_position, d.per_context, d.per_pass] for d in self.draft],
-                "shared": self.shared, "overhead": self.overhead, "overhead_drafting": self.overhead_drafting}
+                "shared": self.shared, "own": list(self.own), "own_policy": list(self.own_policy),
+                "own_drafting": list(self.own_drafting)}
 
     @classmethod
     def from_dict(cls, d: dict) -> TraceCosts:
         return cls(CostModel.from_json(d["verify"]), float(d["verify_scale"]),
-                   tuple(DraftCost(*map(float, x)) for x in d["draft"]), float(d["shared"]), float(d["overhead"]),
-                   float(d["overhead_drafting"]))
+                   tuple(DraftCost(*map(float, x)) for x in d["draft"]), float(d["shared"]),
+                   *(tuple(map(float, d[k])) for k in ("own", "own_policy", "own_drafting")))
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from dcut_core.cost_model import StepShape
 from dcut_core.counterfactual import Trace
 from dcut_core.drafting import AcceptanceTracker, DraftCost, Exploration
 from dcut_core.gate import DraftingGate
+from dcut_core.learned import KindState, LearnedState
 from dcut_core.pruning import DraftBatch, policy_from_name
 
 
@@ -120,7 +121,7 @@ class _Run:
                                  s.draft_slack, s.draft_extend)
         costs = trace.costs
         self.draft = [costs.draft[i] for i in self.kidx]
-        self.queue = deque(range(len(trace.requests)))
+        self.queue: deque[int] = deque(range(len(trace.requests)))
         self.running: list[_Live] = []
         self.next_rid = 0
         self.out = SimResult(s.policy, s.kinds, concurrency)
@@ -183,7 +184,8 @@ class _Run:
         held = np.array([[x.cached(self.trace.requests[x.q].prompt_len) - x.seen[j] for j in range(len(self.kidx))]
                          for x in batch], dtype=np.int64)
         remaining = np.array([self._remaining(x) for x in batch])
-        extra = costs.overhead_drafting
+        a, b = costs.own_drafting
+        extra = max(0.0, a + b * r)  # what a drafting step costs outside the passes (the engine's `extra`)
         if self.multi:
             kinds, lengths = self.gate.decide_kinds(rids, cap, remaining, held, curve, self.draft, None,
                                                     costs.shared + extra)
@@ -258,7 +260,7 @@ class _Run:
         forward = costs.forward_seconds(shape) if shape.tokens else 0.0
         draft = 0.0
         if counts.sum():
-            draft = costs.shared + costs.overhead_drafting
+            draft = costs.shared
             for j in np.unique(used[counts > 0]):
                 mine = np.nonzero((used == j) & (counts > 0))[0]
                 caught = sum(batch[i].cached(prompt[i]) - batch[i].seen[j] for i in mine)
@@ -275,7 +277,8 @@ class _Run:
         o.steps += 1
         o.forward_seconds += forward
         o.draft_seconds += draft
-        o.seconds += forward + draft + costs.overhead
+        o.seconds += forward + draft + costs.own_seconds(len(batch) + len(feeding), self.policy.drafts,
+                                                         bool(counts.sum()))
         o.drafted += int(counts.sum())
         o.kept += int(kept.sum())
         for j in used[counts > 0]:
@@ -360,8 +363,9 @@ class _OracleRun(_Run):
         span = max(1, int(gains.sum()))  # the verify curve's slope over the tokens the oracle may add
         per_token = (float(curve.seconds(np.array([r + span]))[0]) - base) / span
         costs = self.trace.costs
-        mask = oracle_step(gains, kinds, per_token, base + costs.overhead, self.draft, backlog,
-                           costs.shared + costs.overhead_drafting)
+        plain = costs.own_seconds(r, True, False)
+        mask = oracle_step(gains, kinds, per_token, base + plain, self.draft, backlog,
+                           costs.shared + costs.own_seconds(r, True, True) - plain)
         return np.where(mask, gains, 0), kinds, None
 
     def _prune(self, batch, drafts, used):
@@ -374,3 +378,17 @@ class _OracleRun(_Run):
 def oracle_run(trace: Trace, kinds: tuple[str, ...], concurrency: int, block: int | None = None) -> SimResult:
     """The hindsight bound over the trace at concurrency C with these kinds hosted."""
     return _OracleRun(trace, SimSettings(policy="oracle", kinds=kinds, block=block), concurrency).run()
+
+
+def prior_from_trace(trace: Trace, concurrency: int = 4, runs: int = 2) -> LearnedState:
+    """What an engine hosting every kind of the trace has learnt about acceptance after serving
+    the trace's requests `runs` times at `concurrency` (calibration and the trackers' rates per
+    kind): a bundle's prior. Costs are left out — they belong to a machine, and the engine
+    profiles its own at start-up."""
+    run = _Run(trace, SimSettings(kinds=trace.kinds), concurrency)
+    for _ in range(runs - 1):  # the same requests again, behind the first pass (new request ids)
+        run.queue.extend(range(len(trace.requests)))
+    run.run()
+    kinds = {name: KindState.of(cal, tracker) for name, cal, tracker in
+             zip(trace.kinds, run.calibrators, run.gate.trackers, strict=True)}
+    return LearnedState(kinds, explored=run.gate.exploration.steps)

@@ -31,7 +31,12 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: StrictBool = False
-    continuous_usage_stats: Literal[False] = False  # usage in every chunk: not implemented yet
+    continuous_usage_stats: StrictBool = Field(False, description="with include_usage: every chunk also carries its "
+                                                                  "choice's usage so far (vLLM's extension)")
+
+    @property
+    def continuous(self) -> bool:
+        return self.include_usage and self.continuous_usage_stats
 
 
 # OpenAI fields this server does not implement yet: accepted at their neutral value (what a

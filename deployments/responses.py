@@ -85,6 +85,8 @@ async def sse(streams: list, firsts: list[Delta], body, chat: bool, prompt_token
     timing = {index: (time.perf_counter(), None, 0) for index, _ in streams}  # start, last chunk, tokens then
     last = dict(zip((i for i, _ in streams), firsts, strict=True))
 
+    continuous = body.stream_options is not None and body.stream_options.continuous
+
     def chunk(index: int, d: Delta | None, role: bool = False) -> str:
         text, finish = (d.text, d.finish_reason if d.finished else None) if d is not None else (None, None)
         lp = None
@@ -96,8 +98,13 @@ async def sse(streams: list, firsts: list[Delta], body, chat: bool, prompt_token
             choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": lp}
         else:
             choice = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": lp}
-        return "data: " + json.dumps({"id": cid, "object": kind, "created": created, "model": body.model,
-                                      "choices": [choice]}) + "\n\n"
+        event = {"id": cid, "object": kind, "created": created, "model": body.model, "choices": [choice]}
+        if continuous:  # this choice's usage so far (vLLM's continuous_usage_stats)
+            first = d if d is not None else last[index]
+            done = d.completion_tokens if d is not None else 0
+            event["usage"] = {"prompt_tokens": first.prompt_tokens, "completion_tokens": done,
+                              "total_tokens": first.prompt_tokens + done}
+        return "data: " + json.dumps(event) + "\n\n"
 
     tasks = [asyncio.create_task(pump(index, st, first)) for (index, st), first in zip(streams, firsts,
                                                                                           strict=True)]

@@ -41,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", dest="model_root", help="a bundle or Hugging Face folder (default: the bundled demo)")
     p.add_argument("--cost-model-cache", default="runs/cache")
     p.add_argument("--out", default="runs/trace.msgpack")
+    p.add_argument("--prior", help="also write a bundle prior (what an engine hosting every traced kind learns "
+                                   "serving these prompts: calibration and acceptance rates per kind), e.g. "
+                                   "models/demo/prior.json")
 
 
 def workload(kind: str, n: int, seed: int, exclude_seed: int) -> list[str]:
@@ -85,6 +88,11 @@ def run(args: argparse.Namespace) -> int:
     write_trace(trace, out)
     print(f"wrote {out}: {len(ids)} requests, kinds {', '.join(trace.kinds)}, {trace.output_tokens} output tokens "
           f"in {time.time() - t0:.0f} s")
+    if args.prior:
+        from dcut_core.trace_sim import prior_from_trace
+
+        pathlib.Path(args.prior).write_text(json.dumps(prior_from_trace(trace).as_dict(), indent=1) + "\n")
+        print(f"wrote the prior {args.prior}")
     return 0
 
 

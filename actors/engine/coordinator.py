@@ -44,6 +44,7 @@ from actors.engine.stages import (
 )
 from actors.engine.steplog import StepLog
 from actors.engine.verification import oracle_lengths, verify_forward
+from actors.engine.warm import SAVE_EVERY, WarmStart, snapshot, warm
 from actors.ray_env import whereabouts
 from actors.target.config import MoEConfig
 from actors.target.driver import DriverGroup
@@ -81,10 +82,16 @@ class Engine:
         self.drafted_by_kind = {k: dict.fromkeys(("chosen", "drafted", "kept", "accepted"), 0) for k in self.kinds}
         self.overhead = StepOverhead()
         self.model_cfg = MoEConfig.load(cfg.target_dir)
-        self._profiled_drafter = False
+        self.warm_start = WarmStart(cfg)
+        learned, self.started_from = self.warm_start.load()
+        # Drafting costs that were learnt while serving beat a start-up profile: skip it then.
+        self._profiled_drafter = learned is not None and all(
+            k in learned.kinds and learned.kinds[k].draft is not None for k in self.kinds)
         self._profile_drafter()
         self.cost = None
         self._start_cost_model()
+        if learned is not None:
+            warm(self, learned)
         self.text_of = cfg.detokenizer()
         self.history = StepHistory()
         self.step_log = StepLog(cfg.step_log) if cfg.step_log else None
@@ -342,7 +349,17 @@ class Engine:
         return learn(st, self.calibrators, self.gate, self.cost, log=self.step_log is not None)
 
     def _record(self, st: Step, predicted: float) -> StepRecord:
-        return record(st, predicted, self.history, self.overhead, self.step_log, self.policy.name)
+        rec = record(st, predicted, self.history, self.overhead, self.step_log, self.policy.name)
+        if self.history.steps % SAVE_EVERY == 0 and self.policy.drafts:
+            self.save_learned()
+        return rec
+
+    def save_learned(self) -> None:
+        """Save what the estimators learnt, for the next engine of this deployment (`warm.py`)."""
+        try:
+            self.warm_start.save(snapshot(self))
+        except OSError as exc:  # a full or read-only disk must not stop serving
+            log.warning("could not save the learned state: %s", exc)
 
     # -- helpers ----------------------------------------------------------------------------------
 
@@ -386,6 +403,8 @@ class Engine:
         return {"coordinator": whereabouts(), "ranks": ranks, "drafters": drafters}
 
     def shutdown(self) -> None:
+        if self.policy.drafts and self.history.steps:
+            self.save_learned()
         if self.step_log is not None:
             self.step_log.close()
         self.target.shutdown()

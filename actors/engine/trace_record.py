@@ -105,25 +105,52 @@ def _walk(drafter, prompts, outputs, features, width: int) -> dict[str, list[np.
 
 
 def measure_costs(cfg: EngineConfig, prompts: list[list[int]], max_tokens: int, rounds: int = 1) -> TraceCosts:
-    """What an engine built from `cfg` measures serving the prompts (closed loop at 4): once
-    with `dcut` (drafting costs, the drafting step's overhead), once plain (a plain step's)."""
+    """What an engine built from `cfg` measures serving the prompts in closed loops at 1, 4 and
+    16 requests, with `dcut` and plain: the verify cost model refitted to every forward measured
+    (not the start-up profile times one running correction), each kind's drafting rates, and
+    the step's own time outside the passes — the time between steps included, since a closed
+    loop's wall clock counts it — fitted as a + b·R for plain steps, for `dcut` steps that draft
+    nothing, and for drafting steps. The engine's saved learned state is left as it was found."""
     from actors.engine.coordinator import Engine
     from actors.engine.loadgen import closed_loop
 
     engine = Engine(cfg)
+    engine.warm_start.path = None  # it serves the trace's prompts to measure, not to learn for later engines
+    own: dict[str, list[tuple[int, float]]] = {"ar": [], "dcut": [], "drafting": []}
     try:
         for _ in range(rounds):
-            for policy in ("dcut", "ar"):
-                engine.set_policy(policy)
-                closed_loop(engine, prompts, min(4, len(prompts)), max_tokens)
-        learner, over = engine.draft_cost, engine.overhead
+            for c in sorted({1, min(4, len(prompts)), min(16, len(prompts))}):
+                for policy in ("dcut", "ar"):
+                    engine.set_policy(policy)
+                    res = closed_loop(engine, prompts, c, max_tokens)
+                    between = (res.wall_s - sum(r.step_s for r in res.records)) / max(1, len(res.records))
+                    for r in res.records:
+                        if not r.prefill_tokens:  # prefill's own bookkeeping would blur it
+                            key = policy if policy == "ar" or not r.drafted else "drafting"
+                            own[key].append((r.requests, r.step_s - r.target_compute_s - r.draft_s + between))
+        engine.cost.refit()
+        learner = engine.draft_cost
         draft = tuple(learner.costs) if hasattr(learner, "learners") else (learner.costs[0],)
-        shared = float(getattr(learner, "shared", 0.0))
-        plain = over.mean.get(False, 0.0)
-        return TraceCosts(engine.cost.model, engine.cost.scale, tuple(DraftCost(*_fields(d)) for d in draft), shared,
-                          plain, over.extra)
+        plain, gated, drafting = (_line(own[k]) for k in ("ar", "dcut", "drafting"))
+        return TraceCosts(engine.cost.model, engine.cost.scale, tuple(DraftCost(*_fields(d)) for d in draft),
+                          float(getattr(learner, "shared", 0.0)), plain, _minus(gated, plain), _minus(drafting, gated))
     finally:
         engine.shutdown()
+
+
+def _line(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """a + b·R through (R, seconds), least squares; a constant when R does not vary."""
+    if not points:
+        return 0.0, 0.0
+    r, y = np.array(points, dtype=np.float64).T
+    if np.ptp(r) == 0:
+        return float(np.median(y)), 0.0
+    b, a = np.polyfit(r, y, 1)
+    return float(a), float(b)
+
+
+def _minus(a: tuple[float, float], b: tuple[float, float]) -> tuple[float, float]:
+    return a[0] - b[0], a[1] - b[1]
 
 
 def _fields(d: DraftCost) -> tuple[float, ...]:

@@ -5,6 +5,7 @@ oracle's step against brute force."""
 from __future__ import annotations
 
 import itertools
+import json
 
 import msgpack
 import numpy as np
@@ -26,7 +27,7 @@ DRAFT = DraftCost(0.002, 0.0, 0.0005)
 
 def costs(fixed=0.010, per_token=0.001, kinds=1, draft=DRAFT, overhead=0.0) -> TraceCosts:
     model = CostModel(SHAPE, 1, {"fixed": fixed, "dense": per_token})  # linear in tokens, no context term
-    return TraceCosts(model, 1.0, (draft,) * kinds, overhead=overhead)
+    return TraceCosts(model, 1.0, (draft,) * kinds, own=(overhead, 0.0))
 
 
 def request(prompt_len: int, accepted: list[list[int]], block: int, conf: float = 0.9) -> RequestTrace:
@@ -100,7 +101,7 @@ def reference_static(trace: Trace, policy: str, concurrency: int) -> tuple[int, 
         context = sum(trace.requests[q].prompt_len + t - 1 for q, t in decoding)
         shape = StepShape(len(running), len(decoding) + sum(k for _, k in kept) +
                           sum(trace.requests[q].prompt_len for q, _ in fresh), context)
-        seconds += c.forward_seconds(shape) + c.overhead
+        seconds += c.forward_seconds(shape) + c.own_seconds(len(running), policy != "ar", drafted > 0)
         if drafted:
             seconds += float(d.seconds(sum(1 for n, _ in kept if n), drafted, 0, max(n for n, _ in kept)))
         for x, (_, k) in zip(decoding, kept, strict=True):
@@ -181,3 +182,25 @@ def test_oracle_step_equals_brute_force(data):
     best = max(rate(m) for m in itertools.product([False, True], repeat=r))
     got = oracle_step(gains, kinds, per_token, base, draft, backlog, shared)
     assert rate(got) == pytest.approx(best, rel=1e-9)
+
+
+def test_learned_state_round_trips_and_restores_kinds_by_name():
+    from dcut_core.acceptance import Calibrator
+    from dcut_core.drafting import AcceptanceTracker, Exploration
+    from dcut_core.learned import LearnedState
+    from dcut_core.trace_sim import prior_from_trace
+
+    rng = np.random.default_rng(2)
+    reqs = tuple(request(8, rng.integers(0, 4, size=(2, 30)).tolist(), 5, conf=0.8) for _ in range(6))
+    trace = Trace(("block", "ngram"), 5, 31, reqs, costs(kinds=2))
+    prior = prior_from_trace(trace)
+    assert set(prior.kinds) == {"block", "ngram"} and all(k.observations > 0 for k in prior.kinds.values())
+    assert all(k.draft is None for k in prior.kinds.values())  # a machine's costs are not a model's prior
+    again = LearnedState.from_dict(json.loads(json.dumps(prior.as_dict())))
+    assert again == prior
+    cals, trackers = [Calibrator(block=5), Calibrator(block=5)], [AcceptanceTracker(block=5), AcceptanceTracker(5)]
+    missing = again.restore(("ngram", "mtp"), cals, trackers, Exploration())
+    assert missing == ["mtp"]
+    assert tuple(trackers[0].accepted) == prior.kinds["ngram"].accepted
+    assert tuple(cals[0].weights) == prior.kinds["ngram"].weights
+    assert (trackers[1].accepted == AcceptanceTracker(block=5).accepted).all()  # untouched: cold

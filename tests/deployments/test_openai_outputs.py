@@ -268,3 +268,22 @@ def test_every_request_shape_gets_its_answer(server, client, reference):
                                                           isinstance(body["prompt"], list) else 1)
                 assert finished == set(range(choices)), body
     assert_still_serving(client)
+
+
+def test_continuous_usage_stats_in_every_chunk_and_consistent_with_the_final_usage(server):
+    """guidellm's default stream: usage in every chunk, cumulative per choice, ending where the
+    final usage chunk does; a non-boolean is refused (strict types) and the server keeps serving."""
+    body = {"model": "dcut-demo", "prompt": PROMPT, "max_tokens": 9, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", f"{BASE}/v1/completions", json=body, timeout=60) as r:
+        events = [json.loads(e[6:]) for e in r.read().decode().split("\n\n") if e.startswith("data: {")]
+    content, final = [e for e in events if e["choices"]], events[-1]
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 9
+    done = [e["usage"]["completion_tokens"] for e in content]
+    assert all(e["usage"]["prompt_tokens"] == 7 for e in content)
+    assert done == sorted(done) and done[-1] == 9 and done[0] >= 1
+    assert all(e["usage"]["total_tokens"] == 7 + e["usage"]["completion_tokens"] for e in content)
+    for bad in (0, 1, "true"):
+        body["stream_options"] = {"include_usage": True, "continuous_usage_stats": bad}
+        r = httpx.post(f"{BASE}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 400 and "continuous_usage_stats" in r.text
