@@ -42,14 +42,16 @@ class KindChooser:
     tried: dict[int, np.ndarray] = field(default_factory=dict)  # request -> verifications by kind
 
     def values(self, predicted: list[list[np.ndarray]], verify: StepCost, costs, rate: float | None = None,
-               held: np.ndarray | None = None,
-               remaining: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+               held: np.ndarray | None = None, remaining: np.ndarray | None = None,
+               sharing: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
         """(v, gain, n) [R, K] and ρ: predicted[k][i] is request i's conditional acceptance by
         position under kind k (up to its cap), costs[k] the kind's DraftCost, ρ the rate a second
         of drafting is charged at (default: plain decoding's). v_ik is the best net gain in
         tokens, at n_ik drafts expected to yield gain_ik accepted. held [R, K]: context tokens
         kind k has not seen of request i — catching up costs d_context,k per token, charged in
-        the share of the request's `remaining` output this step may make (as the gate does)."""
+        the share of the request's `remaining` output this step may make (as the gate does).
+        sharing [K]: requests drafting with each kind this step — a chain's passes run once for
+        all of them, so each is charged its share (default 1: the whole chain)."""
         r = len(predicted[0])
         base = float(verify.seconds(np.array([r]))[0])
         zero = np.zeros((r, self.kinds))
@@ -67,8 +69,9 @@ class KindChooser:
                 rates[i, :len(p)] = np.clip(p, 0.0, 1.0)
             gain = np.cumsum(np.cumprod(rates, axis=1), axis=1)  # [R, n]: expected accepted at n drafts
             n = np.arange(1, n_max + 1)
-            c = costs[k]  # a chain's passes charged in full: exact for a kind drafting for one request
-            net = gain - rate * (c.per_request + n * (c.per_position + c.per_pass + tau))
+            c = costs[k]  # a chain's passes are shared by the requests drafting with it this step
+            per_pass = c.per_pass / (1.0 if sharing is None else max(1.0, float(sharing[k])))
+            net = gain - rate * (c.per_request + n * (c.per_position + per_pass + tau))
             if held is not None and self.switch:
                 left = np.maximum(1.0, np.asarray(remaining, dtype=np.float64))[:, None]
                 net = net - rate * c.per_context * held[:, k][:, None] * np.minimum(1.0, (1.0 + gain) / left)
@@ -98,9 +101,9 @@ class KindChooser:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool), np.zeros(0, dtype=np.int64)
         counts = np.array([self.tried.get(rid, np.zeros(self.kinds)) for rid in rids])
         bonus = self.bonus * np.sqrt(np.log(2.0 + counts.sum(axis=1))[:, None] / (1.0 + counts))
-        rate = None
+        rate, sharing = None, np.full(self.kinds, r)  # first as if every request drafted with each kind
         for _ in range(self.refine):
-            value, gain, n, rate = self.values(predicted, verify, costs, rate, held, remaining)
+            value, gain, n, rate = self.values(predicted, verify, costs, rate, held, remaining, sharing)
             if prior is not None:
                 value = value + prior
             score = value + bonus
@@ -112,6 +115,7 @@ class KindChooser:
             if rate == 0.0 or not drafts.any():
                 break
             k = kind[drafts]
+            sharing = np.bincount(k, minlength=self.kinds)  # the next round charges each its share of a chain
             tokens = r + gain[rows, kind][drafts].sum()
             m = n[rows, kind][drafts]
             seconds = float(verify.seconds(np.array([r + int(m.sum())]))[0]) + sum(

@@ -49,6 +49,7 @@ class SimSettings:
     prefill_chunk: int = 512
     prefill_budget: int = 2048
     backlog_tokens: int = 512  # one kind: context held back per request before it is sent anyway
+    bonus: float = 1.0  # the kind chooser's optimism (UCB bonus, tokens)
 
 
 @dataclass
@@ -118,7 +119,7 @@ class _Run:
         self.calibrators = [Calibrator(block=self.block) for _ in range(k)]
         self.gate = DraftingGate([AcceptanceTracker(block=self.block) for _ in range(k)],
                                  Exploration(s.explore_every, s.explore_requests, s.explore_warmup), s.max_budget,
-                                 s.draft_slack, s.draft_extend)
+                                 s.draft_slack, s.draft_extend, bonus=s.bonus)
         costs = trace.costs
         self.draft = [costs.draft[i] for i in self.kidx]
         self.queue: deque[int] = deque(range(len(trace.requests)))
@@ -317,10 +318,12 @@ def oracle_step(gains: np.ndarray, kinds: np.ndarray, verify_per_token: float, b
     catching up on backlog[i]); a kind's pass costs its `fixed` once, any drafting `shared` once.
     Returns the mask [R] that maximises (R + Σ gains) / seconds. For each set of kinds in use
     the best requests form a prefix of the gain-to-cost order (a ratio of sums is maximised by
-    every item above the optimum ratio), so the scan is exact for a linear verify cost."""
+    every item above the optimum ratio), so the scan is exact for a linear verify cost. A chained
+    kind's passes (`per_pass`) run once for the longest of its requests: the scan charges each
+    request what it adds to that longest chain (then a heuristic, no longer exact)."""
     r = len(gains)
     best_rate, best = r / base_seconds if r else 0.0, np.zeros(r, dtype=bool)
-    cost = np.array([verify_per_token * g + draft[k].per_request + (draft[k].per_position + draft[k].per_pass) * g
+    cost = np.array([verify_per_token * g + draft[k].per_request + draft[k].per_position * g
                      + draft[k].per_context * b for g, k, b in zip(gains, kinds, backlog, strict=True)])
     cand = np.nonzero(gains > 0)[0]
     used_kinds = sorted({int(kinds[i]) for i in cand})
@@ -329,10 +332,12 @@ def oracle_step(gains: np.ndarray, kinds: np.ndarray, verify_per_token: float, b
         mine = [i for i in cand if int(kinds[i]) in inside]
         order = sorted(mine, key=lambda i: -gains[i] / cost[i] if cost[i] > 0 else -np.inf)
         seconds = base_seconds + shared + sum(draft[k].fixed for k in inside)
-        tokens = float(r)
+        tokens, longest = float(r), dict.fromkeys(inside, 0)
         for n, i in enumerate(order):
+            k = int(kinds[i])
             tokens += gains[i]
-            seconds += cost[i]
+            seconds += cost[i] + draft[k].per_pass * max(0, int(gains[i]) - longest[k])
+            longest[k] = max(longest[k], int(gains[i]))
             if tokens / seconds > best_rate * (1 + 1e-12):
                 best_rate, best = tokens / seconds, np.zeros(r, dtype=bool)
                 best[order[:n + 1]] = True

@@ -191,3 +191,14 @@ def test_switching_kinds_costs_the_context_the_new_kind_has_not_seen():
     assert far[0].tolist() == [0]
     near = ch.choose([0], predicted, verify, costs, held=np.array([[0.0, 2.0]]), remaining=np.array([20]))
     assert near[0].tolist() == [1]
+
+
+def test_a_chains_passes_are_shared_by_the_requests_that_draft_with_it():
+    """A chained kind (per pass 2 ms) accepting a little more than a cheap kind: one request
+    alone pays the whole chain and takes the cheap kind; sixteen share it and take the chain."""
+    verify = linear(0.010, 2e-4)
+    costs = [DraftCost(0.0, 1e-4, 1e-5), DraftCost(0.0, 1e-4, 1e-5, 0.0, 0.002)]  # cheap; chain
+    for r, want in ((1, 0), (16, 1)):
+        predicted = [[np.full(4, 0.5)] * r, [np.full(4, 0.7)] * r]
+        kind, _, _ = KindChooser(2, bonus=0.0).choose(list(range(r)), predicted, verify, costs)
+        assert (kind == want).all(), (r, kind)
