@@ -52,21 +52,19 @@ class KindChooser:
         the share of the request's `remaining` output this step may make (as the gate does).
         sharing [K]: requests drafting with each kind this step — a chain's passes run once for
         all of them, so each is charged its share (default 1: the whole chain)."""
-        r = len(predicted[0])
+        mats = [m if isinstance(m, np.ndarray) else padded(m) for m in predicted]
+        r = len(mats[0])
         base = float(verify.seconds(np.array([r]))[0])
         zero = np.zeros((r, self.kinds))
-        if not any(len(p) for rows in predicted for p in rows):  # nobody may draft: nothing to tell apart
+        if not any(m.shape[1] for m in mats):  # nobody may draft: nothing to tell apart
             return zero, zero, zero, 0.0
         rate = r / base if rate is None else rate
         tau = float(verify.seconds(np.array([r + 1]))[0]) - base  # one more verified token
         v, gain_at, n_at = zero.copy(), zero.copy(), zero.copy()
-        for k, rows in enumerate(predicted):
-            n_max = max((len(p) for p in rows), default=0)
+        for k, rates in enumerate(mats):
+            n_max = rates.shape[1]
             if n_max == 0:
                 continue
-            rates = np.zeros((r, n_max))
-            for i, p in enumerate(rows):
-                rates[i, :len(p)] = np.clip(p, 0.0, 1.0)
             gain = np.cumsum(np.cumprod(rates, axis=1), axis=1)  # [R, n]: expected accepted at n drafts
             n = np.arange(1, n_max + 1)
             c = costs[k]  # a chain's passes are shared by the requests drafting with it this step
@@ -101,6 +99,7 @@ class KindChooser:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool), np.zeros(0, dtype=np.int64)
         counts = np.array([self.tried.get(rid, np.zeros(self.kinds)) for rid in rids])
         bonus = self.bonus * np.sqrt(np.log(2.0 + counts.sum(axis=1))[:, None] / (1.0 + counts))
+        predicted = [padded(rows) for rows in predicted]  # once for every round
         rate, sharing = None, np.full(self.kinds, r)  # first as if every request drafted with each kind
         for _ in range(self.refine):
             value, gain, n, rate = self.values(predicted, verify, costs, rate, held, remaining, sharing)
@@ -160,3 +159,13 @@ class KindChooser:
 
     def forget(self, rid: int) -> None:
         self.tried.pop(rid, None)
+
+
+def padded(rows: list[np.ndarray]) -> np.ndarray:
+    """[R, n_max] of ragged rows clipped to [0, 1], zeros past each row's end (a zero rate adds
+    no gain, so no position past a row's end is ever the best)."""
+    lens = np.fromiter((len(p) for p in rows), dtype=np.int64, count=len(rows))
+    out = np.zeros((len(rows), int(lens.max(initial=0))))
+    if out.size:
+        out[np.arange(out.shape[1]) < lens[:, None]] = np.clip(np.concatenate(rows), 0.0, 1.0)
+    return out
