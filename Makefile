@@ -62,7 +62,9 @@ demo-model: setup
 	OMP_NUM_THREADS=2 $(BIN)/python -m actors.demo.train_drafter --threads 2 --out models/demo/drafter
 	OMP_NUM_THREADS=2 $(BIN)/python -m actors.demo.train_mtp --threads 2 --out models/demo/mtp
 	$(BIN)/python -m actors.demo.evaluate --out runs/demo/eval.json
-	cd models/demo && sha256sum tokenizer.json tokenizer_config.json target/* drafter/* mtp/* > SHA256SUMS
+	$(BIN)/dcut trace --workload mixed --num-prompts 32 --seed 23 --block 8 --out runs/demo/train.trace \
+		--prior models/demo/prior.json
+	cd models/demo && sha256sum tokenizer.json tokenizer_config.json target/* drafter/* mtp/* prior.json > SHA256SUMS
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

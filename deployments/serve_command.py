@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import signal
+import threading
 import time
 
 
 def run(args: argparse.Namespace) -> int:
+    import ray
     from ray import serve
 
     from actors.ray_env import start_local_ray
@@ -24,10 +27,16 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.time()
     serve.run(build_app(settings), name="dcut", route_prefix="/")
     print(f"dcut serving {settings.model_name} on http://{args.host}:{args.port} "
-          f"(ready in {time.time() - t0:.1f} s; Ctrl-C stops)", flush=True)
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        serve.shutdown()
+          f"(ready in {time.time() - t0:.1f} s; Ctrl-C or SIGTERM stops)", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # what systemd, Kubernetes and Ray send; and Ctrl-C
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(3600):
+        pass
+    # Draining: Serve stops routing to the app and each replica finishes its requests in flight
+    # within the deployment's graceful_shutdown_timeout_s before it stops.
+    print(f"dcut draining (up to {settings.graceful_shutdown_timeout_s:.0f} s for requests in flight)", flush=True)
+    serve.shutdown()
+    ray.shutdown()
+    print("dcut stopped", flush=True)
     return 0

@@ -22,10 +22,12 @@ class ServeSettings(BaseModel):
 
     model_root: str = Field(str(BUNDLED), description="bundle folder: target/, drafter/, tokenizer.json")
     model_name: str = "dcut-demo"
-    drafter: str = Field("block", description="block, mtp, eagle3 or ngram; several (block,mtp), chosen per "
+    # The serving default is what won end to end on held-out prompts and in the trace simulator
+    # (docs/benchmarks.md, "Which configuration serves by default"): n-gram lookup, block 8.
+    drafter: str = Field("ngram", description="block, mtp, eagle3 or ngram; several (block,mtp), chosen per "
                                               "request; or auto: every kind the bundle holds")
     policy: str = "dcut"
-    block: int = Field(16, ge=2, le=16)
+    block: int = Field(8, ge=2, le=16)
     ep: int = Field(1, ge=1)
     drafters: int = Field(1, ge=1, description="drafter replica actors (in_process=False; otherwise one per rank)")
     in_process: bool = Field(True, description="the engine replica's process is EP rank 0 and drives the other "

@@ -14,7 +14,8 @@ from deployments.cli import IMPLEMENTED, SUBCOMMANDS, build_parser, main
 
 
 def test_every_contract_subcommand_is_declared():
-    assert set(SUBCOMMANDS) == {"serve", "generate", "bench", "profile", "simulate"}
+    assert {"serve", "generate", "bench", "profile", "simulate"} <= set(SUBCOMMANDS)  # the contract only adds
+    assert set(SUBCOMMANDS) == {"serve", "generate", "bench", "profile", "simulate", "trace"}
     assert set(IMPLEMENTED) == set(SUBCOMMANDS)
 
 
@@ -185,3 +186,21 @@ def test_generate_serves_a_hugging_face_folder_and_names_what_it_cannot(tmp_path
     proc = subprocess.run([sys.executable, "-m", "deployments.cli", "generate", "w1", "--model", str(folder),
                            "--drafter", "ngram"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode != 0 and "cannot be served" in proc.stderr and "llama" in proc.stderr
+
+
+def test_trace_then_simulate_over_it_and_a_prior(tmp_path, tiny_bundle):
+    """`dcut trace` writes a trace (and a prior) of a prompts file; `dcut simulate --trace` replays
+    the engine's decisions over it for each setting beside the oracle."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("w5 w6 w7 w5 w6 w7 w5\nw9 w10 w11 w9 w10\nw3 w4 w3 w4 w3 w4\n")
+    trace, prior, out = tmp_path / "t.trace", tmp_path / "prior.json", tmp_path / "sim"
+    proc = subprocess.run([sys.executable, "-m", "deployments.cli", "trace", "--prompts-file", str(prompts),
+                           "--model", tiny_bundle, "--max-tokens", "10", "--block", "5", "--drafter", "block,ngram",
+                           "--cost-model-cache", str(tmp_path / "cache"), "--out", str(trace), "--prior", str(prior)],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert set(json.loads(prior.read_text())["kinds"]) == {"block", "ngram"}
+    assert main(["simulate", "--trace", str(trace), "--batch", "1,2", "--out", str(out)]) == 0
+    rows = json.loads((out / "results.json").read_text())
+    assert {r["setting"] for r in rows} == {"ar", "block", "ngram", "auto", "oracle"}
+    assert all(r["tok_s"] > 0 for r in rows) and "oracle" in (out / "tables.md").read_text()

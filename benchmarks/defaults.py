@@ -1,0 +1,119 @@
+"""Which configuration should `dcut serve` default to? (issue #24, items 5 and 6)
+
+End to end on the held-out mixed workload (nothing here was tuned on it), EP 1, greedy, 48 new
+tokens, every engine built as `dcut serve` builds it: plain decoding, the previous default
+(`block` drafter, block 16) and the candidates the trace simulator ranks best on training
+prompts. Each (round, setting, concurrency) gets a fresh engine whose learned state starts
+empty (it may still read the bundle's prior): its first run is `cold`, a second run of the same
+prompts `warm`. Rounds rotate the settings' order; the tables give medians of per-round ratios
+to `ar` and their range.
+
+    .venv/bin/python benchmarks/defaults.py --rounds 3 --out runs/defaults
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import shutil
+import statistics
+import sys
+import tempfile
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from actors.ray_env import set_local_env
+
+set_local_env()
+
+SETTINGS = {  # name: (drafter, block, policy)
+    "ar": ("block", 8, "ar"),
+    "block-16 (old default)": ("block", 16, "dcut"),
+    "auto-8": ("auto", 8, "dcut"),
+    "mtp-8": ("mtp", 8, "dcut"),
+    "ngram-8": ("ngram", 8, "dcut"),
+}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--concurrency", default="1,4,16,32")
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--out", default="runs/defaults")
+    args = p.parse_args()
+
+    from tokenizers import Tokenizer
+
+    from actors.demo.prompts import mixed_prompts
+    from actors.engine.coordinator import Engine
+    from actors.engine.loadgen import closed_loop
+    from actors.ray_env import start_local_ray
+    from deployments.bundle import BUNDLED
+    from deployments.settings import ServeSettings
+
+    levels = [int(c) for c in args.concurrency.split(",")]
+    pairs = mixed_prompts(args.prompts + 8, seed=11)[8:]
+    tok = Tokenizer.from_file(str(BUNDLED / "tokenizer.json"))
+    ids = [tok.encode(t).ids for _, t in pairs]
+    start_local_ray(num_cpus=8)
+    profiles = pathlib.Path("runs/cache")  # start-up profiles only: cost_model_*.json
+    runs = []
+    for rnd in range(args.rounds):
+        names = list(SETTINGS)
+        names = names[rnd % len(names):] + names[:rnd % len(names)]
+        for c in levels:
+            for name in names:
+                drafter, block, policy = SETTINGS[name]
+                with tempfile.TemporaryDirectory() as cache:
+                    for f in profiles.glob("cost_model_*.json"):
+                        shutil.copy(f, cache)
+                    s = ServeSettings(model_root=str(BUNDLED), drafter=drafter, block=block, policy=policy,
+                                      max_running=max(levels), cost_model_cache=cache)
+                    eng = Engine(s.engine_config())
+                    try:
+                        for phase in ("cold", "warm"):
+                            res = closed_loop(eng, ids, c, args.max_tokens)
+                            runs.append({"round": rnd, "concurrency": c, "setting": name, "phase": phase,
+                                         "tok_s": res.output_tokens / res.wall_s, "mat": res.mat(),
+                                         "outputs": res.outputs})
+                            print(json.dumps({k: v for k, v in runs[-1].items() if k != "outputs"}), flush=True)
+                    finally:
+                        eng.shutdown()
+    lossless = all(r["outputs"] == next(x["outputs"] for x in runs if x["setting"] == "ar" and
+                                        x["concurrency"] == r["concurrency"]) for r in runs)
+    rows = []
+    for c in levels:
+        for phase in ("cold", "warm"):
+            for name in SETTINGS:
+                ratios = []
+                for rnd in range(args.rounds):
+                    mine = [r for r in runs if (r["round"], r["concurrency"], r["phase"]) == (rnd, c, phase)]
+                    by = {r["setting"]: r["tok_s"] for r in mine}
+                    ratios.append(by[name] / by["ar"])
+                ar = statistics.median(r["tok_s"] for r in runs if (r["concurrency"], r["phase"], r["setting"]) ==
+                                       (c, phase, "ar"))
+                rows.append({"concurrency": c, "phase": phase, "setting": name, "x_ar": statistics.median(ratios),
+                             "min": min(ratios), "max": max(ratios), "ar_tok_s": ar})
+    md = ["| C | phase | `ar` tok/s | " + " | ".join(n for n in SETTINGS if n != "ar") + " |",
+          "|---" * (len(SETTINGS) + 2) + "|"]
+    for c in levels:
+        for phase in ("cold", "warm"):
+            cells = [r for r in rows if (r["concurrency"], r["phase"]) == (c, phase)]
+            md.append(f"| {c} | {phase} | {cells[0]['ar_tok_s']:.0f} | " + " | ".join(
+                f"{r['x_ar']:.2f} ({r['min']:.2f}–{r['max']:.2f})" for r in cells if r["setting"] != "ar") + " |")
+    md.append(f"\nEvery setting's output equal to `ar`'s in every run: {lossless}.")
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"runs": [{k: v for k, v in r.items() if k != "outputs"}
+                                                            for r in runs], "rows": rows, "args": vars(args)},
+                                                 indent=1))
+    (out / "table.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+    return 0 if lossless else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
