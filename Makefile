@@ -30,7 +30,7 @@ lint: setup
 test: lint
 	$(BIN)/python -m pytest
 
-# The tables of docs/benchmarks.md and docs/simulate.md (about 45 minutes); bench-full is the
+# The tables of docs/benchmarks.md and docs/simulate.md (about 75 minutes); bench-full is the
 # whole sweep of issue #7 (every concurrency, every fixed-K, open loop; about an hour).
 E2E_POLICIES = ar,full,fixed-2,fixed-4,fixed-8,tetris,dcut-buckets,dcut,oracle
 bench: setup
@@ -44,6 +44,8 @@ bench: setup
 	$(BIN)/python benchmarks/drafter_kinds.py
 	$(BIN)/python benchmarks/drafter_mix.py --rounds 3 --out runs/drafter-mix
 	$(BIN)/python benchmarks/dfly_head.py --out runs/dfly
+	$(BIN)/python benchmarks/trace_validate.py --rounds 3 --out runs/trace-validate
+	$(BIN)/python benchmarks/defaults.py --rounds 3 --out runs/defaults
 	$(BIN)/dcut bench --ep 2 --concurrency 1,4,16,64 --policies $(E2E_POLICIES) --num-prompts 24 \
 		--max-tokens 48 --repeats 3 --out runs/bench_e2e
 	$(BIN)/python benchmarks/render_e2e.py runs/bench_e2e/results.json

@@ -21,7 +21,7 @@ import logging
 import pathlib
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import exceptions as ray_errors
 from ray import serve
@@ -37,7 +37,7 @@ from deployments.engine_deployment import EngineDeployment
 from deployments.errors import ApiError
 from deployments.logprobs_format import LogprobFormat
 from deployments.metrics import Metrics
-from deployments.openai_schema import ChatRequest, CompletionRequest, publish_request_bodies
+from deployments.openai_schema import ChatRequest, CompletionRequest, Served, publish_request_bodies
 from deployments.responses import best, full_response, sse
 from deployments.settings import ServeSettings
 
@@ -70,6 +70,9 @@ class Ingress:
         self.metrics = Metrics()
         drafts = policy_from_name(settings.policy, settings.block).drafts
         self._served_kinds = bundle.kinds(settings.drafter) if drafts else ()  # what a request's `drafter` may name
+        api.state.served = Served((settings.model_name,), settings.max_tokens_limit, settings.max_choices,
+                                  settings.max_stop, self.tokenizer.get_vocab_size())  # what /openapi.json says
+        api.openapi_schema = None
 
     # -- endpoints --------------------------------------------------------------------------------
 
@@ -94,8 +97,9 @@ class Ingress:
         return {"object": "list", "data": [{"id": self.settings.model_name, "object": "model", "created": 0,
                                             "owned_by": "dcut"}]}
 
-    @api.get("/metrics")
+    @api.get("/metrics", response_class=PlainTextResponse)
     async def metrics(self) -> Response:
+        """Prometheus text format."""
         stats = await self.engine.stats.remote()
         return Response(self.metrics.render(stats), media_type="text/plain; version=0.0.4")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, model_validator
@@ -232,24 +233,93 @@ def now() -> int:
     return int(time.time())
 
 
+ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+ERRORS = {400: "invalid request (the message names the field)", 401: "missing or wrong API key",
+          404: "no such model", 413: "body too large", 429: "engine full: retry after Retry-After",
+          503: "engine unavailable: retry after Retry-After"}
+
+
+@dataclass(frozen=True)
+class Served:
+    """What one server enforces beyond the types, published in its /openapi.json."""
+
+    models: tuple[str, ...]
+    max_tokens: int
+    max_choices: int
+    max_stop: int
+    vocab: int  # token ids (prompts, stop_token_ids, logit_bias keys) are in [0, vocab)
+
+
 def publish_request_bodies(app, bodies: dict[str, type[BaseModel]]) -> None:
     """Declare each POST route's JSON body in the app's /openapi.json (the routes parse bodies
-    themselves, to answer errors in OpenAI's format, so FastAPI cannot see them): clients and
-    schema-driven fuzzers get the real request schemas."""
+    themselves, to answer errors in OpenAI's format, so FastAPI cannot see them), every error
+    answer in OpenAI's error schema, and — once the ingress has said what it serves
+    (`app.state.served`, a `Served`) — the model names as an enum and the limits it enforces:
+    clients and schema-driven testers get the spec the server really applies."""
     from fastapi.openapi.utils import get_openapi
 
     def build() -> dict:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
             components = schema.setdefault("components", {}).setdefault("schemas", {})
+            components["ErrorResponse"] = ERROR_SCHEMA
+            served = getattr(app.state, "served", None)
             for path, model in bodies.items():
                 body = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 components.update(body.pop("$defs", {}))
-                components[model.__name__] = body
+                components[model.__name__] = _as_enforced(body, served)
                 ref = {"$ref": f"#/components/schemas/{model.__name__}"}
-                schema["paths"][path]["post"]["requestBody"] = {"required": True,
-                                                                "content": {"application/json": {"schema": ref}}}
+                post = schema["paths"][path]["post"]
+                post["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref}}}
+                post["responses"] = {"200": {"description": "the completion, or its server-sent events when "
+                                                            "streamed (text/event-stream)",
+                                             "content": {"application/json": {"schema": {"type": "object"}},
+                                                         "text/event-stream": {"schema": {"type": "string"}}}}}
+                post["responses"] |= {str(code): {"description": why, "content": {"application/json": {
+                    "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}} for code, why in ERRORS.items()}
             app.openapi_schema = schema
         return app.openapi_schema
 
     app.openapi = build
+
+
+def _as_enforced(body: dict, served: Served | None) -> dict:
+    """A request schema with what validation enforces beyond its types: no empty prompt or stop
+    string; and, for a known server, its model names, limits and vocabulary."""
+    props = body["properties"]
+    prompt, stop, stop_ids = props.get("prompt", {}), props["stop"], props["stop_token_ids"]
+    for node in _each(prompt, "string"):
+        node |= {"minLength": 1, "pattern": r"\S"}  # not blank
+    for node in _each(stop, "string"):
+        node["minLength"] = 1
+    for node in _each(prompt, "array"):
+        node["minItems"] = 1
+    for node in _each(stop_ids, "array"):
+        node["maxItems"] = 64
+    if served is None:
+        return body
+    props["model"] = {"title": "Model", "type": "string", "enum": list(served.models)}
+    for name in ("max_tokens", "max_completion_tokens"):
+        for node in _each(props[name], "integer"):
+            node["maximum"] = served.max_tokens
+    props["n"]["maximum"] = served.max_choices
+    for node in _each(stop, "array"):
+        node["maxItems"] = served.max_stop
+    for node in [*_each(prompt, "integer"), *_each(stop_ids, "integer")]:
+        node |= {"minimum": 0, "maximum": served.vocab - 1}
+    for node in _each(props["logit_bias"], "object"):
+        node["propertyNames"] = {"pattern": "^[0-9]+$"}
+    return body
+
+
+def _each(node: dict, kind: str):
+    """The sub-schemas of JSON type `kind` in `node` (itself, its anyOf variants, its items)."""
+    if node.get("type") == kind:
+        yield node
+    for variant in node.get("anyOf", ()):
+        yield from _each(variant, kind)
+    if isinstance(node.get("items"), dict):
+        yield from _each(node["items"], kind)

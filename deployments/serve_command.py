@@ -23,14 +23,16 @@ def run(args: argparse.Namespace) -> int:
     settings = ServeSettings.from_env(**overrides)
     settings.engine_config()  # fail fast (missing bundle, bad settings) before starting Ray
     start_local_ray(num_cpus=settings.local_cpus())
+    # Ours from here on (Ray's own handler aborts with a stack dump): a stop asked for while the
+    # app is still starting is honoured once it is up.
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # what systemd, Kubernetes and Ray send; and Ctrl-C
+        signal.signal(sig, lambda *_: stop.set())
     serve.start(http_options={"host": args.host, "port": args.port})
     t0 = time.time()
     serve.run(build_app(settings), name="dcut", route_prefix="/")
     print(f"dcut serving {settings.model_name} on http://{args.host}:{args.port} "
           f"(ready in {time.time() - t0:.1f} s; Ctrl-C or SIGTERM stops)", flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):  # what systemd, Kubernetes and Ray send; and Ctrl-C
-        signal.signal(sig, lambda *_: stop.set())
     while not stop.wait(3600):
         pass
     # Draining: Serve stops routing to the app and each replica finishes its requests in flight

@@ -33,7 +33,7 @@ PROMPTS = ["config = ", "    return ", "# the main entry point\n", "#!/usr/bin/e
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     cfg = ServeSettings(cost_model_cache=str(tmp_path_factory.mktemp("cache")), max_running=8, block=8,
-                        threads_per_rank=2).engine_config()
+                        threads_per_rank=2, drafter="block").engine_config()  # drafts for any prompt
     return cfg
 
 
