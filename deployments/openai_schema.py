@@ -2,17 +2,38 @@
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    model_validator,
+)
 
 from actors.drafter import KINDS
 
 # Strict scalars: a JSON true is not the integer 1, "0.5" is not a number, 2.5 is not an integer
-# (ints are still numbers). Any integer size is accepted; the range checks say what fits.
+# (ints are still numbers). 8.0 is the integer 8, as JSON Schema's "integer" says (schema-driven
+# clients send it so). Any integer size is accepted; the range checks say what fits.
+
+
+def _integral(value):
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    return value
+
+
+Int = Annotated[StrictInt, BeforeValidator(_integral)]
 
 
 def _unicode(text: str) -> str:
@@ -93,15 +114,15 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="forbid")  # an unknown field is a 400 that names it, never ignored
 
     model: str
-    max_tokens: StrictInt | None = Field(None, ge=0, description="0 only with echo (score the prompt)")
-    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    max_tokens: Int | None = Field(None, ge=0, description="0 only with echo (score the prompt)")
+    max_completion_tokens: Int | None = Field(None, ge=1)
     temperature: StrictFloat = Field(1.0, ge=0.0, le=2.0)
     top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
-    seed: StrictInt | None = Field(None, description="any integer; the same seed reproduces a sampled output")
+    seed: Int | None = Field(None, description="any integer; the same seed reproduces a sampled output")
     stop: Text | list[Text] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: StrictInt = Field(1, ge=1, description="choices per prompt, each with its own seed from the request's")
+    n: Int = Field(1, ge=1, description="choices per prompt, each with its own seed from the request's")
     user: str | None = None
     ignore_eos: StrictBool = Field(False, description="extension: generate max_tokens tokens, past the EOS token")
     # Controls on the target's distribution, applied before verification (speculation stays exact).
@@ -110,11 +131,11 @@ class _Common(BaseModel):
     logit_bias: dict[str, StrictFloat] | None = Field(None, description="token id (as a string) -> bias in "
                                                                         "[-100, 100], added to its logit")
     repetition_penalty: StrictFloat = Field(1.0, gt=0.0, le=10.0, description="extension (vLLM's)")
-    top_k: StrictInt = Field(0, ge=-1, le=2**31 - 1, description="extension: sample among the k most likely "
+    top_k: Int = Field(0, ge=-1, le=2**31 - 1, description="extension: sample among the k most likely "
                                                                   "(0 or -1: all)")
     min_p: StrictFloat = Field(0.0, ge=0.0, le=1.0, description="extension: drop tokens below min_p × the top one")
-    min_tokens: StrictInt = Field(0, ge=0, description="extension: no EOS, stop token or stop string before this")
-    stop_token_ids: list[StrictInt] | None = Field(None, description="extension: finish after any of these tokens")
+    min_tokens: Int = Field(0, ge=0, description="extension: no EOS, stop token or stop string before this")
+    stop_token_ids: list[Int] | None = Field(None, description="extension: finish after any of these tokens")
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     drafter: DrafterKind | list[DrafterKind] | None = Field(
@@ -163,12 +184,12 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     # Text, several texts, token ids (scoring clients send them), or several lists of token ids.
-    prompt: Text | list[Text] | list[StrictInt] | list[list[StrictInt]]
-    logprobs: StrictInt | None = Field(None, ge=0, le=20, description="each token's log-probability under the "
+    prompt: Text | list[Text] | list[Int] | list[list[Int]]
+    logprobs: Int | None = Field(None, ge=0, le=20, description="each token's log-probability under the "
                                                                       "target and this many alternatives")
     echo: StrictBool = Field(False, description="return the prompt before the completion (with logprobs: the "
                                                 "prompt tokens' log-probabilities too)")
-    best_of: StrictInt | None = Field(None, ge=1, description="generate this many per prompt, return the n of "
+    best_of: Int | None = Field(None, ge=1, description="generate this many per prompt, return the n of "
                                                               "highest log-probability (not with stream)")
 
     @model_validator(mode="after")
@@ -207,7 +228,7 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(None, ge=0, le=20, description="alternatives per token (needs logprobs)")
+    top_logprobs: Int | None = Field(None, ge=0, le=20, description="alternatives per token (needs logprobs)")
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatRequest:
@@ -280,6 +301,8 @@ def publish_request_bodies(app, bodies: dict[str, type[BaseModel]]) -> None:
                                                          "text/event-stream": {"schema": {"type": "string"}}}}}
                 post["responses"] |= {str(code): {"description": why, "content": {"application/json": {
                     "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}} for code, why in ERRORS.items()}
+            if "StructuredOutputs" in components:  # exactly one constraint
+                components["StructuredOutputs"] |= {"minProperties": 1, "maxProperties": 1}
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -299,6 +322,9 @@ def _as_enforced(body: dict, served: Served | None) -> dict:
         node["minItems"] = 1
     for node in _each(stop_ids, "array"):
         node["maxItems"] = 64
+    if "echo" not in props:  # max_tokens 0 only scores a prompt (completions with echo)
+        for node in _each(props["max_tokens"], "integer"):
+            node["minimum"] = 1
     if served is None:
         return body
     props["model"] = {"title": "Model", "type": "string", "enum": list(served.models)}

@@ -11,6 +11,8 @@ import numpy as np
 
 from actors.engine.logprobs import entries
 
+SAMPLING_EPS = 1e-5  # below this temperature a request decodes greedily (vLLM's threshold too)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -57,6 +59,17 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError("seed must be an integer")
+
+    @property
+    def greedy(self) -> bool:
+        """Temperatures below SAMPLING_EPS decode greedily: their limit is the argmax, and the
+        target computes in float32, where 1e-151 is 0 — one rule for the engine and the target."""
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def sampling(self) -> tuple[float, float]:
+        """(temperature, top_p) as the target applies them: temperature 0 for a greedy request."""
+        return (0.0 if self.greedy else self.temperature, self.top_p)
 
     def controls(self, eos: int | None):
         """The controls the target applies to this request's rows, or None when all are neutral."""
@@ -161,7 +174,7 @@ class Sequence:
 
     @property
     def greedy(self) -> bool:
-        return self.params.temperature == 0.0
+        return self.params.greedy
 
 
 class Scheduler:
