@@ -35,10 +35,28 @@ def run(args: argparse.Namespace) -> int:
           f"(ready in {time.time() - t0:.1f} s; Ctrl-C or SIGTERM stops)", flush=True)
     while not stop.wait(3600):
         pass
-    # Draining: Serve stops routing to the app and each replica finishes its requests in flight
-    # within the deployment's graceful_shutdown_timeout_s before it stops.
-    print(f"dcut draining (up to {settings.graceful_shutdown_timeout_s:.0f} s for requests in flight)", flush=True)
+    drain(settings.graceful_shutdown_timeout_s)
     serve.shutdown()
     ray.shutdown()
     print("dcut stopped", flush=True)
     return 0
+
+
+def drain(timeout_s: float) -> None:
+    """Let the requests in flight finish (up to timeout_s) before Serve goes: its shutdown
+    closes the HTTP proxy at once, cutting open streams. Requests arriving meanwhile are served
+    too; what is still running at the deadline is cut."""
+    from ray import serve
+
+    print(f"dcut draining (up to {timeout_s:.0f} s for requests in flight)", flush=True)
+    engine = serve.get_deployment_handle("engine", app_name="dcut")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if engine.health.remote().result(timeout_s=5).in_flight == 0:
+                time.sleep(0.5)  # the last deltas' way out through the ingress and the proxy
+                return
+        except Exception as exc:  # the engine is gone already: nothing to wait for
+            print(f"dcut draining: the engine did not answer ({type(exc).__name__})", flush=True)
+            return
+        time.sleep(0.1)
