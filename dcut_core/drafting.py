@@ -22,8 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dcut_core import ragged
-from dcut_core.pruning import DraftBatch, StepCost
+from dcut_core.pruning import StepCost
 
 
 @dataclass(frozen=True)
@@ -59,6 +58,19 @@ class DraftPlan:
         return bool(self.lengths.sum())
 
 
+def survival_matrix(predicted: list[np.ndarray] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(survival [R, w], lengths [R]) from conditional acceptance rows (ragged, or [R, n]):
+    running products clipped to [0, 1], zeros past each row's end (w: the longest row)."""
+    if isinstance(predicted, np.ndarray) and predicted.ndim == 2:
+        rates = np.clip(predicted, 0.0, 1.0)
+        return np.cumprod(rates, axis=1), np.full(len(rates), rates.shape[1], dtype=np.int64)
+    lens = np.fromiter((len(p) for p in predicted), dtype=np.int64, count=len(predicted))
+    rates = np.zeros((len(lens), int(lens.max(initial=0))))
+    if rates.size:
+        rates[np.arange(rates.shape[1]) < lens[:, None]] = np.clip(np.concatenate(predicted), 0.0, 1.0)
+    return np.cumprod(rates, axis=1), lens
+
+
 def plan_drafts(predicted: list[np.ndarray], verify: StepCost, draft: DraftCost | list[DraftCost],
                 max_budget: int | None = None, slack: int = 0, catchup: np.ndarray | None = None,
                 extend: bool = False, kinds: np.ndarray | None = None, shared_fixed: float = 0.0) -> DraftPlan:
@@ -80,55 +92,62 @@ def plan_drafts(predicted: list[np.ndarray], verify: StepCost, draft: DraftCost 
     predicted survival pays for drafting it alone (survival ≥ plan rate × per-position cost).
     The plan's verify budget is a guess from predictions; what is verified is pruning's call,
     and drafting a position costs far less than verifying it (one more row of the same pass).
-    """
-    flat, cu = ragged.flatten(predicted)
-    batch = DraftBatch(ragged.segment_cumprod(np.clip(flat, 0.0, 1.0), cu), cu)
-    r = batch.num_requests
-    costs = [draft] if isinstance(draft, DraftCost) else list(draft)
-    kind = np.zeros(r, dtype=np.int64) if kinds is None else np.asarray(kinds, dtype=np.int64)
-    def column(name: str) -> np.ndarray:
-        return np.array([getattr(c, name) for c in costs], dtype=np.float64)
 
-    fixed, per_pass = column("fixed"), column("per_pass")  # [kinds]
-    per_request, per_position, per_context = (column(n)[kind] for n in ("per_request", "per_position", "per_context"))
+    Runs every step before drafting, so it is array code on the [R, n] survival matrix with one
+    call of the verify curve (measured in benchmarks/coordinator.py).
+    """
+    surv, lens = survival_matrix(predicted)  # [R, w]
+    r, width = surv.shape
+    valid = np.arange(width) < lens[:, None]
+    n_flat = int(lens.sum())
+    seconds_at = verify.seconds(r + np.arange(n_flat + 1))  # the verify curve at every budget the scan can reach
+    costs = [draft] if isinstance(draft, DraftCost) else list(draft)
+    kind = np.zeros(r, dtype=np.int64) if kinds is None or len(costs) == 1 else np.asarray(kinds, dtype=np.int64)
+    table = np.array([[c.fixed, c.per_request, c.per_position, c.per_context, c.per_pass] for c in costs])
+    fixed, per_pass = table[:, 0], table[:, 4]  # [kinds]
+    per_request, per_position, per_context = table[kind, 1], table[kind, 2], table[kind, 3]  # [R]
     backlog = np.zeros(r) if catchup is None else np.asarray(catchup, dtype=np.float64)
     if catchup is not None and r:
-        ar_rate = r / float(verify.seconds(np.array([r]))[0])
-        gain = ragged.segment_sums(batch.survival, cu)
-        cost = per_request + per_context * backlog + per_position * batch.drafted
-        cost = cost + (verify.seconds(np.array([r + int(batch.drafted.sum())]))[0]
-                       - verify.seconds(np.array([r]))[0]) * batch.drafted / max(1, int(batch.drafted.sum()))
-        hopeless = gain < ar_rate * cost
+        ar_rate = r / float(seconds_at[0])
+        cost = per_request + per_context * backlog + per_position * lens
+        cost = cost + (seconds_at[n_flat] - seconds_at[0]) * lens / max(1, n_flat)
+        hopeless = surv.sum(axis=1) < ar_rate * cost
         if hopeless.any():
-            keep = np.repeat(~hopeless, batch.drafted)
-            batch = DraftBatch(np.where(keep, batch.survival, 0.0), cu)
+            surv[hopeless] = 0.0
+    flat = surv[valid]  # [N] request by request, position order within each
+    row_of, pos_of = np.nonzero(valid)
     # Positions by survival per second of their own cost, high to low (by survival where every
     # kind's position costs the same), position order on ties: prefix-closed within a request.
-    tau = float(np.diff(verify.seconds(np.array([r, r + 1])))[0]) if len(flat) else 0.0
-    density = batch.survival / np.maximum(tau + np.repeat(per_position, batch.drafted), 1e-12)
-    order = np.argsort(-density, kind="stable")  # [N]
-    m_max = len(order) if max_budget is None else min(len(order), max_budget)
-    tokens = np.concatenate([[float(r)], r + np.cumsum(batch.survival[order[:m_max]])])
-    owner = np.repeat(np.arange(r), batch.drafted)  # the request of each flat position
-    row = owner[order[:m_max]]  # the request of each position in order
-    first = ragged.positions(cu)[order[:m_max]] == 0  # a request's first position: it starts drafting
-    kind_first = np.zeros(m_max)  # a kind's first position in the order: its pass runs
-    longer = np.zeros(m_max)  # a position deeper than any of its kind's so far: one more chained pass
-    depth = ragged.positions(cu)[order[:m_max]] + 1
-    for k in np.unique(kind[row]):
-        mine = np.flatnonzero(kind[row] == k)
-        kind_first[mine[0]] = fixed[k]
-        longer[mine] = per_pass[k] * np.diff(np.maximum.accumulate(depth[mine]), prepend=0)
-    added = first * (per_request[row] + per_context[row] * backlog[row]) + per_position[row] + kind_first + longer
-    m = np.arange(m_max + 1)
-    seconds = verify.seconds(r + m) + np.concatenate([[0.0], shared_fixed + np.cumsum(added)])
+    tau = float(seconds_at[1] - seconds_at[0]) if n_flat else 0.0
+    pp = per_position[row_of]
+    density = flat / np.maximum(tau + pp, 1e-12)
+    m_max = n_flat if max_budget is None else min(n_flat, max_budget)
+    order = np.argsort(-density, kind="stable")[:m_max]  # [m_max]
+    tokens = np.empty(m_max + 1)
+    tokens[0] = r
+    np.cumsum(flat[order], out=tokens[1:])
+    tokens[1:] += r
+    row = row_of[order]  # the request of each position in order
+    added = pp[order]
+    first = pos_of[order] == 0  # a request's first position: it starts drafting
+    added[first] += per_request[row[first]] + per_context[row[first]] * backlog[row[first]]
+    if m_max and (fixed.any() or per_pass.any()):
+        depth = pos_of[order] + 1
+        for k in np.unique(kind[row]):
+            mine = np.flatnonzero(kind[row] == k)
+            added[mine[0]] += fixed[k]  # a kind's first position in the order: its pass runs
+            if per_pass[k]:  # a position deeper than any of its kind's so far: one more chained pass
+                added[mine] += per_pass[k] * np.diff(np.maximum.accumulate(depth[mine]), prepend=0)
+    seconds = seconds_at[:m_max + 1].copy()
+    seconds[1:] += shared_fixed + np.cumsum(added)
     best = int(np.argmax(tokens / seconds))
-    lengths = np.bincount(owner[order[:best]], minlength=r).astype(np.int64)
+    lengths = np.bincount(row[:best], minlength=r).astype(np.int64)
     if slack:
-        lengths = np.where(lengths > 0, np.minimum(lengths + slack, batch.drafted), 0)
+        lengths = np.where(lengths > 0, np.minimum(lengths + slack, lens), 0)
     if extend and best > 0:
-        worth = batch.survival >= tokens[best] / seconds[best] * np.repeat(per_position, batch.drafted)
-        pays = ragged.segment_sums(ragged.segment_cumprod(worth.astype(np.float64), cu), cu).astype(np.int64)
+        worth = np.zeros_like(valid)
+        worth[valid] = flat >= tokens[best] / seconds[best] * pp
+        pays = np.cumprod(worth, axis=1).sum(axis=1)
         lengths = np.where(lengths > 0, np.maximum(lengths, pays), 0)
     return DraftPlan(lengths, float(tokens[best]), float(seconds[best]), float(seconds[0]))
 
@@ -215,19 +234,22 @@ class AcceptanceTracker:
         self._sums[rid] = (0.7 * a + accepted, 0.7 * e + expected)
         self._set_factor(rid)
 
-    def skipped(self, rid: int, halflife_steps: float = 4.0) -> None:
-        """Request rid drafted nothing this step: its factor drifts back toward 1 (the global
-        rate). Without this a request whose factor fell after a few misses predicts too little
-        to ever draft again, and so is never observed again — it stays in plain decoding."""
-        if rid in self._sums:
-            keep = 0.5 ** (1.0 / halflife_steps)
-            a, e = self._sums[rid]
-            self._sums[rid] = (e + (a - e) * keep, e)
-            self._set_factor(rid)
+    def skipped(self, rids, halflife_steps: float = 4.0) -> None:
+        """These requests drafted nothing this step: each one's factor drifts back toward 1
+        (the global rate). Without this a request whose factor fell after a few misses predicts
+        too little to ever draft again, and so is never observed again — it stays in plain
+        decoding. Called for a whole step's requests at once (plain Python: scalars, per request)."""
+        keep = 0.5 ** (1.0 / halflife_steps)
+        sums = self._sums
+        for rid in rids:
+            if rid in sums:
+                a, e = sums[rid]
+                sums[rid] = (e + (a - e) * keep, e)
+                self._set_factor(rid)
 
     def _set_factor(self, rid: int) -> None:
         a, e = self._sums[rid]
-        self.factor[rid] = float(np.clip((a + 0.5) / (e + 0.5), 0.05, 3.0))
+        self.factor[rid] = min(3.0, max(0.05, (a + 0.5) / (e + 0.5)))
 
     def forget(self, rid: int) -> None:
         self._sums.pop(rid, None)

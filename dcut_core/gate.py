@@ -10,9 +10,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dcut_core import ragged
 from dcut_core.choosing import KindChooser
-from dcut_core.drafting import AcceptanceTracker, DraftCost, Exploration, plan_drafts
+from dcut_core.drafting import AcceptanceTracker, DraftCost, Exploration, plan_drafts, survival_matrix
 from dcut_core.pruning import StepCost
 
 
@@ -139,9 +138,9 @@ class DraftingGate:
             if probe is not None:
                 return kinds, caps * probe
         lengths = plan.lengths if exploring is None else np.where(exploring, caps, plan.lengths)
-        for rid, k, n in zip(rids, kinds, lengths, strict=True):
-            if n == 0:
-                self.trackers[k].skipped(rid)
+        idle = lengths == 0
+        for k, tracker in enumerate(self.trackers):
+            tracker.skipped([rid for rid, i in zip(rids, idle & (kinds == k), strict=True) if i])
         return kinds, lengths
 
     def choose_kinds(self, rids: list[int], caps: np.ndarray, verify: StepCost, costs: list[DraftCost],
@@ -176,8 +175,7 @@ class DraftingGate:
         share of its remaining output the step may commit (1 + Σ predicted survival over
         `remaining`). Catching up is paid once and serves every later drafting step; charged in
         full, it would grow each step a request does not draft and keep it from ever drafting."""
-        flat, cu = ragged.flatten(predicted)
-        expected = 1.0 + ragged.segment_sums(ragged.segment_cumprod(flat, cu), cu)
+        expected = 1.0 + survival_matrix(predicted)[0].sum(axis=1)
         return backlog * np.minimum(1.0, expected / np.maximum(1.0, np.asarray(remaining, dtype=np.float64)))
 
 

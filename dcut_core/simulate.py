@@ -158,8 +158,7 @@ def simulate(policy: Policy, cfg: SimConfig, trace: SyntheticTrace | RecordedTra
             predicted = [tracker.predict(int(r), drafts) for r in rid]
             lengths = plan_drafts(predicted, cost, cfg.draft_cost, slack=cfg.draft_slack,
                                   extend=cfg.draft_extend).lengths
-            for i in np.nonzero(lengths == 0)[0]:
-                tracker.skipped(int(rid[i]))
+            tracker.skipped([int(rid[i]) for i in np.nonzero(lengths == 0)[0]])
         # [N] flat drafts of this step, ragged by cu
         cu = np.concatenate([[0], np.cumsum(lengths)])
         pos = ragged.positions(cu)

@@ -313,8 +313,11 @@ class InProcessGroup(EPGroup):
 
     def _start(self, cfg: EPConfig) -> list:
         self.pg, self._owns_pg = None, False
-        self.local = TargetRank(rank_spec(cfg, 0), cfg.guests)
+        self.local = self._new_rank(rank_spec(cfg, 0), cfg.guests)
         return [InProcess(self.local)]
+
+    def _new_rank(self, spec: WorkerSpec, guests: tuple) -> TargetRank:
+        return TargetRank(spec, guests)
 
     def part(self, rank: int, name: str, one_way: frozenset[str] = frozenset()) -> InProcess:
         """A handle on guest `name` of the rank (actor-call syntax, answered at once)."""

@@ -46,11 +46,14 @@ class ProfileSample:
         return out
 
 
+FIRST_RID = 1_000_000_000  # a profile's request ids start here, out of the way of real ones
+
+
 def run_profile(target, grid: ProfileGrid, vocab_size: int, seed: int = 0, progress=None) -> list[ProfileSample]:
     """Time verification steps over the grid on `target` (an `EPGroup` or `LocalTarget`)."""
     rng = np.random.default_rng(seed)
     samples: list[ProfileSample] = []
-    next_id = 1_000_000_000  # out of the way of real request ids
+    next_id = FIRST_RID
     for r in grid.requests:
         for ctx in grid.contexts:
             ids = list(range(next_id, next_id + r))

@@ -88,9 +88,9 @@ def test_a_request_that_stopped_drafting_drifts_back_to_the_global_rate():
     low = t.predict(7, 1)[0]
     assert low < 0.5 * t.global_rate[0]
     for _ in range(12):
-        t.skipped(7)
+        t.skipped([7])
     assert t.predict(7, 1)[0] == pytest.approx(t.global_rate[0], rel=0.15)
-    t.skipped(99)  # never seen: nothing to relax
+    t.skipped([99])  # never seen: nothing to relax
     assert 99 not in t.factor
 
 

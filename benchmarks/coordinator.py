@@ -1,0 +1,193 @@
+"""The coordinator's own time per step, by stage, at 1 to 1,024 running requests (issue #26).
+
+On a GPU a MoE decode step takes 10–40 ms, and whatever the engine's own Python adds to it is
+paid every step. Here the target's forward is a lookup of known greedy outputs (`ReplayEngine`,
+actors/engine/replay.py: a zero-cost target, everything else real — the scheduler, the drafting
+gate, the real n-gram drafter, pruning, acceptance, commit, the learned estimators), so the
+engine's own time shows at batch sizes this machine cannot run a model at.
+
+Prompts: the mixed workload's training draw (`dcut trace`'s seed 23, never the reported seed-11
+prompts), cycled to fill the batch; their greedy outputs come from the real bundled model first,
+and every replayed output is checked against them. Per (policy, R): one wave of R requests
+admitted together; the steps counted are those decoding at least 90 % of R with no prefill.
+
+    .venv/bin/python benchmarks/coordinator.py --out runs/coordinator
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from actors.ray_env import set_local_env
+
+set_local_env()
+
+STAGES = ("schedule", "plan", "propose", "prune", "verify", "accept", "commit")
+POLICIES = "ar:8,full:5,full:17,tetris:8,dcut-buckets:8,dcut:8"  # policy:block (block − 1 drafts at most)
+
+
+class StageClock:
+    """Wraps an engine's stage methods to time each call (a perf_counter pair: about 1 µs)."""
+
+    def __init__(self, engine) -> None:
+        self.seconds: dict[str, list[float]] = defaultdict(list)
+        for name in STAGES:
+            stage = getattr(engine, name)
+
+            def timed(*args, _stage=stage, _name=name, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return _stage(*args, **kwargs)
+                finally:
+                    self.seconds[_name].append(time.perf_counter() - t0)
+
+            setattr(engine, name, timed)
+
+    def take(self) -> dict[str, float]:
+        """This step's seconds per stage (stages it did not reach: 0), and clear."""
+        out = {k: sum(v) for k, v in self.seconds.items()}
+        self.seconds.clear()
+        return out
+
+
+def greedy_outputs(prompts: list[list[int]], max_tokens: int):
+    """The bundled target's greedy outputs (plain decoding, the real model), and its profiled
+    cost model (the deployment's cached start-up profile, or one made now)."""
+    from actors.engine.coordinator import Engine
+    from actors.engine.costs import startup_cost_model
+    from actors.engine.loadgen import closed_loop
+    from deployments.settings import ServeSettings
+
+    cfg = ServeSettings(policy="ar", max_running=len(prompts)).engine_config()
+    eng = Engine(cfg)
+    try:
+        res = closed_loop(eng, prompts, len(prompts), max_tokens)
+        model = startup_cost_model(eng.target, cfg.target_dir, cfg.ep, cfg.threads_per_rank, cfg.cost_model_cache,
+                                   cfg.in_process)
+    finally:
+        eng.shutdown()
+    return {tuple(p): o for p, o in zip(prompts, res.outputs, strict=True)}, model
+
+
+def one_wave(policy: str, block: int, r: int, table: dict, prompts: list[list[int]], max_tokens: int,
+             forward) -> dict:
+    """R requests admitted together under `policy`; per-stage medians of the full decode steps."""
+    from actors.engine.replay import ReplayEngine
+    from actors.engine.sequence import SamplingParams
+    from deployments.settings import ServeSettings
+
+    # The real target's cached profile: the gate and pruning decide as on the real unit.
+    cfg = ServeSettings(policy=policy, drafter="ngram", block=block, max_running=r).engine_config()
+    cfg = dataclasses.replace(cfg, kv_capacity_tokens=max(cfg.kv_capacity_tokens, 400 * r))
+    eng = ReplayEngine(cfg, table, forward)
+    clock = StageClock(eng)
+    batch = [prompts[i % len(prompts)] for i in range(r)]
+    rids = [eng.add(p, SamplingParams(max_tokens=max_tokens)) for p in batch]
+    steps = []
+    try:
+        while len(eng.scheduler):
+            t0 = time.perf_counter()
+            rec = eng.step()
+            wall = time.perf_counter() - t0
+            stages = clock.take()
+            if rec is not None and rec.requests >= 0.9 * r and not rec.prefill_tokens:
+                own = wall - rec.target_compute_s - rec.draft_compute_s
+                steps.append({"wall": wall, "own": own, "forward": rec.target_compute_s,
+                              "draft": rec.draft_compute_s, "drafted": rec.drafted / rec.requests,
+                              "kept": rec.kept / rec.requests, "accepted": rec.accepted / rec.requests, **stages})
+        outputs = [eng.scheduler.finished.pop(rid).output for rid in rids]
+    finally:
+        eng.shutdown()
+    if any(o != table[tuple(p)] for o, p in zip(outputs, batch, strict=True)):
+        raise AssertionError(f"{policy} at R = {r}: an output differs from the target's greedy one")
+    med = {k: 1e3 * statistics.median(s[k] for s in steps) for k in ("wall", "own", "forward", "draft", *STAGES)}
+    med["verify"] -= med["forward"]  # the stage's own part: building the batch, the group's bookkeeping
+    return {"policy": policy, "block": block, "requests": r, "steps": len(steps), **{f"{k}_ms": v for k, v in
+                                                                                      med.items()},
+            "drafted_per_request": statistics.fmean(s["drafted"] for s in steps),
+            "accepted_per_request": statistics.fmean(s["accepted"] for s in steps)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", default="1,16,64,256,1024")
+    p.add_argument("--policies", default=POLICIES, help="policy:block, comma-separated")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--forward", default="model",
+                   help="each forward's time: 'model' (what the real target's profile predicts for its shape, "
+                        "slept), 'none', or milliseconds")
+    p.add_argument("--out", default="runs/coordinator")
+    args = p.parse_args()
+
+    from tokenizers import Tokenizer
+
+    from actors.ray_env import start_local_ray
+    from deployments.bundle import BUNDLED
+    from deployments.trace_command import workload
+
+    tok = Tokenizer.from_file(str(BUNDLED / "tokenizer.json"))
+    prompts = [tok.encode(t).ids for t in workload("mixed", args.num_prompts, 23, 11)]
+    start_local_ray(num_cpus=4)
+    table, model = greedy_outputs(prompts, args.max_tokens)
+    forward = model.predict if args.forward == "model" else None if args.forward == "none" else \
+        (lambda shape: float(args.forward) / 1e3)
+    rows = []
+    for r in (int(x) for x in args.requests.split(",")):
+        for spec in args.policies.split(","):
+            policy, block = spec.split(":")
+            row = one_wave(policy, int(block), r, table, prompts, args.max_tokens, forward)
+            row["forward"] = args.forward
+            rows.append(row)
+            print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(rows, indent=1))
+    (out / "table.md").write_text(render(rows) + "\n")
+    plot(rows, out / "own_time.png")
+    print(render(rows))
+    return 0
+
+
+def render(rows: list[dict]) -> str:
+    lines = ["| policy (drafts ≤) | R | steps | own ms / step | µs / request | " + " | ".join(STAGES) +
+             " | drafted / req | accepted / req |", "|---" * (9 + len(STAGES)) + "|"]
+    for r in rows:
+        lines.append(f"| {r['policy']} ({r['block'] - 1}) | {r['requests']} | {r['steps']} | {r['own_ms']:.2f} | "
+                     f"{1e3 * r['own_ms'] / r['requests']:.0f} | "
+                     + " | ".join(f"{r[s + '_ms']:.2f}" for s in STAGES)
+                     + f" | {r['drafted_per_request']:.1f} | {r['accepted_per_request']:.2f} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in dict.fromkeys(f"{r['policy']} ({r['block'] - 1})" for r in rows):
+        mine = [r for r in rows if f"{r['policy']} ({r['block'] - 1})" == name]
+        ax.plot([r["requests"] for r in mine], [r["own_ms"] for r in mine], marker="o", label=name)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("running requests")
+    ax.set_ylabel("coordinator's own ms per step")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

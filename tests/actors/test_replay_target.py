@@ -1,0 +1,69 @@
+"""The zero-cost target (`ReplayEngine`): the whole engine over a target that looks its rows up
+in known greedy outputs. Its outputs equal the real target's, speculation happens (the real
+n-gram drafter's drafts are accepted), a batch far larger than the prompts runs, and a prompt
+it has no output for is a clear error."""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.engine.config import EngineConfig
+from actors.engine.coordinator import Engine
+from actors.engine.replay import ReplayEngine
+from actors.engine.sequence import SamplingParams
+
+PROMPTS = [[5, 6, 7, 5, 6, 7, 5], [9, 10, 11, 9, 10], [3, 4, 3, 4, 3, 4, 3, 4], [20, 21, 22, 23, 20, 21]]
+MAX_TOKENS = 20
+
+pytestmark = pytest.mark.usefixtures("local_ray")  # tests/actors/conftest.py
+
+
+def config(bundle: str, tmp_path, policy: str) -> EngineConfig:
+    return EngineConfig(target_dir=f"{bundle}/target", drafter="ngram", block=6, policy=policy,
+                        cost_model_cache=str(tmp_path), max_running=128)
+
+
+@pytest.fixture(scope="module")
+def greedy(tiny_bundle, tmp_path_factory):
+    """The real target's greedy outputs (plain decoding)."""
+    eng = Engine(config(tiny_bundle, tmp_path_factory.mktemp("cache"), "ar"))
+    try:
+        seqs = eng.generate(PROMPTS, [SamplingParams(max_tokens=MAX_TOKENS) for _ in PROMPTS])
+    finally:
+        eng.shutdown()
+    return {tuple(p): s.output for p, s in zip(PROMPTS, seqs, strict=True)}
+
+
+@pytest.mark.parametrize("policy", ["dcut", "full"])
+def test_outputs_equal_the_real_targets_at_a_batch_larger_than_the_prompts(greedy, tiny_bundle, tmp_path,
+                                                                             policy):
+    eng = ReplayEngine(config(tiny_bundle, tmp_path, policy), greedy)
+    prompts = PROMPTS * 25  # 100 requests in flight at once
+    try:
+        seqs = eng.generate(prompts, [SamplingParams(max_tokens=MAX_TOKENS) for _ in prompts])
+        records = list(eng.history.recent)
+    finally:
+        eng.shutdown()
+    assert [s.output for s in seqs] == [greedy[tuple(p)] for p in prompts]
+    assert max(r.requests for r in records) == len(prompts)
+    assert sum(r.accepted for r in records) > 0  # the n-gram drafter's drafts were accepted
+    assert all(r.target_compute_s < 0.05 for r in records)  # no model ran
+
+
+def test_a_prompt_without_a_recorded_output_is_a_clear_error(greedy, tiny_bundle, tmp_path):
+    eng = ReplayEngine(config(tiny_bundle, tmp_path, "ar"), greedy)
+    try:
+        with pytest.raises(ValueError, match="no recorded greedy output"):
+            eng.generate([[1, 2, 3]], [SamplingParams(max_tokens=4)])
+    finally:
+        eng.shutdown()
+
+
+def test_a_forward_takes_the_time_it_is_given(greedy, tiny_bundle, tmp_path):
+    eng = ReplayEngine(config(tiny_bundle, tmp_path, "dcut"), greedy, forward_s=lambda shape: 0.004)
+    try:
+        eng.generate(PROMPTS, [SamplingParams(max_tokens=8) for _ in PROMPTS])
+        records = list(eng.history.recent)
+    finally:
+        eng.shutdown()
+    assert all(r.target_compute_s >= 0.004 for r in records)
