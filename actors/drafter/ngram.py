@@ -1,7 +1,8 @@
 """`NgramDrafter`: prompt-lookup drafting, no model.
 
 For a request's token history, find earlier occurrences of its last n tokens (longest n first,
-`max_n` down to `min_n`) and propose what followed the most recent one. Confidence of draft j
+`max_n` down to `min_n`) and propose what followed the most recent one. Each history keeps an
+index of its n-grams as tokens are committed (`History`): a lookup does not rescan the context. Confidence of draft j
 comes from the match statistics: of the occurrences found, the share whose continuation agrees
 with the draft up to j, smoothed toward a prior that grows with n. The top-2 margin is the
 share of the most common next token minus the runner-up, among occurrences agreeing so far.
@@ -12,7 +13,6 @@ from __future__ import annotations
 from collections import Counter
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from actors.drafter.base import DraftOutput
 
@@ -23,16 +23,18 @@ class NgramDrafter:
     def __init__(self, max_n: int = 4, min_n: int = 1, block_size: int = 16, prior_strength: float = 1.0) -> None:
         self.max_n, self.min_n, self.block = max_n, min_n, block_size
         self.prior_strength = prior_strength
-        self._history: dict[int, list[int]] = {}
+        self._history: dict[int, History] = {}
 
     def commit(self, request_ids: list[int], tokens: list[list[int]], hidden=None) -> None:
         """Append newly committed tokens (prompt included) to each request's history."""
         for rid, toks in zip(request_ids, tokens, strict=True):
-            self._history.setdefault(rid, []).extend(int(t) for t in toks)
+            if rid not in self._history:
+                self._history[rid] = History(self.min_n, self.max_n)
+            self._history[rid].extend(toks)
 
     def truncate(self, lengths: dict[int, int]) -> None:
         for rid, n in lengths.items():
-            del self._history[rid][n:]
+            self._history[rid].truncate(n)
 
     def release(self, request_ids: list[int]) -> None:
         for rid in request_ids:
@@ -43,10 +45,10 @@ class NgramDrafter:
         """Drafts follow each request's history, whose last token must be last_tokens[i]."""
         toks, confs, margins, counts = [], [], [], []
         for rid, last, want in zip(request_ids, last_tokens, lengths, strict=True):
-            history = self._history.get(rid, [])
-            if not history or history[-1] != last:
+            history = self._history.get(rid)
+            if history is None or not history.tokens or history.tokens[-1] != last:
                 raise ValueError(f"request {rid}: last token {last} is not the end of its committed history")
-            d, c, m = self._lookup(np.asarray(history, dtype=np.int64), min(want, self.block - 1))
+            d, c, m = self._lookup(history, min(want, self.block - 1))
             toks += d
             confs += c
             margins += m
@@ -56,22 +58,21 @@ class NgramDrafter:
         return DraftOutput(np.asarray(toks, dtype=np.int64), cu, np.asarray(confs, dtype=np.float64),
                            np.asarray(margins, dtype=np.float64))
 
-    def _lookup(self, h: np.ndarray, want: int) -> tuple[list[int], list[float], list[float]]:
+    def _lookup(self, history: History, want: int) -> tuple[list[int], list[float], list[float]]:
         if want <= 0:
             return [], [], []
+        h = history.tokens
         for n in range(min(self.max_n, len(h) - 1), self.min_n - 1, -1):
-            windows = sliding_window_view(h[:-1], n)  # earlier n-grams (each has a successor)
-            starts = np.nonzero((windows == h[-n:]).all(axis=1))[0]
-            if len(starts) == 0:
+            starts = history.earlier(n)
+            if not starts:
                 continue
-            starts = starts[::-1]  # most recent first
-            follow = [h[s + n: s + n + want] for s in starts]
-            draft = follow[0].tolist()
+            follow = [h[s + n: s + n + want] for s in reversed(starts)]  # most recent first
+            draft = follow[0]
             prior = n / (n + 1.0)  # longer matches deserve more trust before any evidence
             confs, margins = [], []
             alive = follow
             for j, tok in enumerate(draft):
-                nexts = Counter(int(f[j]) for f in alive if len(f) > j)
+                nexts = Counter(f[j] for f in alive if len(f) > j)
                 top = nexts.most_common(2)
                 total = sum(nexts.values())
                 agree = nexts.get(tok, 0)
@@ -79,5 +80,44 @@ class NgramDrafter:
                 margins.append((top[0][1] - (top[1][1] if len(top) > 1 else 0)) / total)
                 alive = [f for f in alive if len(f) > j and f[j] == tok]
             # Each confidence is conditional on the drafts before it (only agreeing matches count).
-            return draft, confs, margins
+            return list(draft), confs, margins
         return [], [], []
+
+
+class History:
+    """One request's committed tokens and, for each n-gram length, where every n-gram occurs
+    with a token after it — kept up to date as tokens are appended, so a lookup costs a dict
+    access instead of a scan of the whole context (which grows with it: 32 k tokens on a GPU)."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.tokens: list[int] = []
+        self.starts: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in range(min_n, max_n + 1)}
+
+    def extend(self, tokens) -> None:
+        h = self.tokens
+        for t in tokens:
+            end = len(h)  # the n-grams ending just before the new token now have a successor
+            for n, index in self.starts.items():
+                if end >= n:
+                    key = tuple(h[end - n:end])
+                    if key in index:
+                        index[key].append(end - n)
+                    else:
+                        index[key] = [end - n]
+            h.append(int(t))
+
+    def truncate(self, length: int) -> None:
+        h = self.tokens
+        while len(h) > length:
+            end = len(h) - 1  # dropping h[end]: the n-grams ending before it lose their successor
+            for n, index in self.starts.items():
+                if end >= n:
+                    key = tuple(h[end - n:end])
+                    index[key].pop()  # appended last, so it is the last entry
+                    if not index[key]:
+                        del index[key]
+            h.pop()
+
+    def earlier(self, n: int) -> list[int]:
+        """Start positions, oldest first, of the earlier occurrences of the last n tokens."""
+        return self.starts[n].get(tuple(self.tokens[-n:]), [])

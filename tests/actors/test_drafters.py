@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from actors.drafter.block import BlockDrafter
 from actors.drafter.model import DraftConfig, DraftModel
@@ -164,3 +166,30 @@ def test_a_request_whose_kind_drafts_nothing_is_drafted_by_its_fallback(tiny_bun
     assert np.diff(out.cu).tolist() == [3, 3] and out.tokens[3:].tolist() == [8, 9, 7]
     alone = mixed.draft([0], [fresh[-1]], [3], None, [2], [-1])  # no fallback: nothing
     assert alone.cu.tolist() == [0, 0] and alone.kinds.tolist() == [2]
+
+
+def _scan_lookup(h: list[int], want: int, max_n: int, min_n: int) -> list[int]:
+    """The obviously correct n-gram draft: scan the history for the last n tokens, longest n
+    first, and follow the most recent earlier occurrence."""
+    for n in range(min(max_n, len(h) - 1), min_n - 1, -1):
+        starts = [s for s in range(len(h) - n) if h[s:s + n] == h[-n:]]
+        if starts:
+            return h[starts[-1] + n: starts[-1] + n + want]
+    return []
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=12), min_size=1, max_size=6),
+       st.lists(st.integers(0, 40), max_size=6), st.integers(1, 7))
+def test_the_ngram_index_finds_what_a_scan_of_the_history_finds(chunks, cuts, want):
+    """Committed in chunks, rolled back at random lengths, committed again: after every change
+    the indexed lookup drafts exactly what a scan of the whole history drafts."""
+    d, history = NgramDrafter(max_n=3, block_size=8), []
+    for i, chunk in enumerate(chunks):
+        d.commit([0], [chunk])
+        history += chunk
+        if i < len(cuts) and 0 < cuts[i] < len(history):
+            d.truncate({0: cuts[i]})
+            del history[cuts[i]:]
+        out = d.draft([0], [history[-1]], [want])
+        assert out.tokens.tolist() == _scan_lookup(history, min(want, 7), 3, 1)
