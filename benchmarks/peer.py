@@ -4,8 +4,14 @@ Same bundled checkpoint, same held-out prompts, greedy, same new-token count:
 - `bare`: a single-process loop of our own model (`LocalTarget` + argmax, static batches of C);
 - `hf`: Hugging Face transformers `generate` on the same folder (batch 1, or left-padded batch C);
 - `hf-lookup`: its prompt-lookup speculative decoding (`prompt_lookup_num_tokens=10`, batch 1);
-- `engine-ar`, `engine-dcut`: our engine at EP 1 (closed loop, C in flight), and at EP 2 — driven
-  from rank 0 (the default), and with every rank a Ray actor called per step (EP `2-actors`).
+- `engine-ar`: our engine at EP 1 (closed loop, C in flight), plain decoding;
+- `engine-dcut-<kind>-cold` / `-warm`, for each drafter kind of `--kinds` (`auto`: every kind,
+  chosen per request): a freshly built engine, as a fresh `dcut serve` process builds it (nothing
+  learned saved, so it starts from the bundle's prior; start-up profiles of the target copied in
+  so a round does not spend minutes on them), its first run of the prompts (`cold`) and its
+  second (`warm`); the serving default's kind is marked in the table;
+- `engine-ar`, `engine-dcut` at EP 2 — driven from rank 0 (the default), and with every rank a
+  Ray actor called per step (EP `2-actors`).
 Rounds alternate the order of the systems; each level's ratios are taken within a round, and the
 table reports medians over rounds. Also the engine's time per step by stage, and whether every
 system's tokens equal the bare loop's.
@@ -19,8 +25,10 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -77,6 +85,20 @@ def engine_run(engine, policy: str, prompts: list[list[int]], c: int, max_tokens
     return closed_loop(engine, prompts, c, max_tokens)
 
 
+def fresh_engine(kind: str, max_running: int, threads: int):
+    """An EP-1 engine drafting with `kind`, built as a fresh `dcut serve` builds it: nothing
+    learned saved (it reads the bundle's prior), the target's start-up profile copied in."""
+    from actors.engine.coordinator import Engine
+    from deployments.settings import ServeSettings
+
+    cache = tempfile.mkdtemp(prefix="peer-")
+    for f in pathlib.Path(ServeSettings().cost_model_cache).glob("cost_model_*.json"):
+        shutil.copy(f, cache)
+    engine = Engine(ServeSettings(drafter=kind, max_running=max_running, threads_per_rank=threads,
+                                  cost_model_cache=cache).engine_config())
+    return engine, cache
+
+
 def stages(records) -> dict[str, float]:
     """Mean milliseconds per decode step, by stage."""
     recs = [r for r in records if r.requests]
@@ -93,6 +115,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--concurrency", default="1,4,16")
+    p.add_argument("--kinds", default="ngram,block,mtp,auto",
+                   help="drafter kinds run cold and warm on fresh EP-1 engines ('' to skip)")
     p.add_argument("--ep2-concurrency", default="1,16", help="levels also run at EP 2 ('' to skip)")
     p.add_argument("--ep2-actors", action=argparse.BooleanOptionalAction, default=True,
                    help="also run EP 2 with ranks and drafter as Ray actors (in_process=False)")
@@ -111,6 +135,7 @@ def main() -> int:
     from deployments.settings import ServeSettings
 
     levels = [int(c) for c in args.concurrency.split(",")]
+    kinds = [k for k in args.kinds.split(",") if k]
     ep2_levels = [int(c) for c in args.ep2_concurrency.split(",") if c]
     cfg1 = ServeSettings(max_running=max(levels), threads_per_rank=args.threads).engine_config()
     eos = cfg1.eos_token_id
@@ -137,13 +162,29 @@ def main() -> int:
     for rnd in range(args.rounds):
         for c in levels:
             prompts = all_prompts[: max(args.num_prompts, c)]
-            systems = [("bare", 1), ("hf", 1), ("engine-ar", 1), ("engine-dcut", 1)]
+            systems = [("bare", 1), ("hf", 1), ("engine-ar", 1)] + [(f"engine-dcut-{k}", 1) for k in kinds]
             systems += [("hf-lookup", 1)] if c == 1 else []
             eps = [e for e in engines if e != 1] if c in ep2_levels else []
             systems += [(f"engine-{p}", e) for e in eps for p in ("ar", "dcut")]
             k = rnd % len(systems)
             for name, ep in systems[k:] + systems[:k]:  # alternate who goes first
                 torch.set_num_threads(engines[ep].cfg.threads_per_rank if name.startswith("engine") else args.threads)
+                if name.startswith("engine-dcut-"):  # a fresh engine: its first run and its second
+                    kind = name.removeprefix("engine-dcut-")
+                    engine, cache = fresh_engine(kind, max(levels), engines[1].cfg.threads_per_rank)
+                    try:
+                        for phase in ("cold", "warm"):
+                            t0 = time.perf_counter()
+                            res = engine_run(engine, "dcut", prompts, c, args.max_tokens)
+                            row = {"round": rnd, "system": f"{name}-{phase}", "ep": 1, "concurrency": c,
+                                   **outcome(res.outputs, time.perf_counter() - t0), **stages(res.records),
+                                   "mat": res.mat()}
+                            runs.append(row)
+                            report(row)
+                    finally:
+                        engine.shutdown()
+                        shutil.rmtree(cache, ignore_errors=True)
+                    continue
                 t0 = time.perf_counter()
                 extra = {}
                 if name == "bare":
@@ -153,12 +194,10 @@ def main() -> int:
                 else:
                     res = engine_run(engines[ep], name.removeprefix("engine-"), prompts, c, args.max_tokens)
                     outs, extra = res.outputs, stages(res.records)
-                wall = time.perf_counter() - t0
-                row = {"round": rnd, "system": name, "ep": ep, "concurrency": c, "wall_s": wall,
-                       "tokens": sum(map(len, outs)), "tok_s": sum(map(len, outs)) / wall, "outputs": outs, **extra}
+                row = {"round": rnd, "system": name, "ep": ep, "concurrency": c,
+                       **outcome(outs, time.perf_counter() - t0), **extra}
                 runs.append(row)
-                print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
-                                  if k != "outputs"}), flush=True)
+                report(row)
     for eng in engines.values():
         eng.shutdown()
     out = pathlib.Path(args.out)
@@ -168,24 +207,50 @@ def main() -> int:
     return 0
 
 
+def outcome(outs: list[list[int]], wall: float) -> dict:
+    return {"wall_s": wall, "tokens": sum(map(len, outs)), "tok_s": sum(map(len, outs)) / wall, "outputs": outs}
+
+
+def report(row: dict) -> None:
+    print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k != "outputs"}),
+          flush=True)
+
+
 def render(runs: list[dict]) -> str:
-    """Markdown: tok/s (median of rounds) and the medians of within-round ratios to the bare loop."""
+    """Markdown: tok/s (median of rounds) and the medians of within-round ratios to the bare
+    loop, to the engine's plain decoding and (at C = 1) to transformers' prompt lookup."""
+    from deployments.settings import ServeSettings
+
+    default = f"engine-dcut-{ServeSettings().drafter}"
     key = lambda r: (r["system"], r["ep"], r["concurrency"])  # noqa: E731
-    bare = {(r["round"], r["concurrency"]): r for r in runs if r["system"] == "bare"}
+    by = {(r["round"], r["system"], r["ep"], r["concurrency"]): r for r in runs}
     rows: dict = {}
     for r in runs:
-        b = bare[(r["round"], r["concurrency"])]
-        rows.setdefault(key(r), []).append((r["tok_s"], r["tok_s"] / b["tok_s"], r["outputs"] == b["outputs"], r))
-    lines = ["| system | EP | C | tok/s (median) | × bare loop (median of rounds) | range | same tokens as bare | "
-             "step ms | outside the passes |", "|---|---|---|---|---|---|---|---|---|"]
+        bare = by[(r["round"], "bare", 1, r["concurrency"])]
+        ar = by.get((r["round"], "engine-ar", r["ep"] if r["system"].startswith("engine") else 1, r["concurrency"]))
+        lookup = by.get((r["round"], "hf-lookup", 1, r["concurrency"]))
+        rows.setdefault(key(r), []).append((r["tok_s"], r["tok_s"] / bare["tok_s"],
+                                            r["tok_s"] / ar["tok_s"] if ar else None,
+                                            r["tok_s"] / lookup["tok_s"] if lookup else None,
+                                            r["outputs"] == bare["outputs"], r))
+    lines = ["| system | EP | C | tok/s (median) | × bare loop (range) | × engine `ar` (range) | × HF prompt lookup "
+             "(range) | MAT | same tokens as bare | step ms | outside the passes |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def ratio(xs: list) -> str:
+        xs = [x for x in xs if x is not None]
+        return f"{statistics.median(xs):.2f} ({min(xs):.2f}–{max(xs):.2f})" if xs else ""
+
     for (name, ep, c), xs in sorted(rows.items(), key=lambda kv: (kv[0][2], str(kv[0][1]), kv[0][0])):
-        ratios = [x[1] for x in xs]
-        last = xs[-1][3]
+        last = xs[-1][5]
         step = f"{last['step_ms']:.1f}" if "step_ms" in last else ""
         outside = f"{100 * last['outside_frac']:.0f} %" if "outside_frac" in last else ""
-        lines.append(f"| {name} | {ep if name.startswith('engine') else ''} | {c} | "
-                     f"{statistics.median(x[0] for x in xs):.0f} | {statistics.median(ratios):.2f} | "
-                     f"{min(ratios):.2f}–{max(ratios):.2f} | {all(x[2] for x in xs)} | {step} | {outside} |")
+        mat = f"{statistics.median(x[5]['mat'] for x in xs):.2f}" if "mat" in last else ""
+        label = f"{name} (default)" if name.startswith(default + "-") else name
+        lines.append(f"| {label} | {ep if name.startswith('engine') else ''} | {c} | "
+                     f"{statistics.median(x[0] for x in xs):.0f} | {ratio([x[1] for x in xs])} | "
+                     f"{ratio([x[2] for x in xs])} | {ratio([x[3] for x in xs])} | {mat} | "
+                     f"{all(x[4] for x in xs)} | {step} | {outside} |")
     return "\n".join(lines)
 
 

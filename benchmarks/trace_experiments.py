@@ -1,0 +1,206 @@
+"""What the counterfactual traces say about the chooser and the gate (issue #24, item 3).
+
+Exact replays (`dcut_core.trace_sim`), no end-to-end noise: every number is the simulated tok/s
+of a setting over the ratio to plain decoding on the same trace. Signals are fitted on the
+training trace only; the held-out trace is reported, never tuned on.
+
+1. **Where the oracle's lead comes from**: the hindsight oracle with each kind alone and with
+   every kind — knowing how many drafts pass (length) against knowing which kind to use.
+2. **A free signal: the n-gram match.** Before drafting, the n-gram lookup says whether the
+   context repeats here and how far (`count` of the n-gram kind at that position). Each kind's
+   conditional acceptance by position is fitted per match bucket (none, 1–2, 3–5, 6+ drafts
+   available) on the training trace; the gate's trackers predict from that table times the
+   request's own factor instead of from the global rates.
+3. **Early-stopped chains**: a chained kind (MTP) stops drafting a request once the calibrated
+   survival of its next draft is below what verifying it costs, and stops the chain when the
+   survivals left cannot pay for a pass.
+4. **The step's own time**: the same settings with the drafting policy's own time per step (the
+   gate, the chooser, learning, bookkeeping; `TraceCosts.own_policy`, `own_drafting`) at zero.
+
+    .venv/bin/python benchmarks/trace_experiments.py --train runs/train.trace \\
+        --heldout runs/trace-validate2/heldout.trace --out runs/trace-experiments
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import sys
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from dcut_core import ragged
+from dcut_core.acceptance import survival
+from dcut_core.trace_sim import SimSettings, _Run, oracle_run, simulate_trace
+
+LEVELS = (1, 4, 16, 32)
+KIND_SETS = (("ngram",), ("mtp",), ("block", "mtp", "ngram"))
+BUCKETS = np.array([1, 3, 6])  # n-gram drafts available: 0 | 1–2 | 3–5 | 6+
+
+
+def bucket(count: int) -> int:
+    return int(np.digitize(count, BUCKETS))
+
+
+def fit_signal_table(trace) -> np.ndarray:
+    """[kinds, buckets, positions] conditional acceptance (judged drafts only, smoothed toward 0.5)."""
+    k, width = len(trace.kinds), trace.block - 1
+    ng = trace.kinds.index("ngram")
+    hits = np.full((k, len(BUCKETS) + 1, width), 0.5)
+    judged = np.ones((k, len(BUCKETS) + 1, width))
+    j = np.arange(width)
+    for r in trace.requests:
+        for t in range(1, r.length):
+            b = bucket(r.count[ng, t])
+            for kind in range(k):
+                n, a = r.count[kind, t], r.accepted[kind, t]
+                seen = (j <= min(a, n - 1)) & (j < n)
+                hits[kind, b] += (j < a) & seen
+                judged[kind, b] += seen
+    return hits / judged
+
+
+class SignalRun(_Run):
+    """The engine's decisions, its trackers predicting from the n-gram-match table."""
+
+    def __init__(self, trace, settings, concurrency, table) -> None:
+        super().__init__(trace, settings, concurrency)
+        self.table, self.ng = table, trace.kinds.index("ngram")
+        self.at: dict[int, tuple] = {}
+        for j, tracker in enumerate(self.gate.trackers):
+            tracker.predict_batch = self._predictor(tracker, self.kidx[j])
+
+    def _predictor(self, tracker, kind: int):
+        def predict_batch(rids, lengths):
+            out = []
+            for rid, n in zip(rids, np.asarray(lengths, dtype=np.int64), strict=True):
+                rt, t = self.at[rid]
+                rate = self.table[kind, bucket(rt.count[self.ng, t]), :n].copy()
+                if n:
+                    rate[0] = min(0.99, rate[0] * tracker.factor.get(rid, 1.0))
+                out.append(np.clip(rate, 0.0, 0.99))
+            return out
+        return predict_batch
+
+    def _plan(self, batch):
+        self.at = {x.rid: (self.trace.requests[x.q], x.t) for x in batch}
+        return super()._plan(batch)
+
+
+class EarlyStopRun(_Run):
+    """Chained kinds stop drafting where the calibrated survival no longer pays (see above)."""
+
+    passes: dict[int, int] | None = None
+
+    def _propose(self, batch, lengths, kinds, fallback):
+        d, used = super()._propose(batch, lengths, kinds, fallback)
+        self.passes = {}
+        cu, r = d["cu"], len(batch)
+        counts = np.diff(cu)
+        if not r or not counts.sum():
+            return d, used
+        pos, kind = ragged.positions(cu), np.repeat(used, counts)
+        p = np.zeros(len(pos))
+        for k in np.unique(kind):
+            m = kind == k
+            p[m] = self.calibrators[k].estimate(d["confidence"][m], d["margin"][m], pos[m])
+        surv = survival(p, cu)
+        curve = self._curve(batch)
+        base = float(curve.seconds(np.array([r]))[0])
+        tau, rate = float(curve.seconds(np.array([r + 1]))[0]) - base, r / base
+        stop = counts.copy()
+        for k in np.unique(used[counts > 0]):
+            if self.draft[k].per_pass <= 0:
+                continue
+            mine = [int(i) for i in np.nonzero((used == k) & (counts > 0))[0]]
+            live, passes = set(mine), 0
+            for s in range(int(counts[mine].max())):
+                passes = s + 1
+                for i in list(live):
+                    if s >= counts[i] or surv[cu[i] + s] < rate * tau:
+                        stop[i] = min(stop[i], s)
+                        live.discard(i)
+                if not live or sum(surv[cu[i] + s] for i in live) < rate * self.draft[k].per_pass:
+                    break
+            self.passes[int(k)] = passes
+        keep = np.concatenate([np.arange(cu[i], cu[i] + stop[i]) for i in range(r)]).astype(np.int64)
+        new_cu = ragged.offsets_from_lengths(stop)
+        return {"cu": new_cu, "confidence": d["confidence"][keep], "margin": d["margin"][keep],
+                "accepted": np.minimum(d["accepted"], stop)}, used
+
+    def _advance_time(self, batch, feeding, kept, drafts, used):
+        saved, counts = self.draft, np.diff(drafts["cu"])
+        self.draft = list(saved)
+        for k, n in (self.passes or {}).items():  # the passes the chain ran, not its longest output
+            mine = (used == k) & (counts > 0)
+            longest = int(counts[mine].max()) if mine.any() else 0
+            c = saved[k]
+            self.draft[k] = dataclasses.replace(c, fixed=c.fixed + c.per_pass * (n - longest))
+        super()._advance_time(batch, feeding, kept, drafts, used)
+        self.draft = saved
+
+
+def ratios(trace, run, kinds) -> list[float]:
+    ar = [simulate_trace(trace, SimSettings(policy="ar", kinds=kinds[:1], block=8), c).tok_s for c in LEVELS]
+    return [round(run(c).tok_s / a, 3) for c, a in zip(LEVELS, ar, strict=True)]
+
+
+def experiments(train, trace) -> dict:
+    table = fit_signal_table(train)
+    out: dict = {"oracle": {}, "signal": {}, "early_stop": {}, "own_time_zero": {}}
+    for kinds in (("ngram",), ("mtp",), ("block",), ("mtp", "ngram"), ("block", "mtp", "ngram")):
+        out["oracle"]["+".join(kinds)] = ratios(trace, lambda c, k=kinds: oracle_run(trace, k, c, 8), kinds)
+    quiet = dataclasses.replace(trace, costs=dataclasses.replace(trace.costs, own_policy=(0.0, 0.0),
+                                                                  own_drafting=(0.0, 0.0)))
+    for kinds in KIND_SETS:
+        s = SimSettings(kinds=kinds, block=8)
+        name = "+".join(kinds)
+        out["signal"][name] = {"stock": ratios(trace, lambda c, s=s: simulate_trace(trace, s, c), kinds),
+                               "n-gram match table": ratios(trace, lambda c, s=s: SignalRun(trace, s, c, table).run(),
+                                                            kinds)}
+        out["early_stop"][name] = ratios(trace, lambda c, s=s: EarlyStopRun(trace, s, c).run(), kinds)
+        out["own_time_zero"][name] = ratios(quiet, lambda c, s=s: simulate_trace(quiet, s, c), kinds)
+    return out
+
+
+def render(name: str, res: dict) -> str:
+    head = " | ".join(f"C = {c}" for c in LEVELS)
+    lines = [f"#### {name}", "", f"| experiment | setting | {head} |", "|---|---|" + "---|" * len(LEVELS)]
+    for kinds, row in res["oracle"].items():
+        lines.append(f"| hindsight oracle | {kinds} | " + " | ".join(f"{x:.2f}" for x in row) + " |")
+    for kinds, rows in res["signal"].items():
+        for variant, row in rows.items():
+            lines.append(f"| trackers: {variant} | {kinds} | " + " | ".join(f"{x:.2f}" for x in row) + " |")
+    for kinds, row in res["early_stop"].items():
+        lines.append(f"| early-stopped chains | {kinds} | " + " | ".join(f"{x:.2f}" for x in row) + " |")
+    for kinds, row in res["own_time_zero"].items():
+        lines.append(f"| policy's own time at 0 | {kinds} | " + " | ".join(f"{x:.2f}" for x in row) + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--train", required=True, help="a trace of training prompts (dcut trace --seed 23)")
+    p.add_argument("--heldout", required=True, help="a trace of the reported prompts")
+    p.add_argument("--out", default="runs/trace-experiments")
+    args = p.parse_args()
+    from deployments.trace_command import read_trace
+
+    train = read_trace(args.train)
+    results = {name: experiments(train, read_trace(path)) for name, path in
+               (("training trace", args.train), ("held-out trace", args.heldout))}
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    md = "\n\n".join(render(name, res) for name, res in results.items())
+    (out / "tables.md").write_text(md + "\n")
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
