@@ -46,6 +46,10 @@ bench: setup
 	$(BIN)/python benchmarks/dfly_head.py --out runs/dfly
 	$(BIN)/python benchmarks/trace_validate.py --rounds 3 --out runs/trace-validate
 	$(BIN)/python benchmarks/defaults.py --rounds 3 --out runs/defaults
+	$(BIN)/dcut trace --workload mixed --seed 23 --num-prompts 32 --out runs/train.trace
+	$(BIN)/python benchmarks/trace_experiments.py --train runs/train.trace \
+		--heldout runs/trace-validate/heldout.trace --out runs/trace-experiments
+	$(BIN)/python benchmarks/coordinator.py --out runs/coordinator
 	$(BIN)/dcut bench --ep 2 --concurrency 1,4,16,64 --policies $(E2E_POLICIES) --num-prompts 24 \
 		--max-tokens 48 --repeats 3 --out runs/bench_e2e
 	$(BIN)/python benchmarks/render_e2e.py runs/bench_e2e/results.json

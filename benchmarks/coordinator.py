@@ -20,8 +20,10 @@ import argparse
 import dataclasses
 import json
 import pathlib
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from collections import defaultdict
 
@@ -32,7 +34,7 @@ from actors.ray_env import set_local_env
 set_local_env()
 
 STAGES = ("schedule", "plan", "propose", "prune", "verify", "accept", "commit")
-POLICIES = "ar:8,full:5,full:17,tetris:8,dcut-buckets:8,dcut:8"  # policy:block (block − 1 drafts at most)
+POLICIES = "ar:8,full:5,full:16,tetris:8,dcut-buckets:8,dcut:8"  # policy:block (block − 1 drafts at most)
 
 
 class StageClock:
@@ -79,14 +81,16 @@ def greedy_outputs(prompts: list[list[int]], max_tokens: int):
 
 
 def one_wave(policy: str, block: int, r: int, table: dict, prompts: list[list[int]], max_tokens: int,
-             forward) -> dict:
+             forward, cache: str) -> dict:
     """R requests admitted together under `policy`; per-stage medians of the full decode steps."""
     from actors.engine.replay import ReplayEngine
     from actors.engine.sequence import SamplingParams
     from deployments.settings import ServeSettings
 
-    # The real target's cached profile: the gate and pruning decide as on the real unit.
-    cfg = ServeSettings(policy=policy, drafter="ngram", block=block, max_running=r).engine_config()
+    # The real target's profile (copied into `cache`, where nothing learned is saved): the gate and
+    # pruning decide as on the real unit, from a cold start every time.
+    cfg = ServeSettings(policy=policy, drafter="ngram", block=block, max_running=r,
+                        cost_model_cache=cache).engine_config()
     cfg = dataclasses.replace(cfg, kv_capacity_tokens=max(cfg.kv_capacity_tokens, 400 * r))
     eng = ReplayEngine(cfg, table, forward)
     clock = StageClock(eng)
@@ -133,6 +137,7 @@ def main() -> int:
 
     from actors.ray_env import start_local_ray
     from deployments.bundle import BUNDLED
+    from deployments.settings import ServeSettings
     from deployments.trace_command import workload
 
     tok = Tokenizer.from_file(str(BUNDLED / "tokenizer.json"))
@@ -142,13 +147,17 @@ def main() -> int:
     forward = model.predict if args.forward == "model" else None if args.forward == "none" else \
         (lambda shape: float(args.forward) / 1e3)
     rows = []
+    cache = tempfile.mkdtemp(prefix="coordinator-")
+    for f in pathlib.Path(ServeSettings().cost_model_cache).glob("cost_model_*.json"):
+        shutil.copy(f, cache)
     for r in (int(x) for x in args.requests.split(",")):
         for spec in args.policies.split(","):
             policy, block = spec.split(":")
-            row = one_wave(policy, int(block), r, table, prompts, args.max_tokens, forward)
+            row = one_wave(policy, int(block), r, table, prompts, args.max_tokens, forward, cache)
             row["forward"] = args.forward
             rows.append(row)
             print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    shutil.rmtree(cache, ignore_errors=True)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(rows, indent=1))

@@ -31,6 +31,10 @@ class ReplayEngine(Engine):
     def _new_target(self) -> ReplayGroup:
         return ReplayGroup(self.cfg.ep_config(guests=hosted_drafter(self.cfg)), *self._replay)
 
+    def save_learned(self) -> None:
+        """Never: what it learns of a replayed target's costs must not warm a real engine of the
+        same deployment (it shares the real one's cost-model cache and key)."""
+
 
 def continuations(prompts: list[list[int]], trace: Trace) -> dict[tuple[int, ...], list[int]]:
     """Prompt -> greedy output, from a trace recorded on these prompts (in its order)."""

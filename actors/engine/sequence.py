@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -119,7 +120,7 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None
-    text: str = ""
+    detokenize: Callable[[list[int]], str] | None = field(default=None, repr=False)  # token ids -> text
     rng: np.random.Generator = field(default=None, repr=False)
     steps: int = 0
     drafted: list[int] = field(default_factory=list)
@@ -133,6 +134,7 @@ class Sequence:
     logprobs: list = field(default_factory=list)  # TokenLogprob per output token (params.logprobs set)
     prompt_logprobs: list = field(default_factory=list)  # per prompt token (the first: None), with echo
     _uniforms: list[float] = field(default_factory=list, repr=False)
+    _text: tuple[int, str] = field(default=(0, ""), repr=False)  # (output tokens it decodes, text)
 
     def __post_init__(self) -> None:
         if self.rng is None:
@@ -147,6 +149,20 @@ class Sequence:
         while len(self._uniforms) < start + n:
             self._uniforms.append(float(self.rng.random()))
         return np.asarray(self._uniforms[start:start + n])
+
+    @property
+    def text(self) -> str:
+        """The output as text: decoded when read, again only once the output has grown (a
+        request nobody streams is decoded once, at its end, not every step)."""
+        n, text = self._text
+        if n != len(self.output) and self.detokenize is not None:
+            text = self.detokenize(self.output)
+            self._text = (len(self.output), text)
+        return text
+
+    def end_text(self, text: str) -> None:
+        """The final text, shorter than the output's decoding (cut at a stop string)."""
+        self._text = (len(self.output), text)
 
     @property
     def last(self) -> int:
@@ -221,6 +237,7 @@ class Scheduler:
         """Commit tokens to seq, applying stop conditions; returns the tokens actually kept.
         `logprob_rows[t]`: the target's log-softmax row of tokens[t] (for requests that asked)."""
         kept: list[int] = []
+        seq.detokenize = text_of  # its text is decoded when read (`Sequence.text`)
         for t in tokens:
             if seq.remaining <= 0:
                 break
@@ -229,9 +246,9 @@ class Scheduler:
             if (eos is not None and t == eos and not seq.params.ignore_eos) or t in seq.params.stop_token_ids:
                 seq.finish_reason = "stop"
                 break
-        seq.text = text_of(seq.output)
         least = max(1, seq.params.min_tokens)  # no stop string before min_tokens
-        hits = [(seq.text.find(s), s) for s in seq.params.stop if s in seq.text] if len(seq.output) >= least else []
+        text = seq.text if seq.params.stop and len(seq.output) >= least else ""
+        hits = [(text.find(s), s) for s in seq.params.stop if s in text]
         if hits:
             # Keep the shortest output whose text holds the stop string: the tokens a step-by-step
             # decoder would have produced, whatever a speculative step committed past it.
@@ -239,8 +256,8 @@ class Scheduler:
                                                                           seq.params.stop))
             kept = kept[: max(0, len(kept) - (len(seq.output) - n))]
             del seq.output[n:]
-            at = min(a for a, _ in hits)
-            seq.text, seq.finish_reason = seq.text[:at], "stop"
+            seq.end_text(text[:min(a for a, _ in hits)])
+            seq.finish_reason = "stop"
         if seq.finish_reason is None and seq.remaining <= 0:
             seq.finish_reason = "length"
         if seq.params.logprobs is not None and logprob_rows is not None:

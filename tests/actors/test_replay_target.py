@@ -48,6 +48,7 @@ def test_outputs_equal_the_real_targets_at_a_batch_larger_than_the_prompts(greed
     assert max(r.requests for r in records) == len(prompts)
     assert sum(r.accepted for r in records) > 0  # the n-gram drafter's drafts were accepted
     assert all(r.target_compute_s < 0.05 for r in records)  # no model ran
+    assert not list(tmp_path.glob("learned_*.json"))  # a replay never warms a real engine of the deployment
 
 
 def test_a_prompt_without_a_recorded_output_is_a_clear_error(greedy, tiny_bundle, tmp_path):
