@@ -67,3 +67,42 @@ def detect() -> Accelerator:
 def _cpu(reason: str) -> Accelerator:
     log.info("no GPU: %s; using the cpu cost preset", reason)
     return Accelerator("cpu", None, 0, 0, reason)
+
+
+@dataclass(frozen=True)
+class DeviceUsage:
+    """One GPU's memory and utilisation as NVML reports them now."""
+
+    index: int
+    name: str
+    memory_used_bytes: int
+    memory_total_bytes: int
+    utilization: float  # 0..1: share of the last sample period a kernel ran
+
+
+def device_usage() -> list[DeviceUsage]:
+    """Every GPU this process's node has, by NVML index; [] where there is no NVIDIA driver (the
+    same normal answer as `detect`). Cheap enough for each /metrics scrape."""
+    try:
+        import pynvml  # nvidia-ml-py
+    except ImportError:
+        return []
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return []
+    try:
+        out = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            name = pynvml.nvmlDeviceGetName(handle)
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            util = pynvml.nvmlDeviceGetUtilizationRates(handle)
+            out.append(DeviceUsage(i, name.decode() if isinstance(name, bytes) else name, int(memory.used),
+                                   int(memory.total), float(util.gpu) / 100.0))
+        return out
+    except pynvml.NVMLError as exc:
+        log.warning("NVML failed while reading device usage: %s", exc)
+        return []
+    finally:
+        pynvml.nvmlShutdown()

@@ -32,6 +32,20 @@ class Metrics:
                 ("drafter_context_lost", "drafting calls whose context could not be fetched from the target's "
                                          "ranks (those requests went on without drafts)"),
                 ("ep_group_rebuilds", "times the EP target group was rebuilt after a rank died"),
+                ("verify_tokens_per_step", "mean tokens verified per step: requests plus kept drafts (last 200 "
+                                           "steps)"),
+                ("running", "requests decoding or prefilling in the engine"),
+                ("waiting", "requests queued in the engine, not yet admitted"),
+            )
+        }
+        self._ranks = Gauge("dcut_engine_rank_step_seconds", "mean own forward time per step of each EP rank "
+                            "(last 200 steps)", ["rank"], registry=r)
+        self._gpu = {
+            name: Gauge(f"dcut_gpu_{name}", doc, ["gpu", "name"], registry=r) for name, doc in (
+                ("memory_used_bytes", "GPU memory in use (NVML), per GPU of the engine's node"),
+                ("memory_total_bytes", "GPU memory (NVML), per GPU of the engine's node"),
+                ("utilization_ratio", "share of the last NVML sample period a kernel ran, per GPU of the engine's "
+                                      "node"),
             )
         }
 
@@ -57,4 +71,11 @@ class Metrics:
         for kind, counts in engine_stats.get("drafter_kinds", {}).items():
             for outcome, n in counts.items():
                 self._kinds.labels(kind, outcome).set(float(n))
+        for rank, seconds in enumerate(engine_stats.get("rank_step_s", ())):
+            self._ranks.labels(str(rank)).set(float(seconds))
+        for gpu in engine_stats.get("gpus", ()):
+            labels = (str(gpu["index"]), gpu["name"])
+            self._gpu["memory_used_bytes"].labels(*labels).set(gpu["memory_used_bytes"])
+            self._gpu["memory_total_bytes"].labels(*labels).set(gpu["memory_total_bytes"])
+            self._gpu["utilization_ratio"].labels(*labels).set(gpu["utilization"])
         return generate_latest(self.registry)

@@ -16,12 +16,14 @@ than `stall_timeout_s` without a step finishing — Serve then replaces the repl
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
 
 import numpy as np
 
+from actors.accelerator import device_usage
 from actors.engine.api import Delta, EngineError, ErrorKind, GenerateRequest, Health
 from actors.engine.config import EngineConfig
 from actors.engine.coordinator import Engine
@@ -220,8 +222,9 @@ class AsyncEngine:
         return Health(True, "", **facts)
 
     def stats(self) -> dict:
-        """Engine-level figures for /metrics: MAT, keep ratio, cost-model error over the recent
-        steps; load, failures survived and steps since start."""
+        """Engine-level figures for /metrics: MAT, keep ratio, cost-model error, verify tokens and
+        each rank's forward time over the recent steps; load, failures survived and steps since
+        start; the node's GPUs as NVML sees them (none without a driver)."""
         recs = list(self.engine.history.recent)
         drafted = sum(r.drafted for r in recs)
         reqs = sum(r.requests for r in recs)
@@ -239,6 +242,12 @@ class AsyncEngine:
             "drafter_context_lost": self.engine.degraded["drafter_context_lost"],
             "ep_group_rebuilds": self.engine.degraded["ep_group_rebuilt"],
             "drafter_kinds": {k: dict(c) for k, c in self.engine.drafted_by_kind.items()},
+            "verify_tokens_per_step": sum(r.verify_tokens for r in recs) / len(recs) if recs else 0.0,
+            "running": len(self.engine.scheduler.running),
+            "waiting": len(self.engine.scheduler.waiting) + len(self._new),
+            "rank_step_s": [float(np.mean(t)) for t in zip(*(r.rank_compute_s for r in recs if r.rank_compute_s),
+                                                           strict=False)],
+            "gpus": [dataclasses.asdict(d) for d in device_usage()],
         }
 
     def placement(self) -> dict:

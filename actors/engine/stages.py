@@ -75,6 +75,7 @@ class StepRecord:
     target_compute_s: float = 0.0  # the slowest rank's own forward time
     draft_compute_s: float = 0.0  # the slowest replica's own drafting time
     prefill_tokens: int = 0  # prompt tokens fed in the same forward (chunked prefill)
+    rank_compute_s: tuple[float, ...] = ()  # each rank's own forward time, in rank order
 
     @property
     def overhead_s(self) -> float:

@@ -12,6 +12,7 @@ from ray.util.placement_group import NODE_ID_LABEL_KEY, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.inprocess import InProcess, Pending
+from actors.target import wire
 from actors.target.group import EPConfig, EPGroup, EPGroupError, rank_spec
 from actors.target.worker import BatchRejected, TargetRank, TargetWorker
 
@@ -75,7 +76,7 @@ class DriverGroup(EPGroup):
         if self._broken:
             raise EPGroupError(f"EP group is down: {self._broken}")
         try:
-            self.link.send(rank, (part, method, args, answer))
+            self.link.send(rank, wire.call(part, method, args, answer))
         except RuntimeError as exc:
             self._fail(f"rank failed: rank {rank}: {str(exc).splitlines()[0]}", exc)
         if not answer:
@@ -93,8 +94,8 @@ class DriverGroup(EPGroup):
         ones are kept for their own `Answer`."""
         while seq not in self._answers[rank]:
             try:
-                got = self.link.recv(rank, self.cfg.step_timeout_s)
-            except RuntimeError as exc:
+                got = wire.read_reply(self.link.recv(rank, self.cfg.step_timeout_s))
+            except (RuntimeError, wire.WireError) as exc:  # gone, hung, or not speaking this link
                 self._fail(f"rank failed: rank {rank}: {str(exc).splitlines()[0]}", exc)
             self._answers[rank][self._answered[rank]] = got
             self._answered[rank] += 1

@@ -1,11 +1,14 @@
 """`RankLink`: messages between the driver rank and the other ranks of one EP unit, over the unit's
 own control group (gloo point-to-point; DESIGN.md, "Where the step runs").
 
-A message is a pickled Python object (numpy arrays inside travel as raw buffers, pickle protocol 5).
-It goes out as one fixed-size frame when it fits (`FRAME` bytes: an 8-byte length, then the
-payload), else as a frame holding only the length followed by the payload: one gloo message per
-direction for a step plan of a few hundred requests. Each direction of each pair has its own tag,
-and gloo keeps messages of one tag between one pair in order.
+A message is bytes: a typed msgpack call or answer (`wire.py`: numpy arrays as raw buffers, a
+closed set of dataclasses, never pickle, so nothing read from the socket can run code). It goes
+out as one fixed-size frame when it fits (`FRAME` bytes: an 8-byte length, then the payload),
+else as a frame holding only the length followed by the payload: one gloo message per direction
+for a step plan of a few hundred requests. A frame announcing a negative length or more than
+`wire.MAX_BYTES` is refused (`wire.WireError`) before anything is allocated for it. Each
+direction of each pair has its own tag, and gloo keeps messages of one tag between one pair in
+order.
 
 A receive blocks in gloo (no spinning: an idle rank costs no CPU); the driver bounds its waits
 for answers with a timeout, the other ranks wait for their next plan without one. A peer that
@@ -15,10 +18,11 @@ dies closes its sockets, and a pending send or receive raises at once.
 from __future__ import annotations
 
 import datetime
-import pickle
 
 import numpy as np
 import torch
+
+from actors.target.wire import MAX_BYTES, WireError
 
 FRAME = 8192  # bytes of a message's first (often only) gloo message
 TO_RANK, TO_DRIVER = 0, 1  # tags of the two directions
@@ -31,9 +35,8 @@ class RankLink:
         self.group, self.rank = group, rank
         self._sending: list = []  # (work, buffer): buffers stay alive until their send completes
 
-    def send(self, peer: int, obj) -> None:
-        """Queue `obj` for `peer`; does not wait for it to be received."""
-        payload = pickle.dumps(obj, protocol=5)
+    def send(self, peer: int, payload: bytes) -> None:
+        """Queue `payload` for `peer`; does not wait for it to be received."""
         frame = torch.zeros(FRAME, dtype=torch.uint8)
         view = frame.numpy()
         view[:8] = np.frombuffer(np.int64(len(payload)).tobytes(), dtype=np.uint8)
@@ -47,19 +50,21 @@ class RankLink:
         self._sending.append((self.group.send([frame], peer, tag), frame))
         self._sending.append((self.group.send([body], peer, tag), body))
 
-    def recv(self, peer: int, timeout_s: float | None = None):
-        """The next object from `peer`; raises RuntimeError when the wait exceeds `timeout_s` or
-        the peer is gone."""
+    def recv(self, peer: int, timeout_s: float | None = None) -> bytes:
+        """The next message from `peer`; raises RuntimeError when the wait exceeds `timeout_s` or
+        the peer is gone, and `WireError` for a frame whose length no message can have."""
         tag = TO_RANK if self.rank else TO_DRIVER
         frame = torch.empty(FRAME, dtype=torch.uint8)
         self._wait(self.group.recv([frame], peer, tag), timeout_s)
         view = frame.numpy()
         n = int(view[:8].view(np.int64)[0])
+        if n < 0 or n > MAX_BYTES:
+            raise WireError(f"a frame announcing {n} bytes")
         if n <= FRAME - 8:
-            return pickle.loads(view[8:8 + n].tobytes())
+            return view[8:8 + n].tobytes()
         body = torch.empty(n, dtype=torch.uint8)
         self._wait(self.group.recv([body], peer, tag), timeout_s)
-        return pickle.loads(body.numpy().tobytes())
+        return body.numpy().tobytes()
 
     @staticmethod
     def _wait(work, timeout_s: float | None) -> None:

@@ -14,7 +14,6 @@ its arguments) from the unit's control group and answers them; no Ray call per s
 from __future__ import annotations
 
 import logging
-import pickle
 import socket
 from dataclasses import dataclass, field
 
@@ -23,6 +22,7 @@ import ray
 import torch
 
 from actors.ray_env import whereabouts
+from actors.target import wire
 from actors.target.checkpoint import load_model
 from actors.target.features import FeatureStore
 from actors.target.kv_cache import KVCacheFull
@@ -222,20 +222,26 @@ class TargetRank:
         return ok if self.spec.world == 1 else all_agree(self.data, ok, self.spec.device)
 
     def serve(self) -> None:
-        """Ranks 1 .. N-1 under a driver rank: answer the driver's messages, one at a time, in
-        order, until it says stop (or its group fails). A message is (part, method, args, answer?);
-        the answer is (True, value) or (False, the exception) — a failure of one call is the
-        driver's to judge, the loop goes on."""
+        """Ranks 1 .. N-1 under a driver rank: answer the driver's calls, one at a time, in order,
+        until the group fails. A call is a typed message (`wire.read_call`: a part, one of its
+        allowed methods, arguments); the answer is (True, value) or (False, the exception) — a
+        failure of one call is the driver's to judge, the loop goes on. A message that is not a
+        call this link knows is logged and dropped: nothing it holds is run."""
         while True:
-            part, method, args, answer = self.link.recv(0)
-            if part is None:
-                return
+            try:
+                part, method, args, answer = wire.read_call(self.link.recv(0))
+            except wire.WireError as exc:
+                log.error("rank %d: dropped a message from the driver: %s", self.spec.rank, exc)
+                continue
             try:
                 value, ok = getattr(self.parts[part], method)(*args), True
             except Exception as exc:
-                value, ok = _picklable(exc), False
+                value, ok = exc, False
             if answer:
-                self.link.send(0, (ok, value))
+                try:
+                    self.link.send(0, wire.reply(ok, value))
+                except TypeError as exc:  # a value the link cannot carry: the driver hears why
+                    self.link.send(0, wire.reply(False, RuntimeError(f"{part}.{method}: {exc}")))
             elif not ok:
                 log.error("rank %d: %s.%s failed: %r", self.spec.rank, part, method, value)
 
@@ -258,14 +264,6 @@ class TargetRank:
 
 
 TargetWorker = ray.remote(TargetRank)
-
-
-def _picklable(exc: Exception) -> Exception:
-    try:
-        pickle.dumps(exc)
-        return exc
-    except Exception:
-        return RuntimeError(repr(exc))
 
 
 def _num_experts(model_dir: str) -> int:

@@ -187,3 +187,26 @@ def test_profile_samples_fit_the_cost_model(tiny_checkpoint, kind):
         assert group.cache_info()[0]["requests"] == 0  # profiling cleans up after itself
     finally:
         group.shutdown()
+
+
+def test_a_rank_drops_what_is_not_a_call_and_keeps_serving(tiny_checkpoint, reference, tmp_path):
+    """Frames a driver never sends — a pickle payload that would write a file when loaded,
+    garbage, a call of a method outside the link's table — reach rank 1 over the control group:
+    it runs none of them and answers the next real step exactly."""
+    import pickle
+
+    from actors.target import wire
+    from tests.actors.test_wire import Trap
+
+    trap = tmp_path / "ran"
+    group = DriverGroup(EPConfig(tiny_checkpoint, world=2))
+    try:
+        for frame in (pickle.dumps(Trap(trap)), b"\x00" * 20_000, wire.call("target", "setup", (("h", 1),), True)):
+            group.link.send(1, frame)
+        first, _, _ = reference
+        out = group.forward(list(range(5)), PROMPTS, with_logits=True)
+        for got, want in zip(out.logits, first.logits, strict=True):
+            np.testing.assert_allclose(got, want, atol=1e-5)
+        assert group.healthy and not trap.exists()
+    finally:
+        group.shutdown()

@@ -19,6 +19,7 @@ from ray import serve
 from actors.target.checkpoint import load_model
 from actors.target.decode import greedy_decode
 from actors.target.local import LocalTarget
+from tests.deployments.dashboard import exported, queried_metrics
 from tests.deployments.openai_server import BASE, PROMPT, PROMPT_IDS, assert_still_serving, words
 
 
@@ -147,6 +148,16 @@ def test_metrics_are_exposed(server, client):
                  "dcut_engine_mat", "dcut_engine_keep_ratio", "dcut_engine_predicted_verify_s"):
         assert name in text
     assert re.search(r'^dcut_engine_drafter_drafts\{drafter="block",outcome="drafted"\} \S+$', text, re.M)
+
+
+def test_the_dashboard_queries_only_exported_metrics(server, client):
+    """Every metric the operator's Grafana dashboard queries is exported by the served app (the
+    GPU gauges need NVML: test_dashboard.py checks them with a stand-in)."""
+    client.completions.create(model="dcut-demo", prompt=PROMPT, max_tokens=4, temperature=0, stream=False)
+    text = httpx.get(f"{BASE}/metrics", timeout=30).text
+    wanted = {n for n in queried_metrics() if not n.startswith("dcut_gpu_")}
+    assert wanted - exported(text) == set()
+    assert re.search(r'^dcut_engine_rank_step_seconds\{rank="0"\} \S+$', text, re.M)
 
 
 # Values a client can send where they do not belong: integer extremes, floats for integers,

@@ -4,6 +4,7 @@
 #   1. the target on CUDA at EP 1: logits and features within tolerance of CPU fp32, dispatch on
 #      one device (tests/gpu/test_cuda.py);
 #   1b. FP8 checkpoints keep FP8 weights on capability >= 9.0 (F.scaled_mm block-wise), logits ≈ dequantized;
+#   1c. NVML sees the GPUs (the GPU gauges of /metrics and the dashboard);
 #   2. if Ray is importable there: every policy's greedy output equals `ar` with the rank on the
 #      GPU (the engine tests, EP 1), and a short bench of `ar` and `dcut`.
 set -uo pipefail

@@ -80,3 +80,12 @@ def test_fp8_weights_stay_fp8_on_a_gpu_that_multiplies_them(tmp_path):
         return
     assert swapped > 0 and any(isinstance(x, Fp8Experts) for x in m.modules())
     assert float((kept - plain).norm() / plain.norm()) < 0.05
+
+
+def test_nvml_reports_the_gpus_for_the_dashboard():
+    """The /metrics GPU gauges read NVML: on a GPU machine it must see the devices torch sees."""
+    from actors.accelerator import device_usage
+
+    gpus = device_usage()
+    assert len(gpus) >= torch.cuda.device_count() >= 1
+    assert all(g.memory_total_bytes > 0 and 0.0 <= g.utilization <= 1.0 for g in gpus)
