@@ -66,9 +66,13 @@ class NgramDrafter:
             starts = history.earlier(n)
             if not starts:
                 continue
+            prior = n / (n + 1.0)  # longer matches deserve more trust before any evidence
+            if len(starts) == 1:  # one occurrence (the common case): all its evidence agrees
+                draft = h[starts[0] + n: starts[0] + n + want]
+                one = (1 + self.prior_strength * prior) / (1 + self.prior_strength)
+                return draft, [one] * len(draft), [1.0] * len(draft)
             follow = [h[s + n: s + n + want] for s in reversed(starts)]  # most recent first
             draft = follow[0]
-            prior = n / (n + 1.0)  # longer matches deserve more trust before any evidence
             confs, margins = [], []
             alive = follow
             for j, tok in enumerate(draft):

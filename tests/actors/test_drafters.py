@@ -168,14 +168,25 @@ def test_a_request_whose_kind_drafts_nothing_is_drafted_by_its_fallback(tiny_bun
     assert alone.cu.tolist() == [0, 0] and alone.kinds.tolist() == [2]
 
 
-def _scan_lookup(h: list[int], want: int, max_n: int, min_n: int) -> list[int]:
+def _scan_lookup(h: list[int], want: int, max_n: int, min_n: int) -> tuple[list[int], list[float], list[float]]:
     """The obviously correct n-gram draft: scan the history for the last n tokens, longest n
-    first, and follow the most recent earlier occurrence."""
+    first, follow the most recent earlier occurrence; each confidence is the share of the
+    occurrences agreeing so far whose next token agrees (smoothed toward n / (n + 1)), each
+    margin the top-1 minus top-2 share among them."""
     for n in range(min(max_n, len(h) - 1), min_n - 1, -1):
         starts = [s for s in range(len(h) - n) if h[s:s + n] == h[-n:]]
-        if starts:
-            return h[starts[-1] + n: starts[-1] + n + want]
-    return []
+        if not starts:
+            continue
+        follow = [h[s + n: s + n + want] for s in reversed(starts)]
+        draft, confs, margins, alive = follow[0], [], [], follow
+        for j, tok in enumerate(draft):
+            nexts = [f[j] for f in alive if len(f) > j]
+            counts = [*sorted((nexts.count(t) for t in set(nexts)), reverse=True), 0]
+            confs.append((nexts.count(tok) + n / (n + 1.0)) / (len(nexts) + 1.0))
+            margins.append((counts[0] - counts[1]) / len(nexts))
+            alive = [f for f in alive if len(f) > j and f[j] == tok]
+        return draft, confs, margins
+    return [], [], []
 
 
 @settings(max_examples=150, deadline=None)
@@ -183,7 +194,8 @@ def _scan_lookup(h: list[int], want: int, max_n: int, min_n: int) -> list[int]:
        st.lists(st.integers(0, 40), max_size=6), st.integers(1, 7))
 def test_the_ngram_index_finds_what_a_scan_of_the_history_finds(chunks, cuts, want):
     """Committed in chunks, rolled back at random lengths, committed again: after every change
-    the indexed lookup drafts exactly what a scan of the whole history drafts."""
+    the indexed lookup drafts exactly what a scan of the whole history drafts, with the same
+    match-statistics confidences and margins."""
     d, history = NgramDrafter(max_n=3, block_size=8), []
     for i, chunk in enumerate(chunks):
         d.commit([0], [chunk])
@@ -192,4 +204,7 @@ def test_the_ngram_index_finds_what_a_scan_of_the_history_finds(chunks, cuts, wa
             d.truncate({0: cuts[i]})
             del history[cuts[i]:]
         out = d.draft([0], [history[-1]], [want])
-        assert out.tokens.tolist() == _scan_lookup(history, min(want, 7), 3, 1)
+        tokens, confs, margins = _scan_lookup(history, min(want, 7), 3, 1)
+        assert out.tokens.tolist() == tokens
+        np.testing.assert_allclose(out.confidence, confs, rtol=1e-12)
+        np.testing.assert_allclose(out.margin, margins, rtol=1e-12)
