@@ -80,8 +80,19 @@ def greedy_outputs(prompts: list[list[int]], max_tokens: int):
     return {tuple(p): o for p, o in zip(prompts, res.outputs, strict=True)}, model
 
 
-def one_wave(policy: str, block: int, r: int, table: dict, prompts: list[list[int]], max_tokens: int,
-             forward, cache: str) -> dict:
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What every wave replays: prompts and their greedy outputs, the forward's time, the cache
+    holding the real target's profile."""
+
+    prompts: list[list[int]]
+    table: dict[tuple[int, ...], list[int]]
+    max_tokens: int
+    forward: object  # StepShape -> seconds, or None
+    cache: str
+
+
+def one_wave(policy: str, block: int, r: int, w: Workload) -> dict:
     """R requests admitted together under `policy`; per-stage medians of the full decode steps."""
     from actors.engine.replay import ReplayEngine
     from actors.engine.sequence import SamplingParams
@@ -90,16 +101,17 @@ def one_wave(policy: str, block: int, r: int, table: dict, prompts: list[list[in
     # The real target's profile (copied into `cache`, where nothing learned is saved): the gate and
     # pruning decide as on the real unit, from a cold start every time.
     cfg = ServeSettings(policy=policy, drafter="ngram", block=block, max_running=r,
-                        cost_model_cache=cache).engine_config()
+                        cost_model_cache=w.cache).engine_config()
     # Every prompt prefilled in the first step, which takes no time here: the steps measured are
     # decode steps (a decode step verifies at most 17 tokens a request; a prefill step ~100).
     cfg = dataclasses.replace(cfg, kv_capacity_tokens=max(cfg.kv_capacity_tokens, 400 * r), prefill_chunk=1 << 20,
                               prefill_budget=1 << 24)
-    timed = None if forward is None else (lambda shape: 0.0 if shape.tokens > 17 * shape.requests else forward(shape))
-    eng = ReplayEngine(cfg, table, timed)
+    timed = None if w.forward is None else (lambda shape: 0.0 if shape.tokens > 17 * shape.requests else
+                                            w.forward(shape))
+    eng = ReplayEngine(cfg, w.table, timed)
     clock = StageClock(eng)
-    batch = [prompts[i % len(prompts)] for i in range(r)]
-    rids = [eng.add(p, SamplingParams(max_tokens=max_tokens)) for p in batch]
+    batch = [w.prompts[i % len(w.prompts)] for i in range(r)]
+    rids = [eng.add(p, SamplingParams(max_tokens=w.max_tokens)) for p in batch]
     steps = []
     try:
         while len(eng.scheduler):
@@ -115,7 +127,7 @@ def one_wave(policy: str, block: int, r: int, table: dict, prompts: list[list[in
         outputs = [eng.scheduler.finished.pop(rid).output for rid in rids]
     finally:
         eng.shutdown()
-    if any(o != table[tuple(p)] for o, p in zip(outputs, batch, strict=True)):
+    if any(o != w.table[tuple(p)] for o, p in zip(outputs, batch, strict=True)):
         raise AssertionError(f"{policy} at R = {r}: an output differs from the target's greedy one")
     if not steps:
         raise AssertionError(f"{policy} at R = {r}: no step decoded 90 % of the requests without prefill")
@@ -159,7 +171,7 @@ def main() -> int:
     for r in (int(x) for x in args.requests.split(",")):
         for spec in args.policies.split(","):
             policy, block = spec.split(":")
-            row = one_wave(policy, int(block), r, table, prompts, args.max_tokens, forward, cache)
+            row = one_wave(policy, int(block), r, Workload(prompts, table, args.max_tokens, forward, cache))
             row["forward"] = args.forward
             rows.append(row)
             print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)

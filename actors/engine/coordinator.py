@@ -69,7 +69,8 @@ class Engine:
         self.drafters = DrafterPool(cfg, self.target, self.unit_pg)
         self.rebuilt = 0  # EP groups rebuilt after a failure
         self.eos = cfg.eos_token_id
-        self.scheduler = Scheduler(cfg.max_running)
+        self.text_of = cfg.detokenizer()
+        self.scheduler = Scheduler(cfg.max_running, self.text_of)
         self.kinds = cfg.kinds  # the drafter kinds every replica hosts; each request drafts with one a step
         self.calibrators = [Calibrator(block=cfg.block) for _ in self.kinds]  # per kind: confidences differ
         self.calibrator = self.calibrators[0]
@@ -92,7 +93,6 @@ class Engine:
         self._start_cost_model()
         if learned is not None:
             warm(self, learned)
-        self.text_of = cfg.detokenizer()
         self.history = StepHistory()
         self.step_log = StepLog(cfg.step_log) if cfg.step_log else None
         self._next_rid = 0
@@ -322,7 +322,7 @@ class Engine:
         tokens of prompts whose prefill ended), retire finished requests, record the step."""
         batch = st.batch
         self.target.truncate({s.rid: s.cached + 1 + int(a) for s, a in zip(batch, st.accepted, strict=True)})
-        fed = advance_prefill(st.feeding, st.out, len(batch), self.scheduler, self.eos, self.text_of)
+        fed = advance_prefill(st.feeding, st.out, len(batch), self.scheduler, self.eos)
         predicted = self._learn(st)
         committed, held, hidden = [], [], []
         for i, s in enumerate(batch):
@@ -331,7 +331,7 @@ class Engine:
             s.kinds.append(-1 if not s.drafted[-1] else 0 if st.drafts.kinds is None else int(st.drafts.kinds[i]))
             s.kept.append(int(st.kept[i]))
             s.accepted.append(int(st.accepted[i]))
-            committed.append(self.scheduler.append(s, st.emitted[i], self.eos, self.text_of,
+            committed.append(self.scheduler.append(s, st.emitted[i], self.eos,
                                                    st.out.logprobs[i] if st.out.logprobs is not None else None))
             held.append(s.cached)  # its features exist up to here: on its rank, or here (drafted this step)
             hidden.append({k: h[: 1 + int(st.accepted[i])] for k, h in st.out.captured[i].items()})

@@ -196,8 +196,9 @@ class Sequence:
 class Scheduler:
     """Admits waiting requests up to `max_running`; the one place sequences change state."""
 
-    def __init__(self, max_running: int) -> None:
+    def __init__(self, max_running: int, detokenize: Callable[[list[int]], str]) -> None:
         self.max_running = max_running
+        self.detokenize = detokenize  # token ids -> text: each admitted request's, and the stop-string search's
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.finished: dict[int, Sequence] = {}
@@ -223,7 +224,7 @@ class Scheduler:
                 break
             used += need
             seq = self.waiting.popleft()
-            seq.status = Status.RUNNING
+            seq.status, seq.detokenize = Status.RUNNING, self.detokenize  # its text is decoded when read
             self.running.append(seq)
             new.append(seq)
         return new
@@ -232,12 +233,11 @@ class Scheduler:
     def footprint(seq: Sequence, block: int) -> int:
         return len(seq.prompt) + seq.params.max_tokens + block
 
-    def append(self, seq: Sequence, tokens: list[int], eos: int | None, text_of,
+    def append(self, seq: Sequence, tokens: list[int], eos: int | None,
                logprob_rows: np.ndarray | None = None) -> list[int]:
         """Commit tokens to seq, applying stop conditions; returns the tokens actually kept.
         `logprob_rows[t]`: the target's log-softmax row of tokens[t] (for requests that asked)."""
         kept: list[int] = []
-        seq.detokenize = text_of  # its text is decoded when read (`Sequence.text`)
         for t in tokens:
             if seq.remaining <= 0:
                 break
@@ -252,7 +252,7 @@ class Scheduler:
         if hits:
             # Keep the shortest output whose text holds the stop string: the tokens a step-by-step
             # decoder would have produced, whatever a speculative step committed past it.
-            n = next(n for n in range(least, len(seq.output) + 1) if any(s in text_of(seq.output[:n]) for s in
+            n = next(n for n in range(least, len(seq.output) + 1) if any(s in self.detokenize(seq.output[:n]) for s in
                                                                           seq.params.stop))
             kept = kept[: max(0, len(kept) - (len(seq.output) - n))]
             del seq.output[n:]

@@ -121,8 +121,8 @@ def feed_chunks(seqs: list[Sequence], chunk: int, budget: int) -> list[Feed]:
     return out
 
 
-def advance_prefill(feeding: list[Feed], out, offset: int, scheduler: Scheduler, eos: int | None,
-                    text_of) -> list[tuple[Sequence, list[int], int]]:
+def advance_prefill(feeding: list[Feed], out, offset: int, scheduler: Scheduler,
+                    eos: int | None) -> list[tuple[Sequence, list[int], int]]:
     """Advance prefill by this step's chunks (rows offset.. of the target's output `out`): a
     fresh prompt fed to its end draws its first token. Returns what the drafters must commit:
     (request, tokens, positions the target has processed, whose features its rank now holds)."""
@@ -143,7 +143,7 @@ def advance_prefill(feeding: list[Feed], out, offset: int, scheduler: Scheduler,
     lp_rows = {f.seq.rid: out.logprobs[offset + j][-1:] for j, f in enumerate(feeding)
                if out.logprobs is not None and out.logprobs[offset + j] is not None}
     for s, tok in zip(fresh, first_tokens(fresh, rows), strict=True):
-        scheduler.append(s, [tok], eos, text_of, lp_rows.get(s.rid))
+        scheduler.append(s, [tok], eos, lp_rows.get(s.rid))
     first = {s.rid: s.output[-1] for s in fresh if s.output}  # (max_tokens 0: none)
     return [(s, [*t, first[s.rid]] if s.rid in first else t, h) for s, t, h in commits]
 

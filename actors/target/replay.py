@@ -62,14 +62,15 @@ class ReplayRank(TargetRank):
             ctx.extend(rb.tokens[rb.cu[j]:rb.cu[j + 1]].tolist())
         owner = np.searchsorted(rb.cu, rb.logit_index, side="right") - 1
         position = starts[owner] + rb.logit_index - rb.cu[owner]  # each row's position in its request
-        argmax = np.empty(len(owner), dtype=np.int64)
-        for j in np.unique(owner):
-            if rb.request_ids[j] >= FIRST_RID:  # a start-up profile's random tokens: any answer will do
-                argmax[owner == j] = self.eos
+        argmax = np.full(len(owner), self.eos, dtype=np.int64)
+        bounds = np.searchsorted(owner, np.arange(len(rb.request_ids) + 1))  # rows come request by request
+        for j, rid in enumerate(rb.request_ids):
+            a, b = int(bounds[j]), int(bounds[j + 1])
+            if a == b or rid >= FIRST_RID:  # no rows, or a start-up profile's random tokens: EOS will do
                 continue
-            seq = self._sequence(rb.request_ids[j])
-            p = position[owner == j] + 1
-            argmax[owner == j] = np.where(p < len(seq), seq[np.minimum(p, len(seq) - 1)], self.eos)
+            seq = self._sequence(rid)
+            p = position[a:b] + 1
+            argmax[a:b] = np.where(p < len(seq), seq[np.minimum(p, len(seq) - 1)], self.eos)
         context = int(starts.sum())
         stats = StepStats(tokens=len(rb.tokens), requests=len(rb.request_ids), context=context)
         if self.forward_s is not None:

@@ -73,7 +73,7 @@ def _default(obj):
         return obj.item()
     if isinstance(obj, tuple):
         return {_TUPLE: list(obj)}
-    if dataclasses.is_dataclass(obj) and type(obj).__name__ in DATACLASSES:
+    if dataclasses.is_dataclass(obj) and DATACLASSES.get(type(obj).__name__) == type(obj).__module__:
         return {_DATACLASS: [type(obj).__name__, [getattr(obj, f.name) for f in dataclasses.fields(obj) if f.init]]}
     if isinstance(obj, BaseException):
         name = type(obj).__name__
