@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 PIP := $(BIN)/python -m pip --disable-pip-version-check
 
-.PHONY: setup serve test lint bench bench-full clean demo-model
+.PHONY: setup serve test lint bench bench-full clean demo-model interop
 
 setup: $(STAMP)
 
@@ -29,6 +29,12 @@ lint: setup
 
 test: lint
 	$(BIN)/python -m pytest
+
+# The clients users bring (lm-eval, guidellm, aiperf, schemathesis), each from its own venv under
+# .interop/, unchanged against `dcut serve`; the table of docs/interop.md (about 10 minutes once the
+# venvs exist, 10 more to create them).
+interop: setup
+	$(BIN)/python -m tests.interop.run --out runs/interop
 
 # The tables of docs/benchmarks.md and docs/simulate.md (about 75 minutes); bench-full is the
 # whole sweep of issue #7 (every concurrency, every fixed-K, open loop; about an hour).
@@ -73,4 +79,4 @@ demo-model: setup
 	cd models/demo && sha256sum tokenizer.json tokenizer_config.json target/* drafter/* mtp/* prior.json > SHA256SUMS
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) .interop runs .pytest_cache .ruff_cache

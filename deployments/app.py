@@ -71,7 +71,8 @@ class Ingress:
         drafts = policy_from_name(settings.policy, settings.block).drafts
         self._served_kinds = bundle.kinds(settings.drafter) if drafts else ()  # what a request's `drafter` may name
         api.state.served = Served((settings.model_name,), settings.max_tokens_limit, settings.max_choices,
-                                  settings.max_stop, self.tokenizer.get_vocab_size())  # what /openapi.json says
+                                  settings.max_stop, self.tokenizer.get_vocab_size(),
+                                  self._served_kinds)  # what /openapi.json says
         api.openapi_schema = None
 
     # -- endpoints --------------------------------------------------------------------------------

@@ -272,6 +272,7 @@ class Served:
     max_choices: int
     max_stop: int
     vocab: int  # token ids (prompts, stop_token_ids, logit_bias keys) are in [0, vocab)
+    drafters: tuple[str, ...] = ()  # the kinds a request's `drafter` may name (none: only null)
 
 
 def publish_request_bodies(app, bodies: dict[str, type[BaseModel]]) -> None:
@@ -298,15 +299,46 @@ def publish_request_bodies(app, bodies: dict[str, type[BaseModel]]) -> None:
                 post["responses"] = {"200": {"description": "the completion, or its server-sent events when "
                                                             "streamed (text/event-stream)",
                                              "content": {"application/json": {"schema": {"type": "object"}},
-                                                         "text/event-stream": {"schema": {"type": "string"}}}}}
+                                                         "text/event-stream": {"schema": SSE_EVENT}}}}
                 post["responses"] |= {str(code): {"description": why, "content": {"application/json": {
                     "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}} for code, why in ERRORS.items()}
-            if "StructuredOutputs" in components:  # exactly one constraint
-                components["StructuredOutputs"] |= {"minProperties": 1, "maxProperties": 1}
+            if "StructuredOutputs" in components:  # exactly one constraint that is not null
+                components["StructuredOutputs"]["oneOf"] = [
+                    {"required": [name], "properties": {name: {"not": {"type": "null"}}}}
+                    for name in ("json", "regex", "choice", "grammar")]
+            if "ChatRequest" in components:  # top_logprobs needs logprobs: true
+                components["ChatRequest"] |= {
+                    "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+                    "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}
+            _standard_bounds(components)
             app.openapi_schema = schema
         return app.openapi_schema
 
     app.openapi = build
+
+
+# Open API 3.1 (JSON Schema 2020-12) reads the schema of a text/event-stream body as the schema of
+# each event: an object with the event's fields, `data` being a chunk as JSON or "[DONE]".
+SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string", "description": "a completion chunk (JSON), or [DONE] after the last"},
+    "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}
+BOUNDS = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "exclusiveMaximum"}
+
+
+def _standard_bounds(node) -> None:
+    """Pydantic writes the bounds of a constrained type inside a union (`Int | None` with ge=1)
+    under their Python names ("ge"); JSON Schema's are "minimum" and the like, and a tool that
+    reads the spec ignores the others. Renamed in place, everywhere under `node`."""
+    if isinstance(node, dict):
+        if "type" in node:
+            for ours, standard in BOUNDS.items():
+                if ours in node:  # a bound _as_enforced set already is the one enforced
+                    node.setdefault(standard, node.pop(ours))
+        for value in node.values():
+            _standard_bounds(value)
+    elif isinstance(node, list):
+        for value in node:
+            _standard_bounds(value)
 
 
 def _as_enforced(body: dict, served: Served | None) -> dict:
@@ -328,10 +360,16 @@ def _as_enforced(body: dict, served: Served | None) -> dict:
     if served is None:
         return body
     props["model"] = {"title": "Model", "type": "string", "enum": list(served.models)}
+    kinds = list(served.drafters)
+    props["drafter"]["anyOf"] = [*([{"type": "string", "enum": kinds},
+                                    {"type": "array", "items": {"type": "string", "enum": kinds}, "minItems": 1}]
+                                   if kinds else []), {"type": "null"}]
     for name in ("max_tokens", "max_completion_tokens"):
         for node in _each(props[name], "integer"):
             node["maximum"] = served.max_tokens
     props["n"]["maximum"] = served.max_choices
+    for node in _each(props.get("best_of", {}), "integer"):
+        node["maximum"] = served.max_choices
     for node in _each(stop, "array"):
         node["maxItems"] = served.max_stop
     for node in [*_each(prompt, "integer"), *_each(stop_ids, "integer")]:

@@ -229,6 +229,14 @@ def test_the_served_spec_as_is_reaches_the_engine(server, client):
     assert post["responses"]["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
     assert spec["components"]["schemas"]["CompletionRequest"]["properties"]["model"]["enum"] == ["dcut-demo"]
     assert "text/plain" in spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    # bounds under JSON Schema's names (pydantic leaves "ge" inside unions), one SSE event an object
+    assert not re.search(r'"(ge|le|gt|lt)":', json.dumps(spec["components"]))
+    best_of = spec["components"]["schemas"]["CompletionRequest"]["properties"]["best_of"]["anyOf"][0]
+    assert best_of == {"type": "integer", "minimum": 1, "maximum": 16}  # the choice limit, as n
+    event = post["responses"]["200"]["content"]["text/event-stream"]["schema"]
+    assert event["type"] == "object" and event["properties"]["data"]["type"] == "string"
+    drafter = spec["components"]["schemas"]["CompletionRequest"]["properties"]["drafter"]["anyOf"]
+    assert set(drafter[0]["enum"]) == {"block", "mtp", "eagle3", "ngram"} and drafter[-1] == {"type": "null"}
     bodies = schemathesis.openapi.from_dict(spec)["/v1/completions"]["POST"].as_strategy().map(lambda c: c.body)
     statuses: list[int] = []
 
