@@ -73,8 +73,7 @@ def greedy_outputs(prompts: list[list[int]], max_tokens: int):
     eng = Engine(cfg)
     try:
         res = closed_loop(eng, prompts, len(prompts), max_tokens)
-        model = startup_cost_model(eng.target, cfg.target_dir, cfg.ep, cfg.threads_per_rank, cfg.cost_model_cache,
-                                   cfg.in_process)
+        model = startup_cost_model(eng.target, cfg)
     finally:
         eng.shutdown()
     return {tuple(p): o for p, o in zip(prompts, res.outputs, strict=True)}, model

@@ -49,6 +49,12 @@ class EngineConfig:
     # and `drafters` drafter replicas are Ray actors, called per step (fault tests of a lone drafter's death)
     drafter_dirs: tuple[tuple[str, str], ...] = ()  # (kind, weights folder) of each kind hosted beside others
 
+    def __post_init__(self) -> None:
+        if self.gpus_per_rank and self.ep > 1 and self.gpus_per_rank != int(self.gpus_per_rank):
+            # Two ranks sharing one GPU: NCCL refuses a group whose ranks hold the same device.
+            raise ValueError(f"gpus_per_rank must be a whole number of GPUs at EP > 1 (got {self.gpus_per_rank}): "
+                             "NCCL cannot run two ranks of one group on one GPU")
+
     @property
     def kinds(self) -> tuple[str, ...]:
         """The drafter kinds every replica hosts (in the order the per-kind state is indexed)."""

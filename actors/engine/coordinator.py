@@ -367,8 +367,7 @@ class Engine:
         """The target's profiled step cost, once, for the policies that read it."""
         c = self.cfg
         if self.cost is None and self.policy.needs_cost_model:
-            self.cost = online(startup_cost_model(self.target, c.target_dir, c.ep, c.threads_per_rank,
-                                                  c.cost_model_cache, c.in_process))
+            self.cost = online(startup_cost_model(self.target, c))
 
     def _profile_drafter(self) -> None:
         """Seed the drafting gate's cost learner from a start-up profile of the drafter (once)."""

@@ -7,13 +7,16 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import pathlib
+import platform
 import time
 
 import numpy as np
 
 from actors.engine.backlog import CatchUp
 from actors.inprocess import resolve
+from actors.target.checkpoint import COMPUTE_DTYPE
 from actors.target.config import MoEConfig
 from actors.target.profile import ProfileGrid, fit_profile, run_profile
 from dcut_core.cost_model import CostModel, OnlineCorrection
@@ -25,27 +28,49 @@ log = logging.getLogger(__name__)
 STARTUP_GRID = ProfileGrid(requests=(1, 8, 32), tokens_per_request=(1, 4, 8, 16), contexts=(64,), repeats=1)
 
 
-def deployment_key(target_dir: str, ep: int, threads: int, in_process: bool = False) -> str:
-    """Cache key of a profile: the model's config and weights' size, EP size, threads, and whether
-    the rank runs in the caller's process (a Ray call per step is part of what is measured)."""
-    path = pathlib.Path(target_dir)
+def device_identity(gpus_per_rank: float) -> str:
+    """What the ranks compute on, as far as it changes a profile: the GPU's name (NVML, GPU 0 of
+    the node) when ranks hold GPUs, else the CPU's model name and core count."""
+    if gpus_per_rank:
+        from actors.accelerator import detect
+
+        return f"cuda:{detect().device_name or 'unknown'}"
+    model = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), "")
+    return f"cpu:{model or platform.machine()}:{os.cpu_count()}"
+
+
+def _cpuinfo() -> list[str]:
+    try:
+        return pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
+
+
+def deployment_key(cfg) -> str:
+    """Cache key of a profile (and of the learned state beside it): the model's config and
+    weights' size, the device and dtype the ranks compute in, EP size, threads, and whether the
+    rank runs in the caller's process (a Ray call per step is part of what is measured). A CPU
+    profile is never reused on a GPU, nor one GPU's on another."""
+    path = pathlib.Path(cfg.target_dir)
     config = (path / "config.json").read_text()
     sizes = sorted((f.name, f.stat().st_size) for f in path.glob("*.safetensors"))
-    raw = json.dumps([config, sizes, ep, threads] + (["in-process"] if in_process else []))
+    device = [device_identity(cfg.gpus_per_rank), str(COMPUTE_DTYPE)]
+    shape = [cfg.ep, cfg.threads_per_rank] + (["in-process"] if cfg.in_process else [])
+    raw = json.dumps([config, sizes, *device, *shape])
     return hashlib.sha1(raw.encode()).hexdigest()[:16]
 
 
-def startup_cost_model(target, target_dir: str, ep: int, threads: int, cache_dir: str | None,
-                       in_process: bool = False) -> CostModel:
-    """Load the cached profile of this deployment shape, or profile now (a few seconds) and cache it."""
-    cfg = MoEConfig.load(target_dir)
+def startup_cost_model(target, cfg) -> CostModel:
+    """Load the cached profile of this deployment (`cfg`: EngineConfig), or profile now (a few
+    seconds) and cache it."""
+    model_cfg = MoEConfig.load(cfg.target_dir)
     cache = None
-    if cache_dir:
-        cache = pathlib.Path(cache_dir) / f"cost_model_{deployment_key(target_dir, ep, threads, in_process)}.json"
+    if cfg.cost_model_cache:
+        cache = pathlib.Path(cfg.cost_model_cache) / f"cost_model_{deployment_key(cfg)}.json"
     if cache is not None and cache.exists():
         return CostModel.from_json(cache.read_text())
-    samples = run_profile(target, STARTUP_GRID, cfg.vocab_size)
-    model = fit_profile(samples, cfg.shape(pathlib.Path(target_dir).name), ep)
+    samples = run_profile(target, STARTUP_GRID, model_cfg.vocab_size)
+    model = fit_profile(samples, model_cfg.shape(pathlib.Path(cfg.target_dir).name), cfg.ep)
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_text(model.to_json())

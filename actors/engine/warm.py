@@ -35,7 +35,7 @@ class WarmStart:
     def __init__(self, cfg) -> None:
         self.path = None
         if cfg.cost_model_cache:
-            key = deployment_key(cfg.target_dir, cfg.ep, cfg.threads_per_rank, cfg.in_process)
+            key = deployment_key(cfg)
             kinds = hashlib.sha1(f"{cfg.drafter}|{cfg.block}".encode()).hexdigest()[:8]
             self.path = pathlib.Path(cfg.cost_model_cache) / f"learned_{key}_{kinds}.json"
         self.prior = prior_of(cfg.target_dir)

@@ -30,6 +30,9 @@ from actors.target.config import MoEConfig
 from actors.target.model import MoETransformer
 
 LAYOUTS = ("fused", "per_expert")
+# What every rank computes in until a serving dtype is configurable (issue #29 item 1); part of
+# the cost-model cache key (actors/engine/costs.py).
+COMPUTE_DTYPE = torch.float32
 
 # Checkpoint names of other families, as the per-expert names read here (Mixtral's own layout:
 # `block_sparse_moe`, experts w1 = gate, w3 = up, w2 = down).
@@ -134,7 +137,7 @@ class _Tensors:
 
 
 def load_model(model_dir: str | pathlib.Path, first_expert: int = 0, local_experts: int | None = None,
-               dtype: torch.dtype = torch.float32) -> MoETransformer:
+               dtype: torch.dtype = COMPUTE_DTYPE) -> MoETransformer:
     """Build the model from a checkpoint, holding experts [first_expert, first_expert + local)."""
     model_dir = pathlib.Path(model_dir)
     cfg = MoEConfig.load(model_dir)

@@ -6,8 +6,10 @@ What runs where:
   runs in the model's dtype. On CPU torch's `scaled_mm` takes only tensor- and row-wise scales.
 - CUDA at capability ≥ 9.0 (Hopper, Blackwell): `keep_fp8` swaps, after the rank's model is on the
   device, every linear layer and every expert whose checkpoint weight is FP8 for that weight and
-  its 128 × 128 block scales. Each matmul quantizes its input per token and 128 columns (the
-  activation scheme DeepSeek-V3 was trained with) and runs `F.scaled_mm` with BlockWise1x128 ×
+  its 128 × 128 block scales — except layers whose weight their owner multiplies itself (a
+  module's `reads_weights_of`: latent attention's kv_b_proj), which keep the dequantized weight.
+  Each matmul quantizes its input per token and 128 columns (the activation scheme DeepSeek-V3
+  was trained with) and runs `F.scaled_mm` with BlockWise1x128 ×
   BlockWise128x128 scaling. Before swapping anything, one layer is checked on the device: its FP8
   output against the dequantized matmul on random input; if the kernel errs or is off by more
   than FP8 rounding explains (`TOLERANCE`), nothing is swapped and the dequantized weights serve.
@@ -130,6 +132,9 @@ def fp8_layers(model: nn.Module, tensors, first: int, count: int) -> tuple[dict[
 
     linears = {}
     for name, module in model.named_modules():
+        parent, _, attr = name.rpartition(".")
+        if attr in getattr(model.get_submodule(parent) if parent else model, "reads_weights_of", ()):
+            continue  # its owner multiplies the weight itself: an Fp8Linear's raw FP8 weight would be wrong
         if isinstance(module, nn.Linear) and module.bias is None and name != "lm_head":
             raw = tensors.raw(_hf_name(f"{name}.weight"))
             if raw[1] is not None and _fits(raw[0]):

@@ -34,6 +34,10 @@ class LatentAttention(nn.Module):
     """MLA with DeepSeek-V3's checkpoint names (q_a_proj/q_a_layernorm/q_b_proj or q_proj,
     kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj)."""
 
+    # Layers whose weight this module multiplies itself (kv_b_proj's, absorbed into the queries
+    # and the output) rather than calling them: they must stay plain linears (actors/target/fp8.py).
+    reads_weights_of = ("kv_b_proj",)
+
     def __init__(self, cfg: MoEConfig, layer: int) -> None:
         super().__init__()
         self.layer, self.heads = layer, cfg.num_attention_heads

@@ -83,3 +83,23 @@ def test_a_failing_or_wrong_kernel_leaves_the_dequantized_weights(fp8_pair):
         assert not any(isinstance(m, (Fp8Linear, Fp8Experts)) for m in model.modules())
     model = load_model(fp8_dir)
     assert keep_fp8(model, fp8_dir, 0, 8) == 0  # the real kernel: not on a CPU
+
+
+def test_latent_attention_keeps_the_weights_it_reads_itself(tmp_path):
+    """DeepSeek-V3's latent attention multiplies kv_b_proj's weight itself (absorbed into the
+    queries and the output), so that layer must stay a plain linear: swapped for an FP8 one, its
+    raw FP8 weight would be read without its scales. Every other 128-wide projection is swapped,
+    and the model computes what its dequantized twin does up to the activations' FP8 rounding."""
+    model = tiny_model(3, hidden_size=128, moe_intermediate_size=128, intermediate_size=128, model_type="deepseek_v3",
+                       kv_lora_rank=128, qk_nope_head_dim=16, v_head_dim=16, head_dim=16, num_attention_heads=8,
+                       num_key_value_heads=8, q_lora_rank=128)
+    save_model(model, tmp_path / "fp32", layout="per_expert")
+    fp8_dir, plain_dir = write_fp8(tmp_path / "fp32", tmp_path, (128, 128))
+    plain = logits(load_model(plain_dir))
+    model = load_model(fp8_dir)
+    assert model.layers[0].self_attn.kv_b_proj.weight.shape == (256, 128)  # 8 heads × (16 + 16): it would fit
+    assert keep_fp8(model, fp8_dir, 0, 8, mm=reference_mm) > 0
+    swapped = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    assert {"q_a_proj", "q_b_proj", "o_proj"} <= swapped and "kv_b_proj" not in swapped
+    kept = logits(model)
+    assert float((kept - plain).norm() / plain.norm()) < 0.05
