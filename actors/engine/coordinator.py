@@ -223,12 +223,10 @@ class Engine:
         (when the replicas host several) and how far; the `dcut` policy decides whether drafting
         pays at all."""
         none = np.zeros(len(batch), dtype=np.int64)
-        if not batch:
+        if not batch or not self.drafters or not self.policy.drafts:
             return None, none
         cap = np.array([max(0, min(self.cfg.block - 1, s.remaining - 1)) if self.drafters.drafting(s.rid) else 0
                         for s in batch])
-        if not self.drafters or not self.policy.drafts:
-            return None, none
         multi = len(self.kinds) > 1
         ungated = not self.policy.gated or not self.cfg.drafting_gate
         if ungated and not multi:
@@ -325,16 +323,19 @@ class Engine:
         fed = advance_prefill(st.feeding, st.out, len(batch), self.scheduler, self.eos)
         predicted = self._learn(st)
         committed, held, hidden = [], [], []
+        drafted, kept, accepted = np.diff(st.drafts.cu).tolist(), st.kept.tolist(), np.asarray(st.accepted).tolist()
+        kinds = [0] * len(batch) if st.drafts.kinds is None else st.drafts.kinds.tolist()
+        logprobs = st.out.logprobs or [None] * len(batch)
         for i, s in enumerate(batch):
             s.steps += 1
-            s.drafted.append(int(st.drafts.cu[i + 1] - st.drafts.cu[i]))
-            s.kinds.append(-1 if not s.drafted[-1] else 0 if st.drafts.kinds is None else int(st.drafts.kinds[i]))
-            s.kept.append(int(st.kept[i]))
-            s.accepted.append(int(st.accepted[i]))
-            committed.append(self.scheduler.append(s, st.emitted[i], self.eos,
-                                                   st.out.logprobs[i] if st.out.logprobs is not None else None))
+            s.drafted.append(drafted[i])
+            s.kinds.append(kinds[i] if drafted[i] else -1)
+            s.kept.append(kept[i])
+            s.accepted.append(accepted[i])
+            committed.append(self.scheduler.append(s, st.emitted[i], self.eos, logprobs[i]))
             held.append(s.cached)  # its features exist up to here: on its rank, or here (drafted this step)
-            hidden.append({k: h[: 1 + int(st.accepted[i])] for k, h in st.out.captured[i].items()})
+            captured = st.out.captured[i]
+            hidden.append({k: h[: 1 + accepted[i]] for k, h in captured.items()} if captured else {})
         live = [c for c in [*zip(batch, committed, held, hidden, strict=True), *((*f, None) for f in fed)]
                 if c[0].finish_reason is None]
         if live and self.policy.drafts:  # plain decoding keeps no drafter state

@@ -202,12 +202,13 @@ def accept_tokens(batch: list[Sequence], drafts: Drafts, kept: np.ndarray,
         k = np.asarray(kept, dtype=np.int64)[greedy]
         cu = np.zeros(len(greedy) + 1, dtype=np.int64)
         np.cumsum(k, out=cu[1:])
-        d = np.concatenate([drafts.tokens[drafts.cu[i]:drafts.cu[i] + kept[i]] for i in greedy])
+        starts = np.asarray(drafts.cu, dtype=np.int64)[greedy]  # each greedy request's kept drafts, gathered
+        d = drafts.tokens[np.repeat(starts - cu[:-1], k) + np.arange(cu[-1])]
         res = rules.greedy(d.astype(np.int64), cu, np.concatenate([np.asarray(out.argmax[i]) for i in greedy]))
-        toks = res.tokens.tolist()
+        toks, ends, counts = res.tokens.tolist(), res.cu_tokens.tolist(), res.accepted.tolist()
         for j, i in enumerate(greedy):
-            accepted[i] = int(res.accepted[j])
-            emitted[i] = toks[res.cu_tokens[j]:res.cu_tokens[j + 1]]
+            accepted[i] = counts[j]
+            emitted[i] = toks[ends[j]:ends[j + 1]]
     for i, s in enumerate(batch):
         if s.greedy:
             continue

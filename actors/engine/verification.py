@@ -17,7 +17,8 @@ def verify_forward(target, pool, capture: tuple[int, ...], batch: list[Sequence]
     judged), then this step's prefill chunks (a row only where a fresh prompt ends). `capture`:
     the target layers whose outputs the drafters read (none under `ar`); the features come back
     for requests that drafted this step when drafters are actors (`keep_features`)."""
-    chunks = [[s.last, *drafts.tokens[drafts.cu[i]:drafts.cu[i] + kept[i]].tolist()] for i, s in enumerate(batch)]
+    tokens, cu, kept = drafts.tokens.tolist(), drafts.cu.tolist(), np.asarray(kept).tolist()  # Python from here
+    chunks = [[s.last, *tokens[cu[i]:cu[i] + kept[i]]] for i, s in enumerate(batch)]
     rows = [list(range(len(c))) for c in chunks] + [f.logit_rows for f in feeding]
     seqs = [*batch, *(f.seq for f in feeding)]
     sampling = [s.params.sampling for s in seqs]

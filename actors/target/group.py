@@ -152,8 +152,9 @@ class EPGroup:
             raise ValueError("one chunk per request, each request once")
         new = [rid for rid in request_ids if rid not in self._owner]
         per_rank: list[list[int]] = [[] for _ in range(self.cfg.world)]
+        owner = self._owner
         for i, rid in enumerate(request_ids):
-            per_rank[self.rank_of(rid)].append(i)
+            per_rank[owner[rid] if rid in owner else self.rank_of(rid)].append(i)
         if logits == "all":
             rows = [len(c) for c in chunks]
         elif logits == "last":
@@ -181,15 +182,16 @@ class EPGroup:
                 slots[i] = (r, row, row + rows[i], tok, tok + n, lp)
                 row, tok = row + rows[i], tok + n
                 lp += rows[i] if logprobs is not None and logprobs[i] else 0
+        argmax, gap, captured = out.argmax.append, out.top2_gap.append, out.captured.append  # 1,024 requests a step
         for i, (r, a, b, ta, tb, lp) in enumerate(slots):
             res = results[r]
-            out.argmax.append(res.argmax[a:b])
-            out.top2_gap.append(res.top2_gap[a:b])
+            argmax(res.argmax[a:b])
+            gap(res.top2_gap[a:b])
             if with_logits:
                 out.logits.append(res.logits[a:b])
             if out.probs is not None:
                 out.probs.append(res.probs[a:b] if res.probs is not None else None)
-            out.captured.append({layer: h[ta:tb] for layer, h in res.captured.items()} if tb > ta else {})
+            captured({layer: h[ta:tb] for layer, h in res.captured.items()} if tb > ta else {})
             if out.logprobs is not None:
                 out.logprobs.append(res.logprobs[lp:lp + b - a] if logprobs[i] else None)
         return out
