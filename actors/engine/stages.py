@@ -138,7 +138,7 @@ def advance_prefill(feeding: list[Feed], out, offset: int, scheduler: Scheduler,
                 tokens.append(s.output[-1])
             else:
                 fresh.append(s)
-                rows[s.rid] = (out.argmax[offset + j], None if out.probs is None else out.probs[offset + j])
+                rows[s.rid] = (out.argmax[offset + j], None if out.sampled is None else out.sampled[offset + j])
         commits.append((s, tokens, s.fed))
     lp_rows = {f.seq.rid: out.logprobs[offset + j][-1:] for j, f in enumerate(feeding)
                if out.logprobs is not None and out.logprobs[offset + j] is not None}
@@ -177,45 +177,35 @@ def merge_drafts(r: int, outs: dict[int, tuple[list[int], DraftOutput]], kinds: 
 
 
 def first_tokens(seqs: list[Sequence], last_out: dict) -> list[int]:
-    """The token after each prompt: the target's argmax, or a draw from its distribution."""
+    """The token after each prompt: the target's argmax, or its draw with the request's first
+    uniform (made on the rank: `verification.sampling_rows`)."""
     out = []
     for s in seqs:
-        argmax, probs = last_out[s.rid]
-        if s.greedy:
-            out.append(int(argmax[-1]))
-        else:
-            out.append(int(rules.inverse_cdf(np.asarray(probs[-1:], dtype=np.float64), s.uniforms(0, 1))[0]))
+        argmax, sampled = last_out[s.rid]
+        out.append(int(argmax[-1] if s.greedy else sampled[-1]))
     return out
 
 
 def accept_tokens(batch: list[Sequence], drafts: Drafts, kept: np.ndarray,
                   out) -> tuple[list[int], list[list[int]]]:
-    """Lossless acceptance per request: greedy match at temperature 0 (one vectorized call for
-    every greedy request of the batch); otherwise coupled sampling (`rules.coupled_sampling`)
-    with the request's per-position uniforms, so a seed fixes the output whatever the policy,
-    the batch or the drafter did. The oracle's look-ahead may call it too: uniforms are per
-    position, so it draws nothing extra."""
+    """Lossless acceptance, one vectorized call for the whole batch: each request's kept drafts
+    pass while they equal the target's own token at their row — its argmax at temperature 0,
+    else its draw (`rules.coupled_sampling`: the row's uniform from the request's seeded stream
+    through the target's sampling distribution, made on the rank), so a seed fixes the output
+    whatever the policy, the batch or the drafter did. The oracle's look-ahead may call it too:
+    uniforms are per position, so it draws nothing extra."""
     accepted: list[int] = [0] * len(batch)
     emitted: list[list[int]] = [[] for _ in batch]
-    greedy = [i for i, s in enumerate(batch) if s.greedy]
-    if greedy:
-        k = np.asarray(kept, dtype=np.int64)[greedy]
-        cu = np.zeros(len(greedy) + 1, dtype=np.int64)
-        np.cumsum(k, out=cu[1:])
-        starts = np.asarray(drafts.cu, dtype=np.int64)[greedy]  # each greedy request's kept drafts, gathered
-        d = drafts.tokens[np.repeat(starts - cu[:-1], k) + np.arange(cu[-1])]
-        res = rules.greedy(d.astype(np.int64), cu, np.concatenate([np.asarray(out.argmax[i]) for i in greedy]))
-        toks, ends, counts = res.tokens.tolist(), res.cu_tokens.tolist(), res.accepted.tolist()
-        for j, i in enumerate(greedy):
-            accepted[i] = counts[j]
-            emitted[i] = toks[ends[j]:ends[j + 1]]
-    for i, s in enumerate(batch):
-        if s.greedy:
-            continue
-        k = int(kept[i])
-        d = drafts.tokens[drafts.cu[i]:drafts.cu[i] + k]
-        u = s.uniforms(len(s.output), k + 1)  # output positions this step can fill
-        res = rules.coupled_sampling(d, np.array([0, k]), np.asarray(out.probs[i], dtype=np.float64), u)
-        accepted[i] = int(res.accepted[0])
-        emitted[i] = res.tokens.tolist()
+    if not batch:
+        return accepted, emitted
+    k = np.asarray(kept, dtype=np.int64)
+    cu = np.zeros(len(batch) + 1, dtype=np.int64)
+    np.cumsum(k, out=cu[1:])
+    d = drafts.tokens[np.repeat(np.asarray(drafts.cu[:-1], dtype=np.int64) - cu[:-1], k) + np.arange(cu[-1])]
+    target = [out.argmax[i] if s.greedy else out.sampled[i] for i, s in enumerate(batch)]
+    res = rules.greedy(d.astype(np.int64), cu, np.concatenate([np.asarray(t) for t in target]).astype(np.int64))
+    toks, ends, counts = res.tokens.tolist(), res.cu_tokens.tolist(), res.accepted.tolist()
+    for i in range(len(batch)):
+        accepted[i] = counts[i]
+        emitted[i] = toks[ends[i]:ends[i + 1]]
     return accepted, emitted

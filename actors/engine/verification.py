@@ -21,16 +21,31 @@ def verify_forward(target, pool, capture: tuple[int, ...], batch: list[Sequence]
     chunks = [[s.last, *tokens[cu[i]:cu[i] + kept[i]]] for i, s in enumerate(batch)]
     rows = [list(range(len(c))) for c in chunks] + [f.logit_rows for f in feeding]
     seqs = [*batch, *(f.seq for f in feeding)]
-    sampling = [s.params.sampling for s in seqs]
+    sampling = sampling_rows(batch, chunks, feeding)
     logprobs = [s.params.logprobs is not None for s in batch] + [f.wants_logprobs for f in feeding]
     controls = [request_controls(s, drafts=chunks[i][1:]) for i, s in enumerate(batch)]
     controls += [request_controls(f.seq, feed=f) for f in feeding]
     return target.forward([s.rid for s in seqs], chunks + [f.tokens for f in feeding], logits=rows,
                           capture_layers=capture,
-                          sampling=sampling if any(t > 0 for t, _ in sampling) else None,
+                          sampling=sampling if any(t > 0 for t, _, _ in sampling) else None,
                           keep_features=keep_features(pool, batch, drafts, feeding) if capture else None,
                           logprobs=logprobs if any(logprobs) else None,
                           controls=controls if any(c is not None for c in controls) else None)
+
+
+def sampling_rows(batch: list[Sequence], chunks: list[list[int]], feeding: list[Feed]) -> list[tuple]:
+    """(temperature, top_p, uniforms or None) of each forward request: a sampling request's rows
+    carry the uniforms of the output positions they may fill (a decoding request: the next ones,
+    one per row; a prefill chunk: the first output position at its last row, where a fresh
+    prompt ends), so its rank draws the target's token there and hands back a token a row."""
+    out = []
+    for s, chunk in zip(batch, chunks, strict=True):
+        out.append((*s.params.sampling, None if s.greedy else s.uniforms(len(s.output), len(chunk))))
+    for f in feeding:
+        s, n = f.seq, len(f.logit_rows)
+        u = None if s.greedy or not n else np.concatenate([np.zeros(n - 1), s.uniforms(0, 1)])
+        out.append((*s.params.sampling, u))
+    return out
 
 
 def keep_features(pool, batch: list[Sequence], drafts: Drafts, feeding: list[Feed]) -> list[bool]:

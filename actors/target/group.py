@@ -64,7 +64,9 @@ class TargetOutput:
     captured: list[dict[int, np.ndarray]]  # per request: layer -> [n_i, H]
     rank_stats: list[StepStats] = field(default_factory=list)
     wall_s: float = 0.0
-    probs: list[np.ndarray] | None = None  # [m_i, V] each, when sampling was asked for
+    sampled: list[np.ndarray | None] | None = None  # [m_i] each: the target's draw at each row of a
+    # sampling request (its uniforms through its sampling distribution), None for greedy requests;
+    # None when no request samples
     logprobs: list[np.ndarray | None] | None = None  # [m_i, V] log-softmax each, for the requests that asked
 
 
@@ -135,12 +137,13 @@ class EPGroup:
 
     def forward(self, request_ids: list[int], chunks: list[list[int]], logits: str | list[list[int]] = "all",
                 with_logits: bool = False, capture_layers: tuple[int, ...] = (),
-                sampling: list[tuple[float, float]] | None = None,
+                sampling: list[tuple[float, float, np.ndarray | None]] | None = None,
                 keep_features: list[bool] | None = None, logprobs: list[bool] | None = None,
                 controls: list | None = None) -> TargetOutput:
         """Append chunks[i] to request_ids[i] on its rank; rows at `logits` ("all", "last", or
-        per-request positions inside the chunk). `sampling[i]` = (temperature, top_p): requests
-        with temperature > 0 get the target's sampling probabilities of their rows. With
+        per-request positions inside the chunk). `sampling[i]` = (temperature, top_p, uniforms):
+        a request with temperature > 0 gets the target's draw at each of its rows (`sampled`),
+        made on its rank with that row's uniform. With
         `keep_features`, the states at `capture_layers` of request i stay on its rank when
         keep_features[i] (fetched later by `features`; its `captured` is then empty) and come
         back in `captured` otherwise. With `logprobs[i]`, request i's rows also come back as the
@@ -172,7 +175,7 @@ class EPGroup:
                 del self._owner[rid]
             raise
         out = TargetOutput([], [], [] if with_logits else None, [], [r.stats for r in results],
-                           time.perf_counter() - t0, [] if any(r.probs is not None for r in results) else None,
+                           time.perf_counter() - t0, [] if any(r.sampled is not None for r in results) else None,
                            [] if logprobs is not None and any(logprobs) else None)
         slots: list[tuple[int, int, int, int, int, int]] = [(0, 0, 0, 0, 0, 0)] * len(request_ids)
         for r, idx in enumerate(per_rank):
@@ -189,8 +192,8 @@ class EPGroup:
             gap(res.top2_gap[a:b])
             if with_logits:
                 out.logits.append(res.logits[a:b])
-            if out.probs is not None:
-                out.probs.append(res.probs[a:b] if res.probs is not None else None)
+            if out.sampled is not None:
+                out.sampled.append(res.sampled[a:b] if res.sampled is not None and sampling[i][0] > 0 else None)
             captured({layer: h[ta:tb] for layer, h in res.captured.items()} if tb > ta else {})
             if out.logprobs is not None:
                 out.logprobs.append(res.logprobs[lp:lp + b - a] if logprobs[i] else None)
@@ -221,17 +224,19 @@ class EPGroup:
             index = cu[1:] - 1
         else:
             index = np.fromiter((cu[j] + p for j, i in enumerate(idx) for p in logits[i]), dtype=np.int64)
-        temp = top_p = None
+        temp = top_p = uniform = None
         if sampling is not None:
             temp = np.repeat([sampling[i][0] for i in idx], [rows[i] for i in idx]).astype(np.float32)
             top_p = np.repeat([sampling[i][1] for i in idx], [rows[i] for i in idx]).astype(np.float32)
+            uniform = np.concatenate([np.zeros(rows[i]) if sampling[i][2] is None else sampling[i][2] for i in idx]
+                                     or [np.zeros(0)]).astype(np.float64)
         keep = None if keep_features is None else np.array([keep_features[i] for i in idx], dtype=bool)
         lp = None if logprobs is None else np.repeat(np.array([bool(logprobs[i]) for i in idx], dtype=bool),
                                                      [rows[i] for i in idx])
         ctl = None if controls is None or not any(controls[i] is not None for i in idx) else \
             tuple(controls[i] for i in idx)
         return RankBatch([request_ids[i] for i in idx], tokens, cu, index, with_logits, capture_layers, temp, top_p,
-                         truncate or None, keep, lp, ctl)
+                         truncate or None, keep, lp, ctl, uniform)
 
     # -- cache management -----------------------------------------------------------------------
 

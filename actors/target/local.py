@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from actors.target.group import TargetOutput
 from actors.target.model import ForwardBatch, MoETransformer
 from actors.target.moe import StepStats
-from actors.target.sampling import target_probs
+from actors.target.sampling import draw, target_probs
 
 
 class LocalTarget:
@@ -25,7 +26,7 @@ class LocalTarget:
 
     def forward(self, request_ids: list[int], chunks: list[list[int]], logits: str | list[list[int]] = "all",
                 with_logits: bool = False, capture_layers: tuple[int, ...] = (),
-                sampling: list[tuple[float, float]] | None = None) -> TargetOutput:
+                sampling: list[tuple[float, float, np.ndarray | None]] | None = None) -> TargetOutput:
         t0 = time.perf_counter()
         batch = ForwardBatch.from_lists(request_ids, chunks, "last" if logits == "last" else "all")
         if not isinstance(logits, str):
@@ -40,18 +41,21 @@ class LocalTarget:
         tok_splits = batch.cu[1:-1].tolist()
         top2 = torch.topk(out, 2, dim=-1).values
         split = lambda t, s: [x.numpy() for x in torch.tensor_split(t, s)]  # noqa: E731
-        probs = None
-        if sampling is not None and max(t for t, _ in sampling) > 0:
-            temp = torch.tensor([t for (t, _), n in zip(sampling, rows, strict=True) for _ in range(n)])
-            top_p = torch.tensor([p for (_, p), n in zip(sampling, rows, strict=True) for _ in range(n)])
-            probs = split(target_probs(out, temp.float().clamp_min(1e-6), top_p.float()), row_splits)
+        sampled = None
+        if sampling is not None and max(t for t, _, _ in sampling) > 0:  # as a rank draws (worker.py)
+            temp = torch.tensor([t for (t, _, _), n in zip(sampling, rows, strict=True) for _ in range(n)])
+            top_p = torch.tensor([p for (_, p, _), n in zip(sampling, rows, strict=True) for _ in range(n)])
+            u = torch.from_numpy(np.concatenate([np.zeros(n) if x is None else x
+                                                 for (_, _, x), n in zip(sampling, rows, strict=True)]))
+            draws = draw(target_probs(out, temp.float().clamp_min(1e-6), top_p.float()), u)
+            sampled = [d if t > 0 else None for d, (t, _, _) in zip(split(draws, row_splits), sampling, strict=True)]
         return TargetOutput(
             split(out.argmax(-1), row_splits), split(top2[:, 0] - top2[:, 1], row_splits),
             split(out.float(), row_splits) if with_logits else None,
             [dict(zip(captured, hs, strict=True)) for hs in zip(*[split(h, tok_splits) for h in captured.values()],
                                                                   strict=True)]
             if captured else [{} for _ in chunks],
-            [stats], time.perf_counter() - t0, probs,
+            [stats], time.perf_counter() - t0, sampled,
         )
 
     def truncate(self, lengths: dict[int, int]) -> None:

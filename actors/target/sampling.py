@@ -88,6 +88,14 @@ def apply_controls(logits: torch.Tensor, chunk: np.ndarray, rows: np.ndarray, rc
     return out
 
 
+def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The token of each row of probs [M, V] at its uniform u [M] — the smallest whose cumulative
+    probability exceeds u × the row's mass — on probs' device, in float64: the arithmetic of
+    `dcut_core.rules.inverse_cdf`, so a rank hands back one token a row, not a distribution."""
+    cdf = torch.cumsum(probs.double(), dim=-1)
+    return torch.clamp_max((cdf <= (u.double() * cdf[:, -1])[:, None]).sum(-1), probs.shape[-1] - 1)
+
+
 def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
                  top_k: torch.Tensor | None = None, min_p: torch.Tensor | None = None) -> torch.Tensor:
     """Probabilities [M, V] for logits [M, V] with per-row temperature [M] (> 0), top_p [M], and

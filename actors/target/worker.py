@@ -30,7 +30,7 @@ from actors.target.link import RankLink
 from actors.target.model import ForwardBatch, Prepared
 from actors.target.moe import StepStats
 from actors.target.parallel import all_agree, apply_expert_parallel, expert_range, join_groups
-from actors.target.sampling import apply_controls, target_probs
+from actors.target.sampling import apply_controls, draw, target_probs
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,7 @@ class RankBatch:
     # other requests' rows come back in the result)
     logprob_rows: np.ndarray | None = None  # [M] bool: these logit rows come back as log-softmax rows
     controls: tuple | None = None  # [R] RequestControls or None: sampling controls applied to its rows
+    uniform: np.ndarray | None = None  # [M] float64: the sampling rows' uniforms (the request's seeded stream)
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,8 @@ class RankResult:
     captured: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> [N', H] float16 (drafter features)
     # of every token, or with keep_features of the requests not kept only, in their order
     stats: StepStats = field(default_factory=StepStats)
-    probs: np.ndarray | None = None  # [M, V] the target's sampling distribution, when any row samples
+    sampled: np.ndarray | None = None  # [M] int64 the target's draw at each sampling row (its uniform
+    # through the sampling distribution: `sampling.draw`), the argmax elsewhere; None when no row samples
     logprobs: np.ndarray | None = None  # [M', V] float32 log-softmax of the raw logits at the flagged rows
 
 
@@ -163,18 +165,24 @@ class TargetRank:
         if rb.controls is not None:
             logits, top_k, min_p = self._controlled(logits, rb)
         top2 = torch.topk(logits, 2, dim=-1).values if logits.shape[-1] > 1 else logits.repeat(1, 2)
-        probs = None
+        argmax = logits.argmax(-1)
+        sampled = None
         if rb.temperature is not None and len(rb.temperature) and float(rb.temperature.max()) > 0:
+            # Drawn here, on the device: what comes back is a token a row, not rows × vocabulary.
+            rows = torch.from_numpy(rb.temperature > 0).to(dev)
             temp = torch.from_numpy(rb.temperature).float().clamp_min(1e-6).to(dev)
-            probs = target_probs(logits, temp, torch.from_numpy(rb.top_p).float().to(dev),
-                                 None if top_k is None else top_k.to(dev),
-                                 None if min_p is None else min_p.to(dev)).cpu().numpy()
+            probs = target_probs(logits[rows], temp[rows], torch.from_numpy(rb.top_p).float().to(dev)[rows],
+                                 None if top_k is None else top_k.to(dev)[rows],
+                                 None if min_p is None else min_p.to(dev)[rows])
+            sampled = argmax.clone()
+            sampled[rows] = draw(probs, torch.from_numpy(rb.uniform).to(dev)[rows])
+            sampled = sampled.cpu().numpy()
         return RankResult(
-            logits.argmax(-1).cpu().numpy(), (top2[:, 0] - top2[:, 1]).cpu().numpy(),
+            argmax.cpu().numpy(), (top2[:, 0] - top2[:, 1]).cpu().numpy(),
             logits.float().cpu().numpy() if rb.with_logits else None,
             # float16: the drafter was trained on features of that precision, and half the bytes
             # keep a decode step's result under Ray's inline size at concurrency 64.
-            {k: v.half().cpu().numpy() for k, v in captured.items()}, stats, probs, logprobs,
+            {k: v.half().cpu().numpy() for k, v in captured.items()}, stats, sampled, logprobs,
         )
 
     @staticmethod
