@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from actors.engine.detokenize import IncrementalText
 from actors.engine.logprobs import entries
 
 SAMPLING_EPS = 1e-5  # below this temperature a request decodes greedily (vLLM's threshold too)
@@ -134,7 +135,7 @@ class Sequence:
     logprobs: list = field(default_factory=list)  # TokenLogprob per output token (params.logprobs set)
     prompt_logprobs: list = field(default_factory=list)  # per prompt token (the first: None), with echo
     _uniforms: list[float] = field(default_factory=list, repr=False)
-    _text: tuple[int, str] = field(default=(0, ""), repr=False)  # (output tokens it decodes, text)
+    _text: IncrementalText | None = field(default=None, repr=False)  # the output's text, as it grows
 
     def __post_init__(self) -> None:
         if self.rng is None:
@@ -152,17 +153,19 @@ class Sequence:
 
     @property
     def text(self) -> str:
-        """The output as text: decoded when read, again only once the output has grown (a
-        request nobody streams is decoded once, at its end, not every step)."""
-        n, text = self._text
-        if n != len(self.output) and self.detokenize is not None:
-            text = self.detokenize(self.output)
-            self._text = (len(self.output), text)
-        return text
+        """The output as text: decoded when read, and then only its newest tokens (a request
+        nobody streams is decoded once, at its end, not every step; actors/engine/detokenize.py)."""
+        if self._text is None:
+            if self.detokenize is None:
+                return ""
+            self._text = IncrementalText(self.detokenize)
+        return self._text.text(self.output)
 
     def end_text(self, text: str) -> None:
         """The final text, shorter than the output's decoding (cut at a stop string)."""
-        self._text = (len(self.output), text)
+        if self._text is None:
+            self._text = IncrementalText(self.detokenize or (lambda ids: ""))
+        self._text.end(len(self.output), text)
 
     @property
     def last(self) -> int:
