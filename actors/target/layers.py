@@ -60,9 +60,10 @@ class AttentionPlan:
 
 
 def plan_attention(cache: PagedKVCache, request_ids: list[int], cu: torch.Tensor, starts: list[int],
-                   rotary: Rotary) -> AttentionPlan:
-    """Build the per-forward attention plan. Cache blocks must already be reserved."""
-    lengths = (cu[1:] - cu[:-1]).tolist()
+                   rotary: Rotary, lengths: list[int] | None = None) -> AttentionPlan:
+    """Build the per-forward attention plan. Cache blocks must already be reserved. `lengths`:
+    each request's new tokens, when the caller has them on the host already."""
+    lengths = (cu[1:] - cu[:-1]).tolist() if lengths is None else lengths
     r, q, t = len(request_ids), max(lengths, default=0), max((s + n for s, n in zip(starts, lengths, strict=True)),
                                                               default=0)
     key_slots = torch.zeros(r, t, dtype=torch.long)

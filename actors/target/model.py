@@ -102,8 +102,10 @@ class MoETransformer(nn.Module):
         lengths = (batch.cu[1:] - batch.cu[:-1]).tolist()
         if any(n <= 0 for n in lengths):
             raise ValueError("every request in a forward batch must append at least one token")
-        if len(batch.tokens) and (int(batch.tokens.min()) < 0 or int(batch.tokens.max()) >= self.cfg.vocab_size):
-            raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size})")
+        if len(batch.tokens):  # one copy of both bounds (a host synchronisation where tokens are on a GPU)
+            lo, hi = torch.stack([batch.tokens.min(), batch.tokens.max()]).tolist()
+            if lo < 0 or hi >= self.cfg.vocab_size:
+                raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size})")
         starts = [cache.length(rid) if rid in cache else 0 for rid in batch.request_ids]
         too_long = [rid for rid, s, n in zip(batch.request_ids, starts, lengths, strict=True)
                     if s + n > self.cfg.max_position_embeddings]
@@ -130,7 +132,7 @@ class MoETransformer(nn.Module):
         t0 = time.perf_counter()
         prep = batch if isinstance(batch, Prepared) else self.prepare(batch, cache)
         batch = prep.batch
-        plan = plan_attention(cache, batch.request_ids, batch.cu, prep.starts, self.cfg.rotary)
+        plan = plan_attention(cache, batch.request_ids, batch.cu, prep.starts, self.cfg.rotary, prep.lengths)
         x = self.embed_tokens(batch.tokens)  # [N, H]
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):

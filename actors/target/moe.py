@@ -84,16 +84,20 @@ class Dispatch:
         send_e = torch.bincount(flat, minlength=num_experts)  # [E] pairs per global expert
         recv_e = self.exchange_counts(send_e)  # [E]: from rank s to my expert j at s·E_r + j
         per_rank = num_experts // self.world
-        send = send_e.view(self.world, per_rank).sum(1).tolist()
-        recv = recv_e.view(self.world, per_rank).sum(1).tolist()
+        # The layer's one host synchronisation: both count vectors in one copy. The all-to-all's
+        # split sizes and the expert loop's row counts are host integers; all follow from these.
+        both = torch.cat([send_e, recv_e]).tolist()
+        send_l, recv_l = both[:num_experts], both[num_experts:]
+        send = [sum(send_l[r * per_rank:(r + 1) * per_rank]) for r in range(self.world)]
+        recv = [sum(recv_l[r * per_rank:(r + 1) * per_rank]) for r in range(self.world)]
+        counts = [sum(recv_l[r * per_rank + j] for r in range(self.world)) for j in range(per_rank)]
         rows = self.exchange_rows(x[order // k], recv, send)  # [Σ recv, H] by (source, expert)
         t1 = time.perf_counter()
         # Regroup the received rows by local expert, run them, restore the arrival order.
         local_e = torch.repeat_interleave(torch.arange(per_rank, device=recv_e.device).repeat(self.world), recv_e)
         by_expert = torch.argsort(local_e, stable=True)
-        counts = recv_e.view(self.world, per_rank).sum(0)
         done = torch.empty_like(rows)
-        done[by_expert] = experts(rows[by_expert], counts.tolist())
+        done[by_expert] = experts(rows[by_expert], counts)
         t2 = time.perf_counter()
         back = self.exchange_rows(done, send, recv)  # [n·k, H] in `order`
         t3 = time.perf_counter()
@@ -105,7 +109,7 @@ class Dispatch:
             stats.experts_s += t2 - t1
             stats.combine_s += t3 - t2
             stats.bytes_sent += 2 * (sum(send) - send[self.rank]) * x.shape[1] * x.element_size()
-            touched = int((counts > 0).sum())
+            touched = sum(c > 0 for c in counts)
             stats.distinct_experts += touched
             stats.per_layer.append(touched)
             stats.moe_layers += 1
