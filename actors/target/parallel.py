@@ -13,6 +13,7 @@ process, and a test process may run two engines), and a failed group is dropped,
 from __future__ import annotations
 
 import datetime
+import os
 
 import torch
 import torch.distributed as dist
@@ -48,6 +49,13 @@ def join_groups(master: tuple[str, int], rank: int, world: int, backend: str, ti
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(master[0], master[1], world, rank == 0, timeout=timeout)
     if backend == "nccl":
+        # A failed or timed-out collective must raise in the step (the engine then rebuilds the
+        # unit, as on gloo), not tear the process down, which is NCCL's default: abort only the
+        # communicator (2) and make waits blocking, so the error reaches the calling thread.
+        # Read when the group is made; an operator's own setting wins. Unverified until a GPU
+        # run (tests/gpu/README.md).
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         data = dist.ProcessGroupNCCL(dist.PrefixStore("data", store), rank, world, opts)
