@@ -13,6 +13,7 @@ import ast
 import email
 import importlib.metadata
 import re
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -31,11 +32,10 @@ def heldout_prompts(n: int, seed: int = 0, max_chars: int = 400) -> list[str]:
     return [out[i] for i in rng.permutation(len(out))]
 
 
-def _functions(max_chars: int) -> tuple[list[str], list[str]]:
-    """(code, docstrings): the first lines of every function of five lines or more in the
-    validation split, and the openings of their docstrings of more than 80 characters."""
-    code, prose = [], []
-    for text in texts("validation"):
+def functions(split: str = "validation") -> Iterator[tuple[ast.FunctionDef | ast.AsyncFunctionDef, list[str]]]:
+    """(node, its file's lines) of every function of five lines or more in a split, file by file
+    in the corpus's order (also read by tests/interop/make_tasks.py)."""
+    for text in texts(split):
         try:
             tree = ast.parse(text)
         except SyntaxError:
@@ -43,11 +43,19 @@ def _functions(max_chars: int) -> tuple[list[str], list[str]]:
         lines = text.splitlines()
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno > 4:
-                head = "\n".join(lines[node.lineno - 1: node.lineno + 2])
-                code.append(head[:max_chars] + "\n")
-                doc = ast.get_docstring(node)
-                if doc and len(doc) > 80:
-                    prose.append(doc[: max_chars // 2].rsplit(" ", 1)[0])
+                yield node, lines
+
+
+def _functions(max_chars: int) -> tuple[list[str], list[str]]:
+    """(code, docstrings): the first lines of every function of five lines or more in the
+    validation split, and the openings of their docstrings of more than 80 characters."""
+    code, prose = [], []
+    for node, lines in functions():
+        head = "\n".join(lines[node.lineno - 1: node.lineno + 2])
+        code.append(head[:max_chars] + "\n")
+        doc = ast.get_docstring(node)
+        if doc and len(doc) > 80:
+            prose.append(doc[: max_chars // 2].rsplit(" ", 1)[0])
     return code, prose
 
 

@@ -13,33 +13,28 @@ import pathlib
 
 import numpy as np
 
-from actors.demo.corpus import texts
+from actors.demo.prompts import functions
 
 TASKS = pathlib.Path(__file__).parent / "tasks"
 
 
-def functions(limit: int = 400) -> list[list[str]]:
-    """The lines of every function of six lines or more, up to `limit` functions, in file order."""
-    out = []
-    for text in texts("validation"):
-        try:
-            tree = ast.parse(text)
-        except SyntaxError:
-            continue
-        lines = text.splitlines()
-        for node in ast.walk(tree):
-            if isinstance(node, ast.FunctionDef) and node.end_lineno - node.lineno >= 5:
-                body = lines[node.lineno - 1: node.end_lineno]
-                if all(len(line) < 100 for line in body[:6]) and body[2].strip():
-                    out.append(body)
-        if len(out) >= limit:
+def bodies(limit: int = 400) -> list[list[str]]:
+    """The lines of every (non-async) function of six lines or more, up to about `limit`
+    functions (whole files), in the corpus's order."""
+    out, last = [], None
+    for node, lines in functions("validation"):
+        if len(out) >= limit and lines is not last:
             break
+        last = lines
+        body = lines[node.lineno - 1: node.end_lineno]
+        if isinstance(node, ast.FunctionDef) and all(len(line) < 100 for line in body[:6]) and body[2].strip():
+            out.append(body)
     return out
 
 
 def main() -> None:
     rng = np.random.default_rng(7)
-    funcs = functions()
+    funcs = bodies()
     order = rng.permutation(len(funcs))
     picked = [funcs[i] for i in order[:56]]
     mc = []
