@@ -45,7 +45,7 @@ def main() -> None:
     class Rank:
         def forward(self, rb: RankBatch) -> RankResult:
             m = len(rb.logit_index)
-            return RankResult(np.zeros(m, np.int64), np.zeros(m, np.float32), None)
+            return RankResult(np.zeros(m, np.int64), None)
 
         def pick(self, batches: list, r: int) -> RankResult:
             return self.forward(batches[r])

@@ -48,7 +48,7 @@ def codec(requests: int) -> dict:
     n = 8 * requests
     batch = RankBatch(list(range(requests)), rng.integers(0, 4096, n), np.arange(0, n + 1, 8), np.arange(n),
                       False, (2, 5), None, None, {i: 100 for i in range(requests)}, np.ones(requests, dtype=bool))
-    result = RankResult(rng.integers(0, 4096, n), rng.random(n).astype(np.float32), None,
+    result = RankResult(rng.integers(0, 4096, n), None,
                         {2: rng.standard_normal((n, 512)).astype(np.float16)}, StepStats(total_s=0.01))
     out = {}
     for name, value in (("plan", batch), ("result", result)):

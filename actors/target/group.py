@@ -59,7 +59,6 @@ class TargetOutput:
     """Per request, in the order asked: the target's rows."""
 
     argmax: list[np.ndarray]  # [m_i] each
-    top2_gap: list[np.ndarray]
     logits: list[np.ndarray] | None  # [m_i, V] each
     captured: list[dict[int, np.ndarray]]  # per request: layer -> [n_i, H]
     rank_stats: list[StepStats] = field(default_factory=list)
@@ -174,7 +173,7 @@ class EPGroup:
             for rid in new:  # the rejected batch placed nothing
                 del self._owner[rid]
             raise
-        out = TargetOutput([], [], [] if with_logits else None, [], [r.stats for r in results],
+        out = TargetOutput([], [] if with_logits else None, [], [r.stats for r in results],
                            time.perf_counter() - t0, [] if any(r.sampled is not None for r in results) else None,
                            [] if logprobs is not None and any(logprobs) else None)
         slots: list[tuple[int, int, int, int, int, int]] = [(0, 0, 0, 0, 0, 0)] * len(request_ids)
@@ -185,11 +184,10 @@ class EPGroup:
                 slots[i] = (r, row, row + rows[i], tok, tok + n, lp)
                 row, tok = row + rows[i], tok + n
                 lp += rows[i] if logprobs is not None and logprobs[i] else 0
-        argmax, gap, captured = out.argmax.append, out.top2_gap.append, out.captured.append  # 1,024 requests a step
+        argmax, captured = out.argmax.append, out.captured.append  # 1,024 requests a step
         for i, (r, a, b, ta, tb, lp) in enumerate(slots):
             res = results[r]
             argmax(res.argmax[a:b])
-            gap(res.top2_gap[a:b])
             if with_logits:
                 out.logits.append(res.logits[a:b])
             if out.sampled is not None:

@@ -39,7 +39,6 @@ class LocalTarget:
             else [len(p) for p in logits]
         row_splits = torch.tensor(rows).cumsum(0).tolist()[:-1]
         tok_splits = batch.cu[1:-1].tolist()
-        top2 = torch.topk(out, 2, dim=-1).values
         split = lambda t, s: [x.numpy() for x in torch.tensor_split(t, s)]  # noqa: E731
         sampled = None
         if sampling is not None and max(t for t, _, _ in sampling) > 0:  # as a rank draws (worker.py)
@@ -50,7 +49,7 @@ class LocalTarget:
             draws = draw(target_probs(out, temp.float().clamp_min(1e-6), top_p.float()), u)
             sampled = [d if t > 0 else None for d, (t, _, _) in zip(split(draws, row_splits), sampling, strict=True)]
         return TargetOutput(
-            split(out.argmax(-1), row_splits), split(top2[:, 0] - top2[:, 1], row_splits),
+            split(out.argmax(-1), row_splits),
             split(out.float(), row_splits) if with_logits else None,
             [dict(zip(captured, hs, strict=True)) for hs in zip(*[split(h, tok_splits) for h in captured.values()],
                                                                   strict=True)]

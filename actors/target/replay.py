@@ -76,7 +76,7 @@ class ReplayRank(TargetRank):
         if self.forward_s is not None:
             time.sleep(max(0.0, self.forward_s(StepShape(len(rb.request_ids), len(rb.tokens), context))))
         stats.total_s = time.perf_counter() - t0
-        return RankResult(argmax, np.ones(len(argmax), dtype=np.float32), None, {}, stats)
+        return RankResult(argmax, None, {}, stats)
 
     def _sequence(self, rid: int) -> np.ndarray:
         """The request's prompt + output: the recorded prompt its context starts with."""

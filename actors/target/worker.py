@@ -75,7 +75,6 @@ class RankBatch:
 @dataclass(frozen=True)
 class RankResult:
     argmax: np.ndarray  # [M] the target's greedy token at each asked-for row
-    top2_gap: np.ndarray  # [M] logit gap between the best and second-best token (near-tie check)
     logits: np.ndarray | None  # [M, V] float32 when asked for
     captured: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> [N', H] float16 (drafter features)
     # of every token, or with keep_features of the requests not kept only, in their order
@@ -164,7 +163,6 @@ class TargetRank:
         top_k = min_p = None
         if rb.controls is not None:
             logits, top_k, min_p = self._controlled(logits, rb)
-        top2 = torch.topk(logits, 2, dim=-1).values if logits.shape[-1] > 1 else logits.repeat(1, 2)
         argmax = logits.argmax(-1)
         sampled = None
         if rb.temperature is not None and len(rb.temperature) and float(rb.temperature.max()) > 0:
@@ -178,7 +176,7 @@ class TargetRank:
             sampled[rows] = draw(probs, torch.from_numpy(rb.uniform).to(dev)[rows])
             sampled = sampled.cpu().numpy()
         return RankResult(
-            argmax.cpu().numpy(), (top2[:, 0] - top2[:, 1]).cpu().numpy(),
+            argmax.cpu().numpy(),
             logits.float().cpu().numpy() if rb.with_logits else None,
             # float16: the drafter was trained on features of that precision, and half the bytes
             # keep a decode step's result under Ray's inline size at concurrency 64.

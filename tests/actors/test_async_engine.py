@@ -103,7 +103,9 @@ def test_a_request_that_arrives_during_a_step_is_served_when_that_step_ends_ever
         outs = []
         for _ in range(5):
             first = asyncio.create_task(collect(eng, PROMPTS[0], one))
-            while not eng.engine.scheduler.running:  # admitted: its step is under way in the worker thread
+            # Admitted: its step is under way in the worker thread. (It may also have run and
+            # finished between two looks — one token to make — which leaves `running` empty again.)
+            while not eng.engine.scheduler.running and not first.done():
                 await asyncio.sleep(0.0005)
             second = await asyncio.wait_for(collect(eng, PROMPTS[1], one), 20)
             outs.append((await first, second))

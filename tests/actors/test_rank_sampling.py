@@ -6,6 +6,7 @@ the draw acceptance used to make on the host."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from actors.target import wire
@@ -13,6 +14,8 @@ from actors.target.checkpoint import load_model
 from actors.target.sampling import target_probs
 from actors.target.worker import RankBatch, TargetRank, WorkerSpec
 from dcut_core import rules
+
+pytestmark = pytest.mark.usefixtures("local_ray")  # a rank's setup reports where it runs (Ray's context)
 
 
 def rank_batch(requests: int, rows: int, sampling: np.ndarray, rng) -> RankBatch:

@@ -37,7 +37,7 @@ def test_a_steps_values_round_trip_exactly():
     batch = RankBatch([3, 9], np.arange(12, dtype=np.int64), np.array([0, 5, 12]), np.array([4, 11]), False, (1, 3),
                       np.array([0.0, 0.7], dtype=np.float32), np.array([1.0, 0.9], dtype=np.float32), {3: 40},
                       np.array([True, False]), np.array([False, True]), (None, rc), np.array([0.0, 0.25]))
-    result = RankResult(np.array([5, 6]), np.array([0.5, 0.25], dtype=np.float32), None,
+    result = RankResult(np.array([5, 6]), None,
                         {1: rng.standard_normal((7, 4)).astype(np.float16)}, StepStats(total_s=0.01, per_layer=[1, 2]),
                         np.array([5, 2]), None)
     draft = DraftOutput(np.array([1, 2]), np.array([0, 2, 2]), np.array([0.9, 0.5]), np.array([0.3, 0.1]),
