@@ -83,7 +83,7 @@ def main() -> None:
                 print(f"   {name:24s} {sec:7.3f} s")
             if policy == "dcut":
                 print(f"   gate: drafting cost {eng.draft_cost.cost}, verify scale {eng.cost.scale:.2f}, "
-                      f"global acceptance by position {eng.tracker.global_rate.round(2).tolist()}")
+                      f"global acceptance by position {eng.gate.trackers[0].global_rate.round(2).tolist()}")
             if prof:
                 pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     finally:

@@ -95,8 +95,8 @@ class KindChooser:
         — so ρ is refined (Dinkelbach): the choice's own predicted tokens per second, then choose
         again, a few times."""
         r = len(rids)
-        if r == 0:
-            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool), np.zeros(0, dtype=np.int64)
+        if r == 0 or self.kinds == 1:  # nothing to choose: every request drafts with the one kind
+            return np.zeros(r, dtype=np.int64), np.zeros(r, dtype=bool), np.full(r, -1, dtype=np.int64)
         counts = np.array([self.tried.get(rid, np.zeros(self.kinds)) for rid in rids])
         bonus = self.bonus * np.sqrt(np.log(2.0 + counts.sum(axis=1))[:, None] / (1.0 + counts))
         predicted = [padded(rows) for rows in predicted]  # once for every round

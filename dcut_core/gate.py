@@ -1,7 +1,7 @@
 """The drafting gate as one object (`DraftingGate`): each step, before the drafters run, which
 drafter kind drafts for each request and how far — from the acceptance trackers, the costs and
-`plan_drafts` (dcut_core/drafting.py) and, with several kinds, the kind chooser
-(dcut_core/choosing.py). Everything one decision saw is kept as plain numbers (`GateInput`), so a
+`plan_drafts` (dcut_core/drafting.py) and the kind chooser (dcut_core/choosing.py), one path
+for any number of kinds. Everything one decision saw is kept as plain numbers (`GateInput`), so a
 step log replays the gate exactly (`replay`)."""
 
 from __future__ import annotations
@@ -17,28 +17,29 @@ from dcut_core.pruning import StepCost
 
 @dataclass(frozen=True)
 class GateInput:
-    """Everything one gate decision saw, in plain numbers: the step's requests, their caps,
-    remaining output and backlog, the drafting cost (one DraftCost, or one per drafter kind with
-    the kinds each request may use and the call's shared cost), and the verify cost sampled at
-    every token count the decision can ask about (R .. R + Σ caps). A step log keeps it
-    (`as_dict`), and `replay` feeds it back to a fresh gate."""
+    """Everything one gate decision sees, in plain numbers: the step's requests, their caps,
+    remaining output and lag (per drafter kind, the context it has not seen: catching up on it
+    comes before drafting), each kind's drafting cost, the kinds each request may use, what any
+    drafting step costs beyond the kinds' passes, and the verify cost sampled at every token
+    count the decision can ask about (R .. R + Σ caps). The engine builds it every step; a step
+    log keeps it (`as_dict`), and `replay` feeds it back to a fresh gate."""
 
     rids: list[int]
-    caps: np.ndarray
-    remaining: np.ndarray
-    backlog: np.ndarray
+    caps: np.ndarray  # [R]
+    remaining: np.ndarray  # [R] tokens each request may still emit
+    lag: np.ndarray  # [R, kinds] context tokens each kind has not seen
     verify_table: np.ndarray  # verify.seconds(R + n) for n = 0 .. Σ caps
-    draft: DraftCost | list[DraftCost]
+    draft: list[DraftCost]  # one per kind
     allowed: np.ndarray | None = None  # [R, kinds] bool
     shared_fixed: float = 0.0
 
     @classmethod
-    def capture(cls, rids: list[int], caps, remaining, backlog, verify: StepCost, draft, allowed=None,
-                shared_fixed: float = 0.0) -> GateInput:
+    def capture(cls, rids: list[int], caps, remaining, lag, verify: StepCost, draft: list[DraftCost],
+                allowed=None, shared_fixed: float = 0.0) -> GateInput:
         caps = np.asarray(caps, dtype=np.int64)
         tokens = len(rids) + np.arange(int(caps.sum()) + 1)
-        return cls(list(rids), caps, np.asarray(remaining, dtype=np.int64), np.asarray(backlog, dtype=np.float64),
-                   verify.seconds(tokens), draft if isinstance(draft, DraftCost) else list(draft),
+        lag = np.asarray(lag, dtype=np.float64).reshape(len(rids), len(draft))
+        return cls(list(rids), caps, np.asarray(remaining, dtype=np.int64), lag, verify.seconds(tokens), list(draft),
                    None if allowed is None else np.asarray(allowed, dtype=bool), float(shared_fixed))
 
     def verify(self) -> StepCost:
@@ -47,109 +48,99 @@ class GateInput:
         return StepCost(lambda n: table[np.asarray(n, dtype=np.int64) - r], 0.0)
 
     def as_dict(self) -> dict:
-        def fields(d: DraftCost) -> list[float]:
-            return [d.fixed, d.per_request, d.per_position, d.per_context, d.per_pass]
-
         return {"rids": self.rids, "caps": self.caps.tolist(), "remaining": self.remaining.tolist(),
-                "backlog": self.backlog.tolist(), "verify_table": self.verify_table.tolist(),
-                "draft": fields(self.draft) if isinstance(self.draft, DraftCost) else [fields(d) for d in self.draft],
+                "lag": self.lag.tolist(), "verify_table": self.verify_table.tolist(),
+                "draft": [[d.fixed, d.per_request, d.per_position, d.per_context, d.per_pass] for d in self.draft],
                 "allowed": None if self.allowed is None else self.allowed.tolist(), "shared_fixed": self.shared_fixed}
 
     @classmethod
     def from_dict(cls, d: dict) -> GateInput:
+        """Also reads logs written before the kinds were one path (one kind: a flat cost, a
+        per-request `backlog`)."""
         draft = d["draft"]
-        draft = [DraftCost(*x) for x in draft] if draft and isinstance(draft[0], list) else DraftCost(*draft)
+        draft = [DraftCost(*x) for x in draft] if draft and isinstance(draft[0], list) else [DraftCost(*draft)]
+        lag = np.asarray(d["lag"] if "lag" in d else d["backlog"], dtype=np.float64).reshape(len(d["rids"]), len(draft))
         allowed = d.get("allowed")
         return cls(list(d["rids"]), np.asarray(d["caps"], dtype=np.int64), np.asarray(d["remaining"], dtype=np.int64),
-                   np.asarray(d["backlog"], dtype=np.float64), np.asarray(d["verify_table"], dtype=np.float64),
-                   draft, None if allowed is None else np.asarray(allowed, dtype=bool), d.get("shared_fixed", 0.0))
+                   lag, np.asarray(d["verify_table"], dtype=np.float64), draft,
+                   None if allowed is None else np.asarray(allowed, dtype=bool), d.get("shared_fixed", 0.0))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The gate's answer for one step: the drafter kind of each request, how many drafts it is
+    asked for (0: none; all 0: a plain decoding step), the kind to draft with instead if its own
+    makes none (-1: none), and the input it was decided from."""
+
+    kinds: np.ndarray  # [R]
+    lengths: np.ndarray  # [R]
+    fallback: np.ndarray  # [R]
+    seen: GateInput | None = None
+
+    @classmethod
+    def plain(cls, r: int) -> Plan:
+        """No drafting (the policy does not draft, or nothing to draft for)."""
+        zeros = np.zeros(r, dtype=np.int64)
+        return cls(zeros, zeros, np.full(r, -1, dtype=np.int64))
+
+    @property
+    def drafting(self) -> bool:
+        return bool(self.lengths.any())
 
 
 @dataclass
 class DraftingGate:
     """The drafting gate as one object: before the drafters run, which drafter kind drafts for
-    each request of the step (`KindChooser`, when the unit hosts several) and how many drafts it
-    gets (0: none; all 0: a plain decoding step). It predicts acceptance (one tracker per kind),
-    charges each request's catch-up, plans with `plan_drafts`, and, when drafting does not pay,
-    still explores on its own schedule (`exploration`). Pure: the caller hands it the step's
-    costs and the backlog sizes, so it is tested in microseconds and replayed from a step log."""
+    each request of the step (`KindChooser`) and how many drafts it gets. It predicts acceptance
+    (one tracker per kind), charges each request's catch-up, plans with `plan_drafts`, and, when
+    drafting does not pay, still explores on its own schedule (`exploration`). One path for any
+    number of kinds: one kind is K = 1. Pure: the caller hands it the step's `GateInput`, so it
+    is tested in microseconds and replayed from a step log."""
 
-    tracker: AcceptanceTracker | list[AcceptanceTracker]  # one per drafter kind; `tracker` is the first
+    trackers: list[AcceptanceTracker]  # one per drafter kind
     exploration: Exploration
     max_budget: int | None = None
     slack: int = 2
     extend: bool = True
-    record: bool = False  # keep each decision's input and output in `last` (a step log asks for it)
-    last: tuple | None = None  # (GateInput, lengths, kinds)
     bonus: float = 1.0  # the kind chooser's optimism (tokens)
-    teach_empty: bool = True  # `empty` teaches the trackers (several kinds)
-    trackers: list[AcceptanceTracker] = field(init=False)
+    teach_empty: bool = True  # `empty` teaches the trackers
     chooser: KindChooser = field(init=False)
-    fallback: np.ndarray | None = None  # the last decision's kind per request if its own drafts nothing (-1: none)
 
     def __post_init__(self) -> None:
-        self.trackers = list(self.tracker) if isinstance(self.tracker, list | tuple) else [self.tracker]
-        self.tracker = self.trackers[0]
+        self.trackers = list(self.trackers)
         self.chooser = KindChooser(len(self.trackers), self.bonus)
 
-    def decide(self, rids: list[int], caps: np.ndarray, remaining: np.ndarray, backlog: np.ndarray,
-               verify: StepCost, draft: DraftCost | list[DraftCost], allowed: np.ndarray | None = None,
-               shared_fixed: float = 0.0) -> np.ndarray:
-        """Drafts [R] to ask for (`decide_kinds` without the kinds)."""
-        return self.decide_kinds(rids, caps, remaining, backlog, verify, draft, allowed, shared_fixed)[1]
-
-    def decide_kinds(self, rids: list[int], caps: np.ndarray, remaining: np.ndarray, backlog: np.ndarray,
-                     verify: StepCost, draft: DraftCost | list[DraftCost], allowed: np.ndarray | None = None,
-                     shared_fixed: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
-        """(kind [R], drafts [R]) to ask for. caps: the most each request may draft; remaining:
-        tokens each may still emit; backlog: tokens each request's drafter has yet to catch up on
-        ([R, kinds] with several kinds: what each kind has not seen, which a switch would cost);
-        draft: the drafting cost, one per kind when several; allowed [R, kinds]: the kinds each
-        request may use; shared_fixed: what any drafting step costs on top of the kinds' passes."""
-        captured = GateInput.capture(rids, caps, remaining, backlog, verify, draft, allowed,
-                                     shared_fixed) if self.record else None
-        kinds, lengths = self._decide(rids, np.asarray(caps, dtype=np.int64), remaining, backlog, verify, draft,
-                                      allowed, shared_fixed)
-        if captured is not None:
-            self.last = (captured, lengths, kinds)
-        return kinds, lengths
-
-    def _decide(self, rids, caps, remaining, backlog, verify: StepCost, draft, allowed, shared_fixed):
-        exploring = None
-        if len(self.trackers) == 1:
-            kinds = np.zeros(len(rids), dtype=np.int64)
-            predicted = self.tracker.predict_batch(rids, caps)
-        else:
-            costs = [draft] * len(self.trackers) if isinstance(draft, DraftCost) else draft
-            per_kind = [t.predict_batch(rids, caps) for t in self.trackers]
-            backlog = np.asarray(backlog, dtype=np.float64)
-            held = backlog if backlog.ndim == 2 else None
-            kinds, exploring, self.fallback = self.chooser.choose(rids, per_kind, verify, costs, allowed,
-                                                                  held=held, remaining=remaining)
-            predicted = [per_kind[k][i] for i, k in enumerate(kinds)]
-            if held is not None:
-                backlog = held[np.arange(len(rids)), kinds]
-        charge = self.catch_up_charge(predicted, np.asarray(backlog, dtype=np.float64), remaining)
-        plan = plan_drafts(predicted, verify, draft, self.max_budget, self.slack, charge, extend=self.extend,
-                           kinds=kinds, shared_fixed=shared_fixed)
-        if not plan.drafting and (exploring is None or not exploring.any()):
+    def decide(self, g: GateInput) -> Plan:
+        """Which kind drafts for each request and how far: the chooser picks the kinds (an
+        exploring request drafts its whole cap), `plan_drafts` the lengths from the chosen
+        kinds' predictions and costs, the catch-up charged by each request's lag."""
+        rids, caps = g.rids, g.caps
+        verify = g.verify()
+        per_kind = [t.predict_batch(rids, caps) for t in self.trackers]
+        kinds, exploring, fallback = self.chooser.choose(rids, per_kind, verify, g.draft, g.allowed, held=g.lag,
+                                                         remaining=g.remaining)
+        rows = np.arange(len(rids))
+        predicted = [per_kind[k][i] for i, k in enumerate(kinds.tolist())]
+        charge = self.catch_up_charge(predicted, g.lag[rows, kinds], g.remaining)
+        plan = plan_drafts(predicted, verify, g.draft, self.max_budget, self.slack, charge, extend=self.extend,
+                           kinds=kinds, shared_fixed=g.shared_fixed)
+        lengths = np.where(exploring, caps, plan.lengths)
+        if not plan.drafting and not exploring.any():
             warming = sum(t.observations for t in self.trackers) < self.exploration.warmup
             probe = self.exploration.probe(len(rids), warming)
             if probe is not None:
-                return kinds, caps * probe
-        lengths = plan.lengths if exploring is None else np.where(exploring, caps, plan.lengths)
+                return Plan(kinds, caps * probe, fallback, g)
         idle = lengths == 0
         for k, tracker in enumerate(self.trackers):
             tracker.skipped([rid for rid, i in zip(rids, idle & (kinds == k), strict=True) if i])
-        return kinds, lengths
+        return Plan(kinds, lengths, fallback, g)
 
-    def choose_kinds(self, rids: list[int], caps: np.ndarray, verify: StepCost, costs: list[DraftCost],
-                     allowed: np.ndarray | None = None) -> np.ndarray:
-        """The kind [R] each request drafts with, chosen as `decide_kinds` would, for a policy that
-        drafts every request to its cap without gating (its requests still teach the trackers)."""
-        per_kind = [t.predict_batch(rids, np.asarray(caps, dtype=np.int64)) for t in self.trackers]
-        kinds, _, self.fallback = self.chooser.choose(rids, per_kind, verify, costs, allowed)
-        return kinds
+    def choose(self, g: GateInput) -> Plan:
+        """The kinds `decide` would choose, every request drafting to its cap: for a policy that
+        drafts without gating (its requests still teach the trackers)."""
+        per_kind = [t.predict_batch(g.rids, g.caps) for t in self.trackers]
+        kinds, _, fallback = self.chooser.choose(g.rids, per_kind, g.verify(), g.draft, g.allowed)
+        return Plan(kinds, g.caps, fallback, g)
 
     def observe(self, rid: int, kind: int, kept: int, accepted: int, beyond: np.ndarray | None = None) -> None:
         """One verification of request rid's drafts by drafter `kind` (`AcceptanceTracker.observe`)."""
@@ -182,19 +173,17 @@ class DraftingGate:
 def replay(gate: DraftingGate, steps) -> list[tuple[np.ndarray, np.ndarray]]:
     """Run `gate` over a step log's records in order (dicts as `StepLog` writes them): each
     logged decision's input is decided again, and each step's verification outcomes are observed
-    as the engine observed them. Returns (logged, replayed) plans — drafts [R], or [2, R] (kinds;
-    drafts) when the log names kinds: a gate with the engine's settings reproduces every plan
-    exactly; another setting shows what it would have asked for on the same history."""
+    as the engine observed them. Returns (logged, replayed) plans, each [2, R] (kinds; drafts):
+    a gate with the engine's settings reproduces every plan exactly; another setting shows what
+    it would have asked for on the same history."""
     plans = []
     for rec in steps:
         if rec.get("gate"):
-            g = GateInput.from_dict(rec["gate"]["input"])
-            kinds, got = gate.decide_kinds(g.rids, g.caps, g.remaining, g.backlog, g.verify(), g.draft, g.allowed,
-                                           g.shared_fixed)
+            plan = gate.decide(GateInput.from_dict(rec["gate"]["input"]))
             logged = np.asarray(rec["gate"]["lengths"], dtype=np.int64)
-            if rec["gate"].get("kinds") is not None:
-                logged, got = np.stack([rec["gate"]["kinds"], logged]), np.stack([kinds, got])
-            plans.append((logged, got))
+            kinds = rec["gate"].get("kinds")
+            logged_kinds = np.zeros_like(logged) if kinds is None else np.asarray(kinds, dtype=np.int64)
+            plans.append((np.stack([logged_kinds, logged]), np.stack([plan.kinds, plan.lengths])))
         obs = rec.get("observed")
         if obs:
             beyond, cu = obs["beyond"], obs["beyond_cu"]

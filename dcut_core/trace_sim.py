@@ -26,7 +26,7 @@ from dcut_core.acceptance import Calibrator, survival, verify_outcomes
 from dcut_core.cost_model import StepShape
 from dcut_core.counterfactual import Trace
 from dcut_core.drafting import AcceptanceTracker, DraftCost, Exploration
-from dcut_core.gate import DraftingGate
+from dcut_core.gate import DraftingGate, GateInput, Plan
 from dcut_core.learned import KindState, LearnedState
 from dcut_core.pruning import DraftBatch, policy_from_name
 
@@ -115,11 +115,13 @@ class _Run:
                                                                  if s.policy == "dcut" else {}))
         self.kidx = trace.kind_index(s.kinds)  # hosted kind j is trace kind kidx[j]
         k = len(s.kinds)
-        self.multi = k > 1
+        # A replica of one kind hands context straight to its drafter (the engine's backlog limit
+        # sends it at commit time); a replica of several holds it until the kind drafts.
+        self.direct = k == 1
         self.calibrators = [Calibrator(block=self.block) for _ in range(k)]
         self.gate = DraftingGate([AcceptanceTracker(block=self.block) for _ in range(k)],
                                  Exploration(s.explore_every, s.explore_requests, s.explore_warmup), s.max_budget,
-                                 s.draft_slack, s.draft_extend, bonus=s.bonus)
+                                 s.draft_slack, s.draft_extend, bonus=s.bonus, teach_empty=k > 1)
         costs = trace.costs
         self.draft = [costs.draft[i] for i in self.kidx]
         self.queue: deque[int] = deque(range(len(trace.requests)))
@@ -167,34 +169,24 @@ class _Run:
         context = sum(r.cached(self.trace.requests[r.q].prompt_len) for r in batch)
         return self.trace.costs.verify_curve(len(batch), context)
 
-    def _plan(self, batch: list[_Live]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        """(drafts [R], hosted kind [R], fallback [R] or None), as `Engine.plan`."""
+    def _plan(self, batch: list[_Live]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(drafts [R], hosted kind [R], fallback [R]), as `Engine.plan`."""
         r = len(batch)
-        zeros = np.zeros(r, dtype=np.int64)
         if not r or not self.policy.drafts:
-            return zeros, zeros, None
+            plain = Plan.plain(r)
+            return plain.lengths, plain.kinds, plain.fallback
         cap = np.array([max(0, min(self.block - 1, self._remaining(x) - 1)) for x in batch], dtype=np.int64)
-        ungated = not self.policy.gated or not self.s.drafting_gate
-        if ungated and not self.multi:
-            return cap, zeros, None
-        rids = [x.rid for x in batch]
-        curve = self._curve(batch)
-        costs = self.trace.costs
-        if ungated:
-            return cap, self.gate.choose_kinds(rids, cap, curve, self.draft), self.gate.fallback
         held = np.array([[x.cached(self.trace.requests[x.q].prompt_len) - x.seen[j] for j in range(len(self.kidx))]
                          for x in batch], dtype=np.int64)
         remaining = np.array([self._remaining(x) for x in batch])
+        costs = self.trace.costs
         a, b = costs.own_drafting
         extra = max(0.0, a + b * r)  # what a drafting step costs outside the passes (the engine's `extra`)
-        if self.multi:
-            kinds, lengths = self.gate.decide_kinds(rids, cap, remaining, held, curve, self.draft, None,
-                                                    costs.shared + extra)
-            return lengths, kinds, self.gate.fallback
-        d = self.draft[0]
-        one = DraftCost(d.fixed + costs.shared + extra, d.per_request, d.per_position, d.per_context, d.per_pass)
-        _, lengths = self.gate.decide_kinds(rids, cap, remaining, held[:, 0], curve, one)
-        return lengths, zeros, None
+        g = GateInput.capture([x.rid for x in batch], cap, remaining, held, self._curve(batch), self.draft, None,
+                              costs.shared + extra)
+        gated = self.policy.gated and self.s.drafting_gate
+        plan = self.gate.decide(g) if gated else self.gate.choose(g)
+        return plan.lengths, plan.kinds, plan.fallback
 
     def _propose(self, batch, lengths, kinds, fallback) -> tuple[dict, np.ndarray]:
         """Each request's drafts at its position (its kind's, or the fallback's if that made
@@ -246,10 +238,9 @@ class _Run:
         for i, x in enumerate(batch):
             beyond = estimate[cu[i] + kept[i]:cu[i + 1]] if estimate is not None else None
             self.gate.observe(x.rid, int(used[i]), int(kept[i]), int(accepted[i]), beyond)
-        if self.multi:
-            for i, x in enumerate(batch):
-                if lengths[i] > 0 and cu[i + 1] == cu[i]:
-                    self.gate.empty(x.rid, int(used[i]))
+        for i, x in enumerate(batch):
+            if lengths[i] > 0 and cu[i + 1] == cu[i]:
+                self.gate.empty(x.rid, int(used[i]))
 
     def _advance_time(self, batch, feeding, kept, drafts, used) -> None:
         trace, costs = self.trace, self.trace.costs
@@ -269,7 +260,7 @@ class _Run:
                                                      int(counts[mine].max())))
                 for i in mine:
                     batch[i].seen[j] = batch[i].cached(prompt[i])
-        if not self.multi:  # one kind: context past the backlog limit is sent anyway
+        if self.direct:  # context past the backlog limit is sent anyway, and the one kind catches up
             for x, p in zip(batch, prompt, strict=True):
                 if x.cached(p) - x.seen[0] > self.s.backlog_tokens:
                     draft += self.draft[0].per_context * (x.cached(p) - x.seen[0])

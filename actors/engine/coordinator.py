@@ -7,7 +7,6 @@ schedule → plan → propose → prune → verify → accept → commit, handin
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 
@@ -16,9 +15,7 @@ import numpy as np
 from actors.engine.config import EngineConfig
 from actors.engine.constraints import grammar_allowed
 from actors.engine.costs import (
-    PRIOR_DRAFT_COST,
     DraftCostLearner,
-    KindCostLearner,
     StepOverhead,
     online,
     startup_cost_model,
@@ -32,8 +29,10 @@ from actors.engine.learning import learn, record
 from actors.engine.placement import unit_placement_group
 from actors.engine.sequence import SamplingParams, Scheduler, Sequence, Status
 from actors.engine.stages import (
+    Accepted,
     Drafts,
     Feed,
+    Pruned,
     Step,
     StepRecord,
     accept_tokens,
@@ -52,7 +51,7 @@ from actors.target.group import EPGroup, EPGroupError, InProcessGroup
 from dcut_core import ragged
 from dcut_core.acceptance import Calibrator, survival
 from dcut_core.drafting import AcceptanceTracker, Exploration
-from dcut_core.gate import DraftingGate
+from dcut_core.gate import DraftingGate, GateInput, Plan
 from dcut_core.pruning import DraftBatch, policy_from_name
 
 log = logging.getLogger(__name__)
@@ -73,13 +72,13 @@ class Engine:
         self.scheduler = Scheduler(cfg.max_running, self.text_of)
         self.kinds = cfg.kinds  # the drafter kinds every replica hosts; each request drafts with one a step
         self.calibrators = [Calibrator(block=cfg.block) for _ in self.kinds]  # per kind: confidences differ
-        self.calibrator = self.calibrators[0]
+        # With one kind, a request it drafts nothing for (an n-gram drafter without a match) just
+        # decodes plainly; with several, that try must teach the trackers, or the chooser picks
+        # the same empty kind again and again.
         self.gate = DraftingGate([AcceptanceTracker(block=cfg.block) for _ in self.kinds],
                                  Exploration(cfg.explore_every, cfg.explore_requests, cfg.explore_warmup),
-                                 cfg.max_budget, cfg.draft_slack, cfg.draft_extend, record=bool(cfg.step_log))
-        self.tracker = self.gate.tracker
-        k = len(self.kinds)
-        self.draft_cost = DraftCostLearner(PRIOR_DRAFT_COST) if k == 1 else KindCostLearner(k)
+                                 cfg.max_budget, cfg.draft_slack, cfg.draft_extend, teach_empty=len(self.kinds) > 1)
+        self.draft_cost = DraftCostLearner(len(self.kinds))
         self.drafted_by_kind = {k: dict.fromkeys(("chosen", "drafted", "kept", "accepted"), 0) for k in self.kinds}
         self.overhead = StepOverhead()
         self.model_cfg = MoEConfig.load(cfg.target_dir)
@@ -160,12 +159,11 @@ class Engine:
             if not batch and not feeding:
                 return None
             st = Step(batch, feeding, time.perf_counter(), sum(s.cached for s in batch))
-            kinds, st.lengths = self.plan(batch)
-            st.gate, self.gate.last = self.gate.last, None  # what the gate saw and chose (step log)
-            st.drafts = self.propose(batch, st.lengths, kinds, self.gate.fallback if kinds is not None else None)
-            st.kept = self.prune(batch, st.drafts)
-            st.out = self.verify(batch, st.drafts, st.kept, feeding)
-            st.accepted, st.emitted = self.accept(batch, st.drafts, st.kept, st.out)
+            st.plan = self.plan(st)
+            st.drafts = self.propose(st)
+            st.pruned = self.prune(st)
+            st.out = self.verify(st)
+            st.accepted = self.accept(st)
             return self.commit(st)
         except EPGroupError as exc:  # nothing of this step was committed: rebuild and go on
             self.recover_target(exc)
@@ -218,88 +216,69 @@ class Engine:
                               self.cfg.prefill_budget)
         return [s for s in running if s.prefilled], feeding
 
-    def plan(self, batch: list[Sequence]) -> tuple[np.ndarray | None, np.ndarray]:
-        """(kind [R] or None, drafts [R]) to ask for: which drafter kind drafts for each request
-        (when the replicas host several) and how far; the `dcut` policy decides whether drafting
-        pays at all."""
-        none = np.zeros(len(batch), dtype=np.int64)
+    def plan(self, st: Step) -> Plan:
+        """Which drafter kind drafts for each request and how far: the gate decides (`dcut`),
+        or every request drafts to its cap with the kind the gate would choose."""
+        batch = st.batch
         if not batch or not self.drafters or not self.policy.drafts:
-            return None, none
+            return Plan.plain(len(batch))
         cap = np.array([max(0, min(self.cfg.block - 1, s.remaining - 1)) if self.drafters.drafting(s.rid) else 0
                         for s in batch])
-        multi = len(self.kinds) > 1
-        ungated = not self.policy.gated or not self.cfg.drafting_gate
-        if ungated and not multi:
-            return None, cap
-        rids = [s.rid for s in batch]
-        curve = self.cost.verify_curve(len(batch), sum(s.cached for s in batch)) if self.cost else _flat_curve()
         allowed = None
-        if multi and any(s.params.drafters for s in batch):
+        if any(s.params.drafters for s in batch):
             allowed = np.array([[k in (s.params.drafters or self.kinds) for k in self.kinds] for s in batch])
-        if ungated:
-            return self.gate.choose_kinds(rids, cap, curve, self.draft_cost.costs, allowed), cap
+        curve = self.cost.verify_curve(len(batch), st.context) if self.cost else _flat_curve()
         learner, extra = self.draft_cost, self.overhead.extra
-        draft = learner.costs if multi else dataclasses.replace(learner.cost, fixed=learner.cost.fixed + extra)
-        if multi:  # per kind: the context it has not seen (held back by the replica, or not sent yet)
-            backlog = np.array([s.cached - self.drafters.seen(s.rid, len(self.kinds)) for s in batch])
-        else:
-            backlog = np.array([self.drafters.backlog.size(r) for r in rids])
-        kinds, lengths = self.gate.decide_kinds(rids, cap, np.array([s.remaining for s in batch]), backlog, curve,
-                                                draft, allowed, learner.shared + extra if multi else 0.0)
-        return (kinds if multi else None), lengths
+        g = GateInput.capture([s.rid for s in batch], cap, [s.remaining for s in batch], self.drafters.lag(batch),
+                              curve, learner.costs, allowed, learner.shared + extra)
+        gated = self.policy.gated and self.cfg.drafting_gate
+        return self.gate.decide(g) if gated else self.gate.choose(g)
 
-    def propose(self, batch: list[Sequence], lengths: np.ndarray, kinds: np.ndarray | None = None,
-                fallback: np.ndarray | None = None) -> Drafts:
-        """Every replica drafts for its shard in parallel (request i by kind kinds[i], or by
-        fallback[i] if that makes none); gathered into one ragged batch."""
+    def propose(self, st: Step) -> Drafts:
+        """Every replica drafts for its shard in parallel (each request with its planned kind, or
+        the fallback if that makes none); gathered into one ragged batch. Each kind's cost learns
+        from its own time."""
         t0 = time.perf_counter()
-        outs, caught_up = self.drafters.draft(batch, lengths, self.target, kinds, fallback)
+        outs = self.drafters.draft(st.batch, st.plan) if st.plan.drafting else {}
         if not outs:
-            return empty_drafts(len(batch), kinds)
-        drafts = merge_drafts(len(batch), outs, kinds)
-        seconds = time.perf_counter() - t0
-        counts = np.diff(drafts.cu)
-        which = np.zeros(len(batch), dtype=np.int64) if drafts.kinds is None else drafts.kinds
-        k = len(self.kinds)
-        if k == 1:
-            self.draft_cost.observe(int((counts > 0).sum()), int(counts.sum()), seconds, caught_up, int(counts.max()))
-        else:
-            learn_kind_costs(self.draft_cost, self.drafters, batch, outs, counts, which, seconds)
-        drafts.seconds = seconds
-        drafts.compute_seconds = max(out.compute_s for _, out in outs.values())
+            return empty_drafts(len(st.batch), st.plan.kinds)
+        drafts = merge_drafts(len(st.batch), outs, st.plan.kinds, time.perf_counter() - t0)
+        learn_kind_costs(self.draft_cost, outs, drafts)
         return drafts
 
-    def prune(self, batch: list[Sequence], drafts: Drafts) -> np.ndarray:
-        """The policy's choice of kept drafts per request, from calibrated survivals."""
+    def prune(self, st: Step) -> Pruned:
+        """The policy's choice of kept drafts per request, from calibrated survivals (each kind's
+        confidences through its own calibration)."""
+        batch, drafts = st.batch, st.drafts
         if drafts.cu[-1] == 0:
-            return np.zeros(len(batch), dtype=np.int64)
+            return Pruned(np.zeros(len(batch), dtype=np.int64))
         t0 = time.perf_counter()
         pos = ragged.positions(drafts.cu)
-        p = self.calibrator.estimate(drafts.confidence, drafts.margin, pos)
-        if drafts.kinds is not None:  # each kind's confidences through its own calibration
-            kind = np.repeat(drafts.kinds, np.diff(drafts.cu))
-            for k in np.unique(drafts.kinds[np.diff(drafts.cu) > 0]):
-                mask = kind == k
-                p[mask] = self.calibrators[k].estimate(drafts.confidence[mask], drafts.margin[mask], pos[mask])
+        counts = drafts.counts
+        kind = np.repeat(drafts.kinds, counts)
+        p = np.empty(len(pos))
+        for k in np.unique(drafts.kinds[counts > 0]).tolist():
+            mask = kind == k
+            p[mask] = self.calibrators[k].estimate(drafts.confidence[mask], drafts.margin[mask], pos[mask])
         allowed = grammar_allowed(batch, drafts)
         if allowed is not None:  # a draft the grammar forbids (and all after it) can never be accepted
-            p = np.where(pos < np.repeat(allowed, np.diff(drafts.cu)), p, 0.0)
-        accepted_len = None
+            p = np.where(pos < np.repeat(allowed, counts), p, 0.0)
+        accepted_len, probe = None, 0.0
         if self.policy.needs_truth:
             t_probe = time.perf_counter()
-            accepted_len = oracle_lengths(self.verify, self.target, batch, drafts)
-            drafts.probe_seconds = time.perf_counter() - t_probe
-            t0 += drafts.probe_seconds
+            accepted_len = oracle_lengths(self._verify, self.target, batch, drafts)
+            probe = time.perf_counter() - t_probe
         db = DraftBatch(survival(p, drafts.cu), drafts.cu, accepted_len)
-        context = sum(s.cached for s in batch)
-        curve = self.cost.verify_curve(len(batch), context) if self.cost else _flat_curve()
-        decision = self.policy.choose(db, curve)
-        drafts.survival, drafts.decision, drafts.estimate = db.survival, decision, p
-        drafts.decision_seconds = time.perf_counter() - t0
-        return decision.kept if allowed is None else np.minimum(decision.kept, allowed)  # for every policy
+        curve = self.cost.verify_curve(len(batch), st.context) if self.cost else _flat_curve()
+        kept = self.policy.choose(db, curve).kept
+        kept = kept if allowed is None else np.minimum(kept, allowed)  # for every policy
+        return Pruned(kept, p, db.survival, time.perf_counter() - t0 - probe, probe)
 
-    def verify(self, batch: list[Sequence], drafts: Drafts, kept: np.ndarray, feeding: list[Feed] = ()):
+    def verify(self, st: Step):
         """One forward for the step (`actors/engine/verification.py`)."""
+        return self._verify(st.batch, st.drafts, st.pruned.kept, st.feeding)
+
+    def _verify(self, batch: list[Sequence], drafts: Drafts, kept: np.ndarray, feeding: list[Feed] = ()):
         capture = self.drafters.layers if self.policy.drafts else ()
         return verify_forward(self.target, self.drafters, capture, batch, drafts, kept, feeding)
 
@@ -312,19 +291,20 @@ class Engine:
             self._grammars = Grammars(self.cfg.tokenizer_path, self.model_cfg.vocab_size, self.eos)
         return self._grammars
 
-    def accept(self, batch: list[Sequence], drafts: Drafts, kept: np.ndarray, out):
-        return accept_tokens(batch, drafts, kept, out)
+    def accept(self, st: Step) -> Accepted:
+        return accept_tokens(st.batch, st.drafts, st.pruned.kept, st.out)
 
     def commit(self, st: Step) -> StepRecord:
         """Roll back rejected KV, learn from the outcome, commit tokens (decoded, and the first
         tokens of prompts whose prefill ended), retire finished requests, record the step."""
-        batch = st.batch
-        self.target.truncate({s.rid: s.cached + 1 + int(a) for s, a in zip(batch, st.accepted, strict=True)})
+        batch, accepted = st.batch, st.accepted.counts
+        self.target.truncate({s.rid: s.cached + 1 + a for s, a in zip(batch, accepted, strict=True)})
         fed = advance_prefill(st.feeding, st.out, len(batch), self.scheduler, self.eos)
-        predicted = self._learn(st)
+        count_kinds(self.drafted_by_kind, self.kinds, st)
+        learnt = learn(st, self.calibrators, self.gate, self.cost, log=self.step_log is not None)
         committed, held, hidden = [], [], []
-        drafted, kept, accepted = np.diff(st.drafts.cu).tolist(), st.kept.tolist(), np.asarray(st.accepted).tolist()
-        kinds = [0] * len(batch) if st.drafts.kinds is None else st.drafts.kinds.tolist()
+        drafted, kept = st.drafts.counts.tolist(), st.pruned.kept.tolist()
+        kinds = st.drafts.kinds.tolist()
         logprobs = st.out.logprobs or [None] * len(batch)
         for i, s in enumerate(batch):
             s.steps += 1
@@ -332,7 +312,7 @@ class Engine:
             s.kinds.append(kinds[i] if drafted[i] else -1)
             s.kept.append(kept[i])
             s.accepted.append(accepted[i])
-            committed.append(self.scheduler.append(s, st.emitted[i], self.eos, logprobs[i]))
+            committed.append(self.scheduler.append(s, st.accepted.emitted[i], self.eos, logprobs[i]))
             held.append(s.cached)  # its features exist up to here: on its rank, or here (drafted this step)
             captured = st.out.captured[i]
             hidden.append({k: h[: 1 + accepted[i]] for k, h in captured.items()} if captured else {})
@@ -341,16 +321,7 @@ class Engine:
         if live and self.policy.drafts:  # plain decoding keeps no drafter state
             self.drafters.commit(*map(list, zip(*live, strict=True)), self.target)
         self._release(self.scheduler.finish_done())
-        return self._record(st, predicted)
-
-    def _learn(self, st: Step) -> float:
-        """Calibration, the acceptance tracker and the cost model's correction learn from the
-        step; returns the step's predicted verify time (made before learning)."""
-        count_kinds(self.drafted_by_kind, self.kinds, st)
-        return learn(st, self.calibrators, self.gate, self.cost, log=self.step_log is not None)
-
-    def _record(self, st: Step, predicted: float) -> StepRecord:
-        rec = record(st, predicted, self.history, self.overhead, self.step_log, self.policy.name)
+        rec = record(st, learnt, self.history, self.overhead, self.step_log, self.policy.name)
         if self.history.steps % SAVE_EVERY == 0 and self.policy.drafts:
             self.save_learned()
         return rec

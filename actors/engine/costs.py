@@ -83,84 +83,80 @@ def startup_cost_model(target, cfg) -> CostModel:
 PRIOR_DRAFT_COST = DraftCost(1e-3, 2e-4, 5e-5, 1e-5)
 
 
-class DraftCostLearner:
-    """Fits the drafting cost to measured drafting calls (wall time at the coordinator, or one
-    kind's own time in a replica of several): per call, per request, per position, per context
-    token caught up, per chained pass."""
+class RateFit:
+    """One drafter kind's cost fitted to its measured drafting time: per call, per request, per
+    position, per context token caught up, per chained pass."""
 
-    def __init__(self, initial: DraftCost | list[DraftCost], refit_every: int = 16, keep: int = 512) -> None:
-        self.costs = [initial] if isinstance(initial, DraftCost) else list(initial)
-        self.shared = 0.0
+    def __init__(self, initial: DraftCost, refit_every: int = 16, keep: int = 512) -> None:
+        self.cost = initial
         self.refit_every, self.keep = refit_every, keep
         self._x: list[tuple[float, ...]] = []
         self._y: list[float] = []
 
-    @property
-    def cost(self) -> DraftCost:
-        """The one kind's cost, the call's shared cost included."""
-        c = self.costs[0]
-        return DraftCost(c.fixed + self.shared, c.per_request, c.per_position, c.per_context, c.per_pass)
-
     def observe(self, requests: int, positions: int, seconds: float, catchup: int = 0, passes: int = 0) -> None:
-        self.observe_kinds([requests], [positions], seconds, catchup, [passes])
-
-    def observe_kinds(self, requests, positions, seconds: float, catchup=0, passes=None) -> None:
-        """One call: requests[0] and positions[0] drafted, the longest request's drafts passes[0]
-        (a chained drafter's sequential passes), the context caught up on."""
-        if sum(positions) <= 0:
+        """One pass: `requests` drafted `positions` in all, the longest `passes` drafts (a chained
+        drafter's sequential passes), after catching up on `catchup` context tokens."""
+        if positions <= 0:
             return
-        passes = [0] if passes is None else passes
-        x = (1.0, float(requests[0]), float(positions[0]), float(np.sum(catchup)), float(passes[0]))
-        self._x.append(x)
+        self._x.append((1.0, float(requests), float(positions), float(catchup), float(passes)))
         self._y.append(seconds)
         del self._x[: -self.keep], self._y[: -self.keep]
-        if len(self._y) % self.refit_every == 0 and len(set(self._x)) >= 4:
+        if len(self._y) % self.refit_every == 0:
             self.refit()
 
     def refit(self) -> None:
+        if len(set(self._x)) < 4:  # too few distinct shapes to tell the rates apart
+            return
         # Relative errors (rows scaled by 1 / measured): small calls count as much as large ones.
         c = nnls(np.array(self._x) / np.array(self._y)[:, None], np.ones(len(self._y))).astype(float)
-        self.costs = [DraftCost(*c)]
+        self.cost = DraftCost(*c)
 
 
-class KindCostLearner:
-    """The drafting cost of several kinds hosted together: each kind's rates fitted to its own
-    time inside the replica (`DraftOutput.kind_s`: its pass, and its catch-up on the context the
-    replica held back from it), and what the call costs beyond them a `shared` running mean. One
-    joint fit of every kind's rates to whole calls was tried first: online, calls mixing kinds
-    left the split ambiguous, and the choices it drove got steadily worse (docs/benchmarks.md)."""
+class DraftCostLearner:
+    """The drafting cost of the kinds a replica hosts (one kind is K = 1): each kind's rates
+    fitted to its own time inside the replica (`DraftOutput.kind_s`: its catch-up on context and
+    its pass), and what a call costs beyond them a `shared` running mean. One joint fit of every
+    kind's rates to whole calls was tried first: online, calls mixing kinds left the split
+    ambiguous, and the choices it drove got steadily worse (docs/benchmarks.md)."""
 
     def __init__(self, kinds: int, initial: DraftCost = PRIOR_DRAFT_COST) -> None:
-        self.learners = [DraftCostLearner(initial) for _ in range(kinds)]
+        self.fits = [RateFit(initial) for _ in range(kinds)]
         self.shared = 0.0
         self._calls = 0
 
     @property
     def costs(self) -> list[DraftCost]:
-        return [learner.cost for learner in self.learners]
+        return [fit.cost for fit in self.fits]
 
     def observe_kind(self, kind: int, requests: int, positions: int, seconds: float, context: int = 0,
                      passes: int = 0) -> None:
-        self.learners[kind].observe(requests, positions, seconds, context, passes)
+        self.fits[kind].observe(requests, positions, seconds, context, passes)
 
     def observe_call(self, seconds: float) -> None:
         """A call's time beyond its kinds' own (messages, catch-up bookkeeping)."""
         self._calls += 1
         self.shared += max(1.0 / self._calls, 0.02) * (max(0.0, seconds) - self.shared)
 
+    def restore(self, costs: list[DraftCost | None], shared: float) -> None:
+        """Start from learnt costs (a kind's None: keep its own); `shared` counts as a mean of
+        many calls."""
+        for fit, cost in zip(self.fits, costs, strict=True):
+            if cost is not None:
+                fit.cost = cost
+        self.shared, self._calls = shared, max(self._calls, 50)
+
     def refit(self) -> None:
-        for learner in self.learners:
-            if len(set(learner._x)) >= 4:
-                learner.refit()
+        for fit in self.fits:
+            fit.refit()
 
 
 def profile_drafter(replica, hidden_size: int, layers: tuple[int, ...], vocab_size: int, max_requests: int,
                     block: int, context: int = 48, seed: int = 0,
-                    kind: int | None = None) -> list[tuple[int, int, int, int, float, float]]:
+                    kind: int = 0) -> list[tuple[int, int, int, int, float, float]]:
     """Time drafting calls on synthetic requests at start-up: (requests, positions, context tokens
     caught up, drafts per request, seconds at the coordinator, seconds of the kind's own) per
     call. Each shape runs twice: first with its requests' context sent along (catch-up), then
-    without. `kind`: the hosted kind that drafts (a replica of several)."""
+    without. `kind`: the hosted kind that drafts."""
     rng = np.random.default_rng(seed)
     shapes = sorted({1, min(16, max_requests), max_requests})
     samples = []
@@ -173,31 +169,27 @@ def profile_drafter(replica, hidden_size: int, layers: tuple[int, ...], vocab_si
                                                for k in layers} for _ in rids])
             for sent in (catchup, None):
                 t0 = time.perf_counter()
-                out = resolve(replica.draft.remote(rids, last, [n] * r, sent, None if kind is None else [kind] * r))
+                out = resolve(replica.draft.remote(rids, last, [n] * r, sent, [kind] * r))
                 wall = time.perf_counter() - t0
-                own = out.kind_s[kind] if kind is not None and out.kind_s else wall
+                own = out.kind_s[kind]
                 samples.append((r, n * r, context * r if sent else 0, n, wall, own))
             resolve(replica.release.remote(rids))
     return samples
 
 
 def startup_draft_cost(replicas, hidden_size: int, layers: tuple[int, ...], vocab_size: int, max_requests: int,
-                       block: int, kinds: int = 1) -> DraftCostLearner | KindCostLearner:
+                       block: int, kinds: int = 1) -> DraftCostLearner:
     """A drafting-cost learner seeded by profiling the first replica (about a second a kind), so
     the drafting gate starts from measured costs instead of a guess."""
-    learner = DraftCostLearner(PRIOR_DRAFT_COST) if kinds == 1 else KindCostLearner(kinds)
+    learner = DraftCostLearner(kinds)
     for kind in range(kinds):
-        which = None if kinds == 1 else kind
         warm = CatchUp([-1], [[0] * 8], [{k: np.zeros((8, hidden_size), np.float16) for k in layers}])
-        resolve(replicas[0].draft.remote([-1], [0], [1], warm, None if which is None else [which]))  # lazy set-up
+        resolve(replicas[0].draft.remote([-1], [0], [1], warm, [kind]))  # lazy set-up
         resolve(replicas[0].release.remote([-1]))
         for r, p, c, n, wall, own in profile_drafter(replicas[0], hidden_size, layers, vocab_size, max_requests,
-                                                     block, kind=which):
-            if kinds == 1:
-                learner.observe(r, p, wall, c, n)
-            else:
-                learner.observe_kind(kind, r, p, own, c, n)
-                learner.observe_call(wall - own)
+                                                     block, kind=kind):
+            learner.observe_kind(kind, r, p, own, c, n)
+            learner.observe_call(wall - own)
     learner.refit()
     log.info("profiled the drafter at start-up: %s", learner.costs)
     return learner

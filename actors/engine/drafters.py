@@ -56,7 +56,11 @@ class DrafterPool:
         self.owner: dict[int, int] = {}  # request -> replica index, or ORPHAN
         self.backlog = Backlog(cfg.drafter_backlog_tokens, features=bool(self.layers))
         self.lost = {"drafter_replica_lost": 0, "drafter_context_lost": 0}
-        self._seen: dict[int, np.ndarray] = {}  # several kinds: request -> its context length each kind has seen
+        # A replica of one kind hands context straight to it, so what that kind lacks is the
+        # backlog; a replica of several holds each kind's until it drafts (`PendingContext`), so
+        # what kind k lacks is the context since it last drafted.
+        self.direct = len(cfg.kinds) == 1
+        self._seen: dict[int, np.ndarray] = {}  # request -> the context length each kind has seen
 
     def __bool__(self) -> bool:
         return bool(self.replicas)
@@ -70,36 +74,34 @@ class DrafterPool:
         if self.hosted:
             self.replicas = self._hosted()
 
-    def seen(self, rid: int, kinds: int) -> np.ndarray:
-        """Per drafter kind, the context length of request rid that kind has seen (it drafted
-        for the request then, and caught up on everything before)."""
-        return self._seen.get(rid, np.zeros(kinds, dtype=np.int64))
-
-    def saw(self, rid: int, kind: int, length: int) -> None:
-        self._seen.setdefault(rid, np.zeros(len(self.cfg.kinds), dtype=np.int64))[kind] = length
+    def lag(self, batch: list[Sequence]) -> np.ndarray:
+        """[R, kinds]: context tokens of each request that each kind has not seen (what it would
+        catch up on before drafting)."""
+        if self.direct:
+            return np.array([[self.backlog.size(s.rid)] for s in batch], dtype=np.float64).reshape(len(batch), 1)
+        none = np.zeros(len(self.cfg.kinds), dtype=np.int64)
+        return np.array([s.cached - self._seen.get(s.rid, none) for s in batch],
+                        dtype=np.float64).reshape(len(batch), len(none))
 
     def drafting(self, rid: int) -> bool:
         """Whether request rid has a drafter (not orphaned)."""
         return self.owner.get(rid) != ORPHAN
 
-    def draft(self, batch: list[Sequence], lengths, target, kinds=None,
-              fallback=None) -> tuple[dict[int, tuple[list[int], DraftOutput]], int]:
+    def draft(self, batch: list[Sequence], plan) -> dict[int, tuple[list[int], DraftOutput]]:
         """Every replica drafts for its shard in parallel, catching up first on its backlog
-        (features fetched by the replica from `target`'s ranks), request i with drafter kind
-        kinds[i] (or fallback[i] if that drafts nothing) when the replicas host several. Returns
-        {replica: (batch indices, drafts)} of the replicas that answered, and the tokens caught
-        up."""
-        calls, caught_up = {}, 0
+        (features fetched by the replica from `target`'s ranks): request i plan.lengths[i] drafts
+        with kind plan.kinds[i], or plan.fallback[i] if that makes none. Returns {replica: (batch
+        indices, drafts)} of the replicas that answered."""
+        calls = {}
+        lengths, kinds, fallback = plan.lengths.tolist(), plan.kinds.tolist(), plan.fallback.tolist()
         for r in reversed(range(len(self.replicas))):  # replica 0 may be in this process: it runs last
-            idx = [i for i, s in enumerate(batch) if self.owner[s.rid] == r and lengths[i] > 0]
+            idx = [i for i, s in enumerate(batch) if lengths[i] > 0 and self.owner[s.rid] == r]
             if idx:
                 rids = [batch[i].rid for i in idx]
-                catchup = self._sourced(self.backlog.take(rids), target)
-                caught_up += catchup.size if catchup else 0
-                which = None if kinds is None else [int(kinds[i]) for i in idx]
-                second = None if fallback is None else [int(fallback[i]) for i in idx]
+                catchup = self._sourced(self.backlog.take(rids), self.target)
                 calls[r] = (idx, self.replicas[r].draft.remote(rids, [batch[i].last for i in idx],
-                                                               [int(lengths[i]) for i in idx], catchup, which, second))
+                                                               [lengths[i] for i in idx], catchup,
+                                                               [kinds[i] for i in idx], [fallback[i] for i in idx]))
         outs = {}
         for r, (idx, ref) in calls.items():
             try:
@@ -107,7 +109,14 @@ class DrafterPool:
             except ray.exceptions.RayActorError as exc:  # its requests go on without drafts
                 self._replace(r, exc)  # (a hosted replica fails with its rank: EPGroupError)
         self._orphan_lost([rid for _, out in outs.values() for rid in out.lost])
-        return outs, caught_up
+        if not self.direct:  # each kind that drafted a request has now seen all its context
+            for idx, out in outs.values():
+                drafted = np.diff(out.cu).tolist()
+                for j, (i, kind) in enumerate(zip(idx, out.kinds.tolist(), strict=True)):
+                    if drafted[j]:
+                        s = batch[i]
+                        self._seen.setdefault(s.rid, np.zeros(len(self.cfg.kinds), dtype=np.int64))[kind] = s.cached
+        return outs
 
     def commit(self, seqs: list[Sequence], tokens: list[list[int]], held: list[int], hidden: list[dict | None],
                target) -> None:

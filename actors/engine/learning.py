@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -17,37 +18,45 @@ from dcut_core.cost_model import StepShape
 from dcut_core.gate import DraftingGate
 
 
-def learn(st: Step, calibrators: list[Calibrator], gate: DraftingGate, cost, log: bool = False) -> float:
+@dataclass(frozen=True)
+class Learnt:
+    """What the estimators took from a step: the verify time predicted for it (made before
+    learning), the (request, kind) pairs asked for drafts that drafted none, and for the step
+    log what the trackers learnt from (`observed`)."""
+
+    predicted_s: float
+    empty: list[tuple[int, int]]
+    observed: dict | None = None
+
+
+def learn(st: Step, calibrators: list[Calibrator], gate: DraftingGate, cost, log: bool = False) -> Learnt:
     """Calibration (judged drafts only; each drafter kind's own), the drafting gate's acceptance
-    trackers and the cost model's correction learn from the step; returns the step's predicted
-    verify time (made before learning). With `log`, what the trackers learnt is kept on the step
-    for the step log."""
-    drafts, kept = st.drafts, st.kept
-    kinds = drafts.kinds if drafts.kinds is not None else np.zeros(len(st.batch), dtype=np.int64)
-    idx, ok = verify_outcomes(drafts.cu, kept, st.accepted)
+    trackers and the cost model's correction learn from the step."""
+    drafts, kept, accepted = st.drafts, st.pruned.kept, st.accepted.counts
+    counts, kinds = drafts.counts, drafts.kinds
+    idx, ok = verify_outcomes(drafts.cu, kept, accepted)
     if len(idx):
         pos = ragged.positions(drafts.cu)[idx]
-        kind = np.repeat(kinds, np.diff(drafts.cu))[idx]
-        for k in np.unique(kind):
+        kind = np.repeat(kinds, counts)[idx]
+        for k in np.unique(kind).tolist():
             m = kind == k
             calibrators[k].observe(drafts.confidence[idx][m], drafts.margin[idx][m], pos[m], ok[m])
     # A request that drafted nothing teaches nothing (no kept draft, nothing beyond): skipped
     # without a call, so a step that drafts for few of 1,024 requests costs the few.
-    for i in np.flatnonzero(np.diff(drafts.cu)).tolist():
-        beyond = drafts.estimate[drafts.cu[i] + kept[i]:drafts.cu[i + 1]] if drafts.estimate is not None else None
-        gate.observe(st.batch[i].rid, int(kinds[i]), int(kept[i]), int(st.accepted[i]), beyond)
-    if drafts.kinds is not None:  # several kinds: a kind asked that drafted nothing is a failed try
-        st.empty = [(s.rid, int(kinds[i])) for i, s in enumerate(st.batch)
-                    if st.lengths[i] > 0 and drafts.cu[i + 1] == drafts.cu[i]]
-        for rid, kind in st.empty:
-            gate.empty(rid, kind)
-    if log:  # what the trackers learnt from, for `dcut_core.gate.replay`
-        st.observed = observed(st)
+    estimate, cu = st.pruned.estimate, drafts.cu
+    for i in np.flatnonzero(counts).tolist():
+        beyond = estimate[cu[i] + kept[i]:cu[i + 1]] if estimate is not None else None
+        gate.observe(st.batch[i].rid, int(kinds[i]), int(kept[i]), int(accepted[i]), beyond)
+    # A kind asked that drafted nothing is a failed try (the gate decides whether that teaches).
+    empty = [(st.batch[i].rid, int(kinds[i])) for i in np.flatnonzero((st.plan.lengths > 0) & (counts == 0)).tolist()]
+    for rid, kind in empty:
+        gate.empty(rid, kind)
+    observed_now = observed(st, empty) if log else None  # for `dcut_core.gate.replay`
     if cost is None:
-        return float("nan")
+        return Learnt(float("nan"), empty, observed_now)
     if st.feeding:  # the correction learns verification steps only (pruning's curve)
-        return cost.predict(shape(st))
-    return cost.observe(shape(st), st.out.wall_s)
+        return Learnt(cost.predict(shape(st)), empty, observed_now)
+    return Learnt(cost.observe(shape(st), st.out.wall_s), empty, observed_now)
 
 
 def shape(st: Step) -> StepShape:
@@ -56,12 +65,12 @@ def shape(st: Step) -> StepShape:
                      st.context + sum(f.start for f in st.feeding))
 
 
-def record(st: Step, predicted: float, history: StepHistory, overhead: StepOverhead, step_log: StepLog | None,
+def record(st: Step, learnt: Learnt, history: StepHistory, overhead: StepOverhead, step_log: StepLog | None,
            policy: str) -> StepRecord:
-    drafts, out = st.drafts, st.out
-    rec = StepRecord(len(st.batch), int(drafts.cu[-1]), int(st.kept.sum()), int(np.sum(st.accepted)),
-                     st.verify_tokens, predicted, out.wall_s, drafts.seconds, drafts.decision_seconds,
-                     drafts.probe_seconds, step_s=time.perf_counter() - st.started,
+    drafts, pruned, out = st.drafts, st.pruned, st.out
+    rec = StepRecord(len(st.batch), int(drafts.cu[-1]), int(pruned.kept.sum()), int(sum(st.accepted.counts)),
+                     st.verify_tokens, learnt.predicted_s, out.wall_s, drafts.seconds, pruned.seconds,
+                     pruned.probe_seconds, step_s=time.perf_counter() - st.started,
                      target_compute_s=max((r.total_s for r in out.rank_stats), default=0.0),
                      draft_compute_s=drafts.compute_seconds, prefill_tokens=st.prefill_tokens,
                      rank_compute_s=tuple(r.total_s for r in out.rank_stats))
@@ -69,6 +78,5 @@ def record(st: Step, predicted: float, history: StepHistory, overhead: StepOverh
     if not st.feeding:  # what drafting adds outside the passes (prefill chunks would blur it)
         overhead.observe(rec.drafted > 0, rec.step_s - rec.target_compute_s - rec.draft_s)
     if step_log is not None:
-        step_log.write(policy, np.diff(drafts.cu), drafts.survival, st.kept, st.accepted, st.context, predicted,
-                       out.wall_s, drafts.seconds, st.gate, st.observed)
+        step_log.write(policy, st, learnt)
     return rec

@@ -168,9 +168,12 @@ class Drafter:
         lost = tuple(rid for rid in request_ids if rid in self.lost)
         if lost:
             lengths = [0 if rid in self.lost else n for rid, n in zip(request_ids, lengths, strict=True)]
-        if len(self.drafters) == 1:
+        if self.pending is None:  # one kind: the catch-up went straight into it, and is its time too
             out = self.drafters[0].draft(request_ids, last_tokens, lengths)
-            return dataclasses.replace(out, compute_s=time.perf_counter() - t0, lost=lost)
+            spent = time.perf_counter() - t0
+            return dataclasses.replace(out, compute_s=spent, lost=lost, kind_s={0: spent},
+                                       kinds=np.zeros(len(request_ids), dtype=np.int64),
+                                       kind_context={0: catchup.size if catchup is not None else 0})
         kinds = [0] * len(request_ids) if kinds is None else kinds
         parts, kind_s, context, used = [], {}, {}, np.asarray(kinds, dtype=np.int64).copy()
         for k in sorted(set(kinds)):

@@ -9,48 +9,67 @@ import numpy as np
 from actors.drafter.base import DraftOutput, merge_outputs
 from actors.engine.logprobs import entries
 from actors.engine.sequence import Scheduler, Sequence
+from actors.target.group import TargetOutput
 from dcut_core import rules
+from dcut_core.gate import Plan
 
 
-@dataclass
+@dataclass(frozen=True)
 class Drafts:
-    """This step's drafts for the whole batch, in batch order (ragged)."""
+    """The propose stage's output: this step's drafts for the whole batch, in batch order
+    (ragged), and the kind that drafted each request."""
 
     tokens: np.ndarray  # [N]
     cu: np.ndarray  # [R + 1]
     confidence: np.ndarray  # [N]
     margin: np.ndarray  # [N]
+    kinds: np.ndarray  # [R] the drafter kind (index) of each request's drafts (the one asked, if none)
     seconds: float = 0.0  # wall time of the drafting stage
     compute_seconds: float = 0.0  # the slowest replica's own drafting time inside it
-    decision_seconds: float = 0.0  # wall time of the pruning decision
-    survival: np.ndarray | None = None
+
+    @property
+    def counts(self) -> np.ndarray:
+        """[R] drafts made for each request."""
+        return np.diff(self.cu)
+
+
+@dataclass(frozen=True)
+class Pruned:
+    """The prune stage's output: the drafts kept per request, and what the decision saw."""
+
+    kept: np.ndarray  # [R]
     estimate: np.ndarray | None = None  # [N] calibrated conditional acceptance of each draft
-    decision: object = None
+    survival: np.ndarray | None = None  # [N] the policy's survival of each draft
+    seconds: float = 0.0  # wall time of the decision
     probe_seconds: float = 0.0  # the oracle's extra verification pass (not part of a real step)
-    kinds: np.ndarray | None = None  # [R] the drafter kind (index) of each request's drafts
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """The accept stage's output: drafts accepted per request, and the tokens each gains."""
+
+    counts: list[int]
+    emitted: list[list[int]]
 
 
 @dataclass
 class Step:
-    """One decode step as it passes through the stages; each stage fills its own part."""
+    """The record of one decode step: each stage's output, filled in order; `Engine.commit` is
+    its one consumer (the estimators learn from it, the step log writes it)."""
 
     batch: list[Sequence]  # decoding requests
     feeding: list[Feed]  # this step's prefill chunks
     started: float  # perf_counter at plan
     context: int = 0  # tokens in the decoding requests' KV caches when the step began
-    lengths: np.ndarray | None = None  # plan: drafts asked of each request [R]
-    drafts: Drafts | None = None  # propose
-    kept: np.ndarray | None = None  # prune: drafts kept per request [R]
-    out: object = None  # verify: the target's TargetOutput
-    accepted: list[int] | None = None  # accept: drafts accepted per request
-    emitted: list[list[int]] | None = None  # accept: tokens each request gains
-    gate: tuple | None = None  # plan: the drafting gate's (GateInput, lengths), when a step log asks
-    observed: dict | None = None  # commit: what the acceptance tracker learnt (step log)
-    empty: list | None = None  # commit: (request, kind) asked for drafts that drafted none (several kinds)
+    plan: Plan | None = None
+    drafts: Drafts | None = None
+    pruned: Pruned | None = None
+    out: TargetOutput | None = None
+    accepted: Accepted | None = None
 
     @property
     def verify_tokens(self) -> int:
-        return int(len(self.batch) + self.kept.sum())
+        return int(len(self.batch) + self.pruned.kept.sum())
 
     @property
     def prefill_tokens(self) -> int:
@@ -160,20 +179,20 @@ def prompt_logprobs(seq: Sequence, feed: Feed, rows: np.ndarray) -> None:
         seq.prompt_logprobs.extend(entries(rows[:end], nxt, seq.params.prompt_logprobs))
 
 
-def empty_drafts(r: int, kinds: np.ndarray | None = None) -> Drafts:
+def empty_drafts(r: int, kinds: np.ndarray) -> Drafts:
     z = np.zeros(0)
-    return Drafts(np.zeros(0, dtype=np.int64), np.zeros(r + 1, dtype=np.int64), z, z, kinds=kinds)
+    return Drafts(np.zeros(0, dtype=np.int64), np.zeros(r + 1, dtype=np.int64), z, z, kinds)
 
 
-def merge_drafts(r: int, outs: dict[int, tuple[list[int], DraftOutput]], kinds: np.ndarray | None = None) -> Drafts:
-    """Scatter each replica's ragged output back into batch order."""
+def merge_drafts(r: int, outs: dict[int, tuple[list[int], DraftOutput]], kinds: np.ndarray, seconds: float) -> Drafts:
+    """Scatter each replica's ragged output back into batch order; `kinds` the kinds asked,
+    replaced by the one that really drafted (a fallback may have)."""
     d = merge_outputs(r, outs.values())
-    if kinds is not None:  # the kind that really drafted each request (a fallback may have)
-        kinds = np.asarray(kinds, dtype=np.int64).copy()
-        for idx, out in outs.values():
-            if out.kinds is not None:
-                kinds[idx] = out.kinds
-    return Drafts(d.tokens, d.cu, d.confidence, d.margin, kinds=kinds)
+    kinds = np.asarray(kinds, dtype=np.int64).copy()
+    for idx, out in outs.values():
+        kinds[idx] = out.kinds
+    return Drafts(d.tokens, d.cu, d.confidence, d.margin, kinds, seconds,
+                  max(out.compute_s for _, out in outs.values()))
 
 
 def first_tokens(seqs: list[Sequence], last_out: dict) -> list[int]:
@@ -186,26 +205,20 @@ def first_tokens(seqs: list[Sequence], last_out: dict) -> list[int]:
     return out
 
 
-def accept_tokens(batch: list[Sequence], drafts: Drafts, kept: np.ndarray,
-                  out) -> tuple[list[int], list[list[int]]]:
+def accept_tokens(batch: list[Sequence], drafts: Drafts, kept: np.ndarray, out: TargetOutput) -> Accepted:
     """Lossless acceptance, one vectorized call for the whole batch: each request's kept drafts
     pass while they equal the target's own token at their row — its argmax at temperature 0,
     else its draw (`rules.coupled_sampling`: the row's uniform from the request's seeded stream
     through the target's sampling distribution, made on the rank), so a seed fixes the output
     whatever the policy, the batch or the drafter did. The oracle's look-ahead may call it too:
     uniforms are per position, so it draws nothing extra."""
-    accepted: list[int] = [0] * len(batch)
-    emitted: list[list[int]] = [[] for _ in batch]
     if not batch:
-        return accepted, emitted
+        return Accepted([], [])
     k = np.asarray(kept, dtype=np.int64)
     cu = np.zeros(len(batch) + 1, dtype=np.int64)
     np.cumsum(k, out=cu[1:])
     d = drafts.tokens[np.repeat(np.asarray(drafts.cu[:-1], dtype=np.int64) - cu[:-1], k) + np.arange(cu[-1])]
     target = [out.argmax[i] if s.greedy else out.sampled[i] for i, s in enumerate(batch)]
     res = rules.greedy(d.astype(np.int64), cu, np.concatenate([np.asarray(t) for t in target]).astype(np.int64))
-    toks, ends, counts = res.tokens.tolist(), res.cu_tokens.tolist(), res.accepted.tolist()
-    for i in range(len(batch)):
-        accepted[i] = counts[i]
-        emitted[i] = toks[ends[i]:ends[i + 1]]
-    return accepted, emitted
+    toks, ends = res.tokens.tolist(), res.cu_tokens.tolist()
+    return Accepted(res.accepted.tolist(), [toks[ends[i]:ends[i + 1]] for i in range(len(batch))])

@@ -16,8 +16,6 @@ from collections.abc import Iterator
 import msgpack
 import numpy as np
 
-from dcut_core.drafting import DraftCost
-
 
 class StepLog:
     """Appends step records to a file; closed with the engine."""
@@ -27,25 +25,24 @@ class StepLog:
         self._f = open(path, "ab")  # noqa: SIM115 - lives as long as the engine
         self._pack = msgpack.Packer()
 
-    def write(self, policy: str, drafted: np.ndarray, survival: np.ndarray | None, kept: np.ndarray,
-              accepted: np.ndarray, context: int, predicted_s: float, measured_s: float, draft_s: float,
-              gate: tuple | None = None, observed: dict | None = None) -> None:
-        """One step; `gate` is the drafting gate's (GateInput, lengths) when it decided."""
+    def write(self, policy: str, st, learnt) -> None:
+        """One step (`Step`), with what the estimators took from it (`Learnt`): the drafting
+        gate's input and plan when it decided, and what the trackers learnt."""
+        seen = st.plan.seen if st.plan is not None else None
         self._f.write(self._pack.pack({
             "policy": policy,
-            "drafted": np.asarray(drafted, dtype=np.int32).tolist(),
-            "survival": [] if survival is None else np.asarray(survival, dtype=np.float32).tolist(),
-            "kept": np.asarray(kept, dtype=np.int32).tolist(),
-            "accepted": np.asarray(accepted, dtype=np.int32).tolist(),
-            "context": int(context),
-            "predicted_s": float(predicted_s),
-            "measured_s": float(measured_s),
-            "draft_s": float(draft_s),
-            "gate": None if gate is None else {"input": gate[0].as_dict(),
-                                               "lengths": np.asarray(gate[1], dtype=np.int64).tolist(),
-                                               "kinds": None if isinstance(gate[0].draft, DraftCost) else
-                                               np.asarray(gate[2], dtype=np.int64).tolist()},
-            "observed": observed,
+            "drafted": st.drafts.counts.astype(np.int32).tolist(),
+            "survival": [] if st.pruned.survival is None else np.asarray(st.pruned.survival, np.float32).tolist(),
+            "kept": np.asarray(st.pruned.kept, dtype=np.int32).tolist(),
+            "accepted": [int(a) for a in st.accepted.counts],
+            "context": int(st.context),
+            "predicted_s": float(learnt.predicted_s),
+            "measured_s": float(st.out.wall_s),
+            "draft_s": float(st.drafts.seconds),
+            "gate": None if seen is None else {"input": seen.as_dict(),
+                                               "lengths": st.plan.lengths.astype(np.int64).tolist(),
+                                               "kinds": st.plan.kinds.astype(np.int64).tolist()},
+            "observed": learnt.observed,
         }))
 
     def close(self) -> None:
@@ -57,15 +54,16 @@ def read_steps(path: str | pathlib.Path) -> Iterator[dict]:
         yield from msgpack.Unpacker(f, raw=False)
 
 
-def observed(st) -> dict:
-    """What the acceptance tracker learnt from a step (`dcut_core.gate.replay` feeds it back):
-    per request kept and accepted counts, and the calibrated estimates of the drafts past the kept
-    ones (ragged, `beyond_cu`; None when nothing was drafted)."""
-    drafts, kept, est = st.drafts, st.kept, st.drafts.estimate
+def observed(st, empty: list[tuple[int, int]]) -> dict:
+    """What the acceptance trackers learnt from a step (`dcut_core.gate.replay` feeds it back):
+    per request its kind, kept and accepted counts, the calibrated estimates of the drafts past
+    the kept ones (ragged, `beyond_cu`; None when nothing was drafted), and the kinds asked that
+    drafted nothing (`empty`)."""
+    drafts, kept, est = st.drafts, st.pruned.kept, st.pruned.estimate
     beyond = [] if est is None else [est[drafts.cu[i] + kept[i]:drafts.cu[i + 1]] for i in range(len(st.batch))]
     return {"rids": [s.rid for s in st.batch], "kept": np.asarray(kept).tolist(),
-            "kinds": None if drafts.kinds is None else np.asarray(drafts.kinds).tolist(),
-            "empty": [list(e) for e in st.empty or ()],
-            "accepted": [int(a) for a in st.accepted],
+            "kinds": np.asarray(drafts.kinds).tolist(),
+            "empty": [list(e) for e in empty],
+            "accepted": [int(a) for a in st.accepted.counts],
             "beyond": np.concatenate(beyond).tolist() if beyond else [],
             "beyond_cu": None if est is None else np.concatenate([[0], np.cumsum([len(b) for b in beyond])]).tolist()}

@@ -130,10 +130,9 @@ def measure_costs(cfg: EngineConfig, prompts: list[list[int]], max_tokens: int, 
                             own[key].append((r.requests, r.step_s - r.target_compute_s - r.draft_s + between))
         engine.cost.refit()
         learner = engine.draft_cost
-        draft = tuple(learner.costs) if hasattr(learner, "learners") else (learner.costs[0],)
         plain, gated, drafting = (_line(own[k]) for k in ("ar", "dcut", "drafting"))
-        return TraceCosts(engine.cost.model, engine.cost.scale, tuple(DraftCost(*_fields(d)) for d in draft),
-                          float(getattr(learner, "shared", 0.0)), plain, _minus(gated, plain), _minus(drafting, gated))
+        return TraceCosts(engine.cost.model, engine.cost.scale, tuple(DraftCost(*_fields(d)) for d in learner.costs),
+                          float(learner.shared), plain, _minus(gated, plain), _minus(drafting, gated))
     finally:
         engine.shutdown()
 

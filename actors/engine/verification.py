@@ -66,6 +66,6 @@ def oracle_lengths(verify, target, batch: list[Sequence], drafts: Drafts) -> np.
     allowed = grammar_allowed(batch, drafts)
     all_kept = all_kept if allowed is None else allowed
     out = verify(batch, drafts, all_kept)
-    accepted, _ = accept_tokens(batch, drafts, all_kept, out)
+    accepted = accept_tokens(batch, drafts, all_kept, out).counts
     target.truncate({s.rid: s.cached for s in batch})
     return np.asarray(accepted, dtype=np.int64)

@@ -64,30 +64,20 @@ class WarmStart:
 def snapshot(engine) -> LearnedState:
     """The engine's estimators as a `LearnedState` (calibration, trackers, costs, overhead)."""
     learner = engine.draft_cost
-    costs = learner.costs if hasattr(learner, "learners") else [learner.costs[0]]
     kinds = {name: KindState.of(cal, tracker, cost) for name, cal, tracker, cost in
-             zip(engine.kinds, engine.calibrators, engine.gate.trackers, costs, strict=True)}
+             zip(engine.kinds, engine.calibrators, engine.gate.trackers, learner.costs, strict=True)}
     over = engine.overhead.mean
     overhead = {n: over[k] for n, k in (("plain", False), ("drafting", True)) if k in over}
     log_ratio = engine.cost.log_ratio if engine.cost is not None else 0.0
-    return LearnedState(kinds, float(getattr(learner, "shared", 0.0)), overhead, log_ratio,
+    return LearnedState(kinds, float(learner.shared), overhead, log_ratio,
                         engine.gate.exploration.steps)
 
 
 def warm(engine, state: LearnedState) -> None:
     """Set the engine's estimators from `state` (kinds matched by name)."""
     missing = state.restore(engine.kinds, engine.calibrators, engine.gate.trackers, engine.gate.exploration)
-    learner = engine.draft_cost
-    for i, name in enumerate(engine.kinds):
-        k = state.kinds.get(name)
-        if k is None or k.draft is None:
-            continue
-        if hasattr(learner, "learners"):
-            learner.learners[i].costs = [k.draft]
-        else:
-            learner.costs = [k.draft]
-    if hasattr(learner, "learners"):
-        learner.shared, learner._calls = state.shared, max(learner._calls, 50)
+    engine.draft_cost.restore([k.draft if (k := state.kinds.get(name)) is not None else None
+                               for name in engine.kinds], state.shared)
     for name, drafting in (("plain", False), ("drafting", True)):
         if name in state.overhead:
             engine.overhead.mean[drafting] = state.overhead[name]

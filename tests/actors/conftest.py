@@ -3,6 +3,7 @@ injected into a running engine."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 
@@ -82,8 +83,8 @@ def holding_drafts(eng, steps: int):
     """The engine's `plan`, asking for no drafts in its first `steps` steps."""
     plan = eng.plan
 
-    def held(batch):
-        kinds, lengths = plan(batch)
-        return kinds, lengths * (eng.history.steps >= steps)
+    def held(st):
+        p = plan(st)
+        return dataclasses.replace(p, lengths=p.lengths * (eng.history.steps >= steps))
 
     return held

@@ -297,7 +297,9 @@ def test_memory_stays_bounded_over_thousands_of_steps(tiny_bundle, tmp_path, ref
         return {"queues": len(eng._queues), "sent": len(eng._sent), "new": len(eng._new),
                 "aborted": len(eng._aborted), "scheduler": len(e.scheduler) + len(e.scheduler.finished),
                 "drafter_owner": len(e.drafters.owner), "backlog": len(e.drafters.backlog),
-                "tracker": len(e.tracker.factor) + len(e.tracker._sums), "target_owner": len(e.target._owner),
+                "tracker": sum(len(t.factor) + len(t._sums) for t in e.gate.trackers),
+                "chooser": len(e.gate.chooser.tried), "seen": len(e.drafters._seen),
+                "target_owner": len(e.target._owner),
                 "target_truncate": sum(map(len, e.target._truncate)),
                 "rank_requests": sum(c["requests"] for c in e.target.cache_info()),
                 "rank_feature_rows": sum(c["feature_rows"] for c in e.target.cache_info())}

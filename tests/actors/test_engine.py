@@ -90,12 +90,12 @@ def test_step_log_records_every_step(tiny_bundle, reference, tmp_path):
     # The drafting gate replays from the log: a fresh gate with the engine's settings asks for
     # exactly what the engine's asked for, at every step — drafting steps and plain ones.
     cfg = eng.cfg
-    fresh = DraftingGate(AcceptanceTracker(block=cfg.block), Exploration(cfg.explore_every, cfg.explore_requests,
-                                                                         cfg.explore_warmup),
-                         cfg.max_budget, cfg.draft_slack, cfg.draft_extend)
+    fresh = DraftingGate([AcceptanceTracker(block=cfg.block)], Exploration(cfg.explore_every, cfg.explore_requests,
+                                                                           cfg.explore_warmup),
+                         cfg.max_budget, cfg.draft_slack, cfg.draft_extend, teach_empty=False)
     plans = replay(fresh, steps)
     assert len(plans) == sum(s["gate"] is not None for s in steps) > 0
-    assert {bool(p.sum()) for p, _ in plans} == {True, False}
+    assert {bool(p[1].sum()) for p, _ in plans} == {True, False}
     assert all(np.array_equal(logged, got) for logged, got in plans)
 
 

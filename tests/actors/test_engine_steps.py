@@ -119,9 +119,9 @@ def test_plain_decoding_keeps_no_drafter_state(tiny_bundle, reference, tmp_path)
 def test_the_drafting_gate_starts_from_a_measured_drafter_profile(tiny_bundle, reference, tmp_path):
     eng = engine(tiny_bundle, tmp_path, policy="dcut")
     try:
-        cost = eng.draft_cost.cost
+        cost = eng.draft_cost.costs[0]
         assert cost != UNPROFILED and cost.fixed + cost.per_request > 0
-        assert len(eng.draft_cost._y) >= 8  # every profiled shape was timed, with and without catch-up
+        assert len(eng.draft_cost.fits[0]._y) >= 8  # every profiled shape was timed, with and without catch-up
         out = eng.generate(PROMPTS, [SamplingParams(max_tokens=MAX_TOKENS)] * len(PROMPTS))
         assert [s.output for s in out] == reference
     finally:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from dcut_core.choosing import KindChooser
 from dcut_core.drafting import AcceptanceTracker, DraftCost, Exploration, plan_drafts
-from dcut_core.gate import DraftingGate, replay
+from dcut_core.gate import DraftingGate, GateInput, replay
 from dcut_core.pruning import StepCost
 
 
@@ -107,8 +107,10 @@ def simulate(gate, types, truth, steps, rng, allowed=None):
     used = []
     for _ in range(steps):
         caps = np.full(len(rids), 7)
-        kinds, lengths = gate.decide_kinds(rids, caps, np.full(len(rids), 500), np.zeros(len(rids)), verify,
-                                           [cost] * len(gate.trackers), allowed)
+        plan = gate.decide(GateInput.capture(rids, caps, np.full(len(rids), 500),
+                                             np.zeros((len(rids), len(gate.trackers))), verify,
+                                             [cost] * len(gate.trackers), allowed))
+        kinds, lengths = plan.kinds, plan.lengths
         used.append(kinds.copy())
         for rid, k, n in zip(rids, kinds, lengths, strict=True):
             if n:
@@ -137,7 +139,7 @@ def test_a_multi_kind_history_replays_exactly():
 
     def fresh(**kw):
         return DraftingGate([AcceptanceTracker(block=8), AcceptanceTracker(block=8)],
-                            Exploration(every=50, requests=2, warmup=0), record=True, **kw)
+                            Exploration(every=50, requests=2, warmup=0), **kw)
 
     live, log = fresh(), []
     rids = [0, 1, 2, 3]
@@ -145,9 +147,9 @@ def test_a_multi_kind_history_replays_exactly():
     for _ in range(120):
         caps = rng.integers(0, 8, len(rids))
         costs = [DraftCost(rng.uniform(0, 0.01), 1e-4, 1e-5, 1e-6), DraftCost(rng.uniform(0, 0.01), 2e-4, 1e-5, 1e-6)]
-        kinds, lengths = live.decide_kinds(rids, caps, np.full(4, 40), rng.integers(0, 20, 4),
-                                           linear(0.01, 2e-4), costs, allowed, 1e-3)
-        g, _, _ = live.last
+        plan = live.decide(GateInput.capture(rids, caps, np.full(4, 40), rng.integers(0, 20, (4, 2)),
+                                             linear(0.01, 2e-4), costs, allowed, 1e-3))
+        g, kinds, lengths = plan.seen, plan.kinds, plan.lengths
         assert all(allowed[i, k] for i, k in enumerate(kinds))
         kept = np.minimum(lengths, rng.integers(0, 8, 4))
         accepted = [int(rng.integers(0, k + 1)) for k in kept]

@@ -217,18 +217,23 @@ def gate(**kw):
     from dcut_core.drafting import Exploration
     from dcut_core.gate import DraftingGate
 
-    return DraftingGate(AcceptanceTracker(block=8), Exploration(every=50, requests=2, warmup=0), **kw)
+    return DraftingGate([AcceptanceTracker(block=8)], Exploration(every=50, requests=2, warmup=0), **kw)
+
+
+def decide(g, rids, caps, remaining, lag, verify, draft):
+    """The gate's drafts [R] for one kind."""
+    return g.decide(GateInput.capture(rids, caps, remaining, np.asarray(lag)[:, None], verify, [draft])).lengths
 
 
 def test_gate_drafts_when_it_pays_and_not_when_it_does_not():
     g = gate()
     for _ in range(30):
-        g.tracker.observe(0, 7, 7)  # request 0 accepts everything
+        g.trackers[0].observe(0, 7, 7)  # request 0 accepts everything
     flat = StepCost(lambda n: np.full(len(n), 0.01), 0.0)
     cheap, dear = DraftCost(1e-4, 0.0, 1e-5), DraftCost(1.0, 0.0, 0.0)
     caps = np.array([7, 7])
-    assert g.decide([0, 1], caps, np.array([40, 40]), np.zeros(2), flat, cheap)[0] > 0
-    lengths = g.decide([0, 1], caps, np.array([40, 40]), np.zeros(2), flat, dear)
+    assert decide(g, [0, 1], caps, np.array([40, 40]), np.zeros(2), flat, cheap)[0] > 0
+    lengths = decide(g, [0, 1], caps, np.array([40, 40]), np.zeros(2), flat, dear)
     assert lengths.tolist() in ([0, 0], [7, 7])  # plain decoding, or the exploring step of its schedule
 
 
@@ -237,9 +242,9 @@ def test_gate_explores_on_its_own_schedule_and_charges_catch_up_by_remaining_sha
     dear = DraftCost(1.0, 0.0, 0.0)
     flat = StepCost(lambda n: np.full(len(n), 0.01), 0.0)
     caps = np.array([3, 3, 3])
-    first = g.decide([0, 1, 2], caps, np.full(3, 9), np.zeros(3), flat, dear)
+    first = decide(g, [0, 1, 2], caps, np.full(3, 9), np.zeros(3), flat, dear)
     assert first.tolist() == [3, 3, 0]  # step 0 of the schedule explores, two requests
-    assert g.decide([0, 1, 2], caps, np.full(3, 9), np.zeros(3), flat, dear).tolist() == [0, 0, 0]
+    assert decide(g, [0, 1, 2], caps, np.full(3, 9), np.zeros(3), flat, dear).tolist() == [0, 0, 0]
     # The catch-up charge: backlog × min(1, (1 + Σ predicted survival) / remaining).
     predicted = [np.array([0.5, 0.5]), np.array([0.5, 0.5]), np.array([0.5])]
     charge = g.catch_up_charge(predicted, np.array([10.0, 10.0, 10.0]), np.array([1, 3, 100]))
@@ -248,14 +253,25 @@ def test_gate_explores_on_its_own_schedule_and_charges_catch_up_by_remaining_sha
 
 def test_gate_input_holds_the_verify_cost_at_every_count_the_decision_can_ask():
     curve = StepCost(lambda n: 0.002 + 1e-4 * n + 3e-6 * np.sqrt(n), 0.001)
-    g = GateInput.capture([4, 9, 2], np.array([3, 0, 5]), np.array([10, 1, 7]), np.array([0, 4, 2]), curve,
-                          DraftCost(1e-3, 2e-4, 1e-5, 1e-6))
+    g = GateInput.capture([4, 9, 2], np.array([3, 0, 5]), np.array([10, 1, 7]), np.array([[0], [4], [2]]), curve,
+                          [DraftCost(1e-3, 2e-4, 1e-5, 1e-6)])
     counts = np.arange(3, 3 + 8 + 1)
     assert np.array_equal(g.verify().seconds(counts), curve.seconds(counts))  # bit for bit
     back = GateInput.from_dict(g.as_dict())
     assert back.rids == g.rids and back.draft == g.draft
     assert all(np.array_equal(a, b) for a, b in ((back.caps, g.caps), (back.verify_table, g.verify_table),
-                                                 (back.remaining, g.remaining), (back.backlog, g.backlog)))
+                                                 (back.remaining, g.remaining), (back.lag, g.lag)))
+
+
+def test_a_gate_input_logged_before_kinds_were_one_path_reads_as_one_kind():
+    """Step logs written while one kind had a path of its own hold a flat cost and a per-request
+    backlog: they read as K = 1."""
+    old = {"rids": [3, 5], "caps": [2, 4], "remaining": [9, 9], "backlog": [0.0, 6.0],
+           "verify_table": [0.01 + 1e-3 * n for n in range(7)], "draft": [1e-3, 2e-4, 1e-5, 1e-6, 0.0],
+           "allowed": None}
+    g = GateInput.from_dict(old)
+    assert g.draft == [DraftCost(1e-3, 2e-4, 1e-5, 1e-6, 0.0)] and g.lag.tolist() == [[0.0], [6.0]]
+    assert g.shared_fixed == 0.0 and GateInput.from_dict(g.as_dict()).lag.tolist() == g.lag.tolist()
 
 
 def test_replay_of_a_logged_history_reproduces_every_plan():
@@ -263,7 +279,7 @@ def test_replay_of_a_logged_history_reproduces_every_plan():
     fresh gate replaying the log asks for exactly the same drafts at every step, and one with
     another setting asks for something else."""
     rng = np.random.default_rng(3)
-    live = gate(record=True)
+    live = gate()
     log, rids, next_rid = [], [0, 1, 2], 3
     for _ in range(300):
         if rng.random() < 0.1:  # requests come and go
@@ -273,20 +289,20 @@ def test_replay_of_a_logged_history_reproduces_every_plan():
         fixed = rng.uniform(0.005, 0.02)
         verify = StepCost(lambda n, a=fixed: a + 2e-4 * n, 0.0)
         draft = DraftCost(rng.uniform(0, 0.01), 1e-4, 1e-5, 1e-6)
-        lengths = live.decide(rids, caps, rng.integers(1, 50, len(rids)), rng.integers(0, 30, len(rids)), verify,
-                              draft)
-        g, planned, _ = live.last
+        plan = live.decide(GateInput.capture(rids, caps, rng.integers(1, 50, len(rids)),
+                                             rng.integers(0, 30, (len(rids), 1)), verify, [draft]))
+        g, planned, lengths = plan.seen, plan.lengths, plan.lengths
         kept = np.minimum(lengths, rng.integers(0, 8, len(rids)))
         accepted = np.array([rng.integers(0, k + 1) for k in kept])
         beyond = [rng.uniform(0, 1, int(n - k)) for n, k in zip(lengths, kept, strict=True)]
         cu = np.concatenate([[0], np.cumsum([len(b) for b in beyond])]).tolist()
         for rid, k, a, b in zip(rids, kept, accepted, beyond, strict=True):
-            live.tracker.observe(rid, int(k), int(a), b)
+            live.trackers[0].observe(rid, int(k), int(a), b)
         log.append({"gate": {"input": g.as_dict(), "lengths": planned.tolist()},
                     "observed": {"rids": rids, "kept": kept.tolist(), "accepted": accepted.tolist(),
                                  "beyond": np.concatenate(beyond).tolist(), "beyond_cu": cu}})
     plans = replay(gate(), log)
-    assert len(plans) == 300 and sum(p.sum() > 0 for p, _ in plans) > 30
+    assert len(plans) == 300 and sum(p[1].sum() > 0 for p, _ in plans) > 30
     assert all(np.array_equal(logged, got) for logged, got in plans)
     other = replay(gate(slack=0, extend=False), log)
     assert any(not np.array_equal(logged, got) for logged, got in other)
