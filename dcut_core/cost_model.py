@@ -24,6 +24,7 @@ rounds the token count up to the next captured size before the features are take
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from collections.abc import Sequence
@@ -111,8 +112,20 @@ class CostModel:
     # -- prediction -------------------------------------------------------------------------
 
     def predict(self, shape: StepShape) -> float:
-        f = self.features(np.array([shape.requests]), np.array([shape.tokens]), np.array([shape.context]))
-        return float(f[0] @ self.coef_vector())
+        """Seconds of one step: the closed form of `verify_curve` in plain floats (it equals
+        `features @ coef`, tested; the engine predicts every step, and numpy's per-call cost on
+        one-element arrays was 0.1 ms of it)."""
+        a, b, per_rank, d, log_miss = self._closed_form(shape.requests, shape.context)
+        n = shape.tokens
+        if self.pad_tokens:
+            i = min(bisect.bisect_left(self.pad_tokens, n), len(self.pad_tokens) - 1)
+            n = self.pad_tokens[i] if n <= self.pad_tokens[-1] else n
+        out = a + b * n
+        if per_rank:
+            out += per_rank * math.ceil(n / self.ep)
+        if d and n:
+            out += d * -math.expm1(n * log_miss)
+        return float(out)
 
     def breakdown(self, shape: StepShape) -> dict[str, float]:
         """Seconds per term for one step."""
@@ -126,16 +139,8 @@ class CostModel:
         a + b·n + c·ceil(n / EP) + d·(1 − (1 − k/E)^n) with n the padded token count; this
         closed form is what the scan evaluates at every budget (it equals `features @ coef`).
         """
-        m, c, ep = self.model, self.coef, self.ep
-        moe = float(m.moe_layers) if m.is_moe else 0.0
-        req = max(requests, 1)
-        a = c.get("fixed", 0.0) + c.get("kv_read", 0.0) * context
-        a += c.get("a2a_latency", 0.0) * moe * (1.0 if ep > 1 else 0.0)
-        b = c.get("dense", 0.0) + c.get("attention", 0.0) * context / req
-        b += c.get("expert_flops", 0.0) * moe * m.top_k / ep
-        per_rank = c.get("a2a_bytes", 0.0) * moe * 2.0 * m.top_k * (ep - 1) / ep * m.hidden * m.act_bytes
-        d = c.get("experts", 0.0) * moe * m.experts / ep if m.is_moe else 0.0
-        log_miss = np.log1p(-m.top_k / m.experts) if m.is_moe and m.top_k < m.experts else -np.inf
+        a, b, per_rank, d, log_miss = self._closed_form(requests, context)
+        ep = self.ep
 
         def curve(tokens: np.ndarray) -> np.ndarray:
             n = self.padded(np.asarray(tokens, dtype=np.int64)).astype(np.float64)
@@ -149,6 +154,21 @@ class CostModel:
         # Every term but b·n is non-decreasing in n, so b bounds the marginal cost from below
         # (padding makes plateaus: then no bound).
         return StepCost(curve, 0.0, 0.0 if self.pad_tokens else b)
+
+    def _closed_form(self, requests: int, context: int) -> tuple[float, float, float, float, float]:
+        """(a, b, per_rank, d, log_miss): the step's seconds at n tokens are
+        a + b·n + per_rank·ceil(n / EP) + d·(1 − exp(n · log_miss))."""
+        m, c, ep = self.model, self.coef, self.ep
+        moe = float(m.moe_layers) if m.is_moe else 0.0
+        req = max(requests, 1)
+        a = c.get("fixed", 0.0) + c.get("kv_read", 0.0) * context
+        a += c.get("a2a_latency", 0.0) * moe * (1.0 if ep > 1 else 0.0)
+        b = c.get("dense", 0.0) + c.get("attention", 0.0) * context / req
+        b += c.get("expert_flops", 0.0) * moe * m.top_k / ep
+        per_rank = c.get("a2a_bytes", 0.0) * moe * 2.0 * m.top_k * (ep - 1) / ep * m.hidden * m.act_bytes
+        d = c.get("experts", 0.0) * moe * m.experts / ep if m.is_moe else 0.0
+        log_miss = math.log1p(-m.top_k / m.experts) if m.is_moe and m.top_k < m.experts else -math.inf
+        return a, b, per_rank, d, log_miss
 
     # -- persistence ------------------------------------------------------------------------
 

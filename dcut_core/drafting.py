@@ -73,7 +73,8 @@ def survival_matrix(predicted: list[np.ndarray] | np.ndarray) -> tuple[np.ndarra
 
 def plan_drafts(predicted: list[np.ndarray], verify: StepCost, draft: DraftCost | list[DraftCost],
                 max_budget: int | None = None, slack: int = 0, catchup: np.ndarray | None = None,
-                extend: bool = False, kinds: np.ndarray | None = None, shared_fixed: float = 0.0) -> DraftPlan:
+                extend: bool = False, kinds: np.ndarray | None = None, shared_fixed: float = 0.0,
+                survival: tuple[np.ndarray, np.ndarray] | None = None) -> DraftPlan:
     """predicted[i]: conditional acceptance of request i's draft positions 0 .. n_i − 1.
 
     Several drafter kinds (`kinds[i]`: the kind drafting request i; `draft[k]`: kind k's cost):
@@ -94,9 +95,10 @@ def plan_drafts(predicted: list[np.ndarray], verify: StepCost, draft: DraftCost 
     and drafting a position costs far less than verifying it (one more row of the same pass).
 
     Runs every step before drafting, so it is array code on the [R, n] survival matrix with one
-    call of the verify curve (measured in benchmarks/coordinator.py).
+    call of the verify curve (measured in benchmarks/coordinator.py); `survival` is that matrix
+    when the caller has it already (`survival_matrix(predicted)`, left unchanged).
     """
-    surv, lens = survival_matrix(predicted)  # [R, w]
+    surv, lens = survival_matrix(predicted) if survival is None else (survival[0].copy(), survival[1])  # [R, w]
     r, width = surv.shape
     valid = np.arange(width) < lens[:, None]
     n_flat = int(lens.sum())

@@ -119,11 +119,11 @@ class DraftingGate:
         per_kind = [t.predict_batch(rids, caps) for t in self.trackers]
         kinds, exploring, fallback = self.chooser.choose(rids, per_kind, verify, g.draft, g.allowed, held=g.lag,
                                                          remaining=g.remaining)
-        rows = np.arange(len(rids))
         predicted = [per_kind[k][i] for i, k in enumerate(kinds.tolist())]
-        charge = self.catch_up_charge(predicted, g.lag[rows, kinds], g.remaining)
+        survival = survival_matrix(predicted)
+        charge = self.catch_up_charge(survival[0], g.lag[np.arange(len(rids)), kinds], g.remaining)
         plan = plan_drafts(predicted, verify, g.draft, self.max_budget, self.slack, charge, extend=self.extend,
-                           kinds=kinds, shared_fixed=g.shared_fixed)
+                           kinds=kinds, shared_fixed=g.shared_fixed, survival=survival)
         lengths = np.where(exploring, caps, plan.lengths)
         if not plan.drafting and not exploring.any():
             warming = sum(t.observations for t in self.trackers) < self.exploration.warmup
@@ -161,12 +161,13 @@ class DraftingGate:
         self.chooser.forget(rid)
 
     @staticmethod
-    def catch_up_charge(predicted: list[np.ndarray], backlog: np.ndarray, remaining: np.ndarray) -> np.ndarray:
+    def catch_up_charge(survival: np.ndarray, backlog: np.ndarray, remaining: np.ndarray) -> np.ndarray:
         """Tokens of catch-up charged to this step: each request's backlog in proportion to the
         share of its remaining output the step may commit (1 + Σ predicted survival over
-        `remaining`). Catching up is paid once and serves every later drafting step; charged in
-        full, it would grow each step a request does not draft and keep it from ever drafting."""
-        expected = 1.0 + survival_matrix(predicted)[0].sum(axis=1)
+        `remaining`; survival [R, n], `survival_matrix`). Catching up is paid once and serves
+        every later drafting step; charged in full, it would grow each step a request does not
+        draft and keep it from ever drafting."""
+        expected = 1.0 + survival.sum(axis=1)
         return backlog * np.minimum(1.0, expected / np.maximum(1.0, np.asarray(remaining, dtype=np.float64)))
 
 

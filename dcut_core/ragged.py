@@ -70,3 +70,14 @@ def check_offsets(cu: np.ndarray, n: int) -> None:
     """Raise ValueError unless cu is a valid offsets array for n flat entries."""
     if cu.ndim != 1 or len(cu) < 1 or cu[0] != 0 or cu[-1] != n or (np.diff(cu) < 0).any():
         raise ValueError(f"invalid offsets for {n} entries: {cu!r}")
+
+
+def groups(labels: np.ndarray) -> list[tuple[int, np.ndarray | slice]]:
+    """(label, its items) for each label present in `labels` [N], items as a mask [N], or
+    `slice(None)` when one label covers them all (the common case: one drafter kind per step)."""
+    if not len(labels):
+        return []
+    first = int(labels[0])
+    if (labels == first).all():
+        return [(first, slice(None))]
+    return [(k, labels == k) for k in np.unique(labels).tolist()]

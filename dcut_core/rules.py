@@ -116,14 +116,6 @@ def speculative(
     return Accepted(accepted, out, cu_out)
 
 
-def speculative_rng(draft_tokens: np.ndarray, cu_kept: np.ndarray, draft_probs: np.ndarray | None,
-                    target_probs: np.ndarray, rng: np.random.Generator) -> Accepted:
-    """`speculative` with uniforms drawn from one generator."""
-    u_accept = rng.random(len(draft_tokens))
-    u_sample = rng.random(len(cu_kept) - 1)
-    return speculative(draft_tokens, cu_kept, draft_probs, target_probs, u_accept, u_sample)
-
-
 def inverse_cdf(probs: np.ndarray, u: np.ndarray) -> np.ndarray:
     """Token drawn from each row of probs [M, V] with its uniform u [M]: the smallest token whose
     cumulative probability exceeds u · (row mass). Zero-probability tokens are never drawn."""

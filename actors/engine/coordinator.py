@@ -158,7 +158,9 @@ class Engine:
             batch, feeding = self.schedule()
             if not batch and not feeding:
                 return None
-            st = Step(batch, feeding, time.perf_counter(), sum(s.cached for s in batch))
+            context = sum(s.cached for s in batch)
+            curve = self.cost.verify_curve(len(batch), context) if self.cost else _flat_curve()
+            st = Step(batch, feeding, time.perf_counter(), context, curve)
             st.plan = self.plan(st)
             st.drafts = self.propose(st)
             st.pruned = self.prune(st)
@@ -227,10 +229,9 @@ class Engine:
         allowed = None
         if any(s.params.drafters for s in batch):
             allowed = np.array([[k in (s.params.drafters or self.kinds) for k in self.kinds] for s in batch])
-        curve = self.cost.verify_curve(len(batch), st.context) if self.cost else _flat_curve()
         learner, extra = self.draft_cost, self.overhead.extra
         g = GateInput.capture([s.rid for s in batch], cap, [s.remaining for s in batch], self.drafters.lag(batch),
-                              curve, learner.costs, allowed, learner.shared + extra)
+                              st.verify_cost, learner.costs, allowed, learner.shared + extra)
         gated = self.policy.gated and self.cfg.drafting_gate
         return self.gate.decide(g) if gated else self.gate.choose(g)
 
@@ -255,11 +256,9 @@ class Engine:
         t0 = time.perf_counter()
         pos = ragged.positions(drafts.cu)
         counts = drafts.counts
-        kind = np.repeat(drafts.kinds, counts)
         p = np.empty(len(pos))
-        for k in np.unique(drafts.kinds[counts > 0]).tolist():
-            mask = kind == k
-            p[mask] = self.calibrators[k].estimate(drafts.confidence[mask], drafts.margin[mask], pos[mask])
+        for k, mine in ragged.groups(np.repeat(drafts.kinds, counts)):
+            p[mine] = self.calibrators[k].estimate(drafts.confidence[mine], drafts.margin[mine], pos[mine])
         allowed = grammar_allowed(batch, drafts)
         if allowed is not None:  # a draft the grammar forbids (and all after it) can never be accepted
             p = np.where(pos < np.repeat(allowed, counts), p, 0.0)
@@ -269,8 +268,7 @@ class Engine:
             accepted_len = oracle_lengths(self._verify, self.target, batch, drafts)
             probe = time.perf_counter() - t_probe
         db = DraftBatch(survival(p, drafts.cu), drafts.cu, accepted_len)
-        curve = self.cost.verify_curve(len(batch), st.context) if self.cost else _flat_curve()
-        kept = self.policy.choose(db, curve).kept
+        kept = self.policy.choose(db, st.verify_cost).kept
         kept = kept if allowed is None else np.minimum(kept, allowed)  # for every policy
         return Pruned(kept, p, db.survival, time.perf_counter() - t0 - probe, probe)
 

@@ -37,10 +37,9 @@ def learn(st: Step, calibrators: list[Calibrator], gate: DraftingGate, cost, log
     idx, ok = verify_outcomes(drafts.cu, kept, accepted)
     if len(idx):
         pos = ragged.positions(drafts.cu)[idx]
-        kind = np.repeat(kinds, counts)[idx]
-        for k in np.unique(kind).tolist():
-            m = kind == k
-            calibrators[k].observe(drafts.confidence[idx][m], drafts.margin[idx][m], pos[m], ok[m])
+        conf, margin = drafts.confidence[idx], drafts.margin[idx]
+        for k, m in ragged.groups(np.repeat(kinds, counts)[idx]):
+            calibrators[k].observe(conf[m], margin[m], pos[m], ok[m])
     # A request that drafted nothing teaches nothing (no kept draft, nothing beyond): skipped
     # without a call, so a step that drafts for few of 1,024 requests costs the few.
     estimate, cu = st.pruned.estimate, drafts.cu

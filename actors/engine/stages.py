@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -12,6 +13,7 @@ from actors.engine.sequence import Scheduler, Sequence
 from actors.target.group import TargetOutput
 from dcut_core import rules
 from dcut_core.gate import Plan
+from dcut_core.pruning import StepCost
 
 
 @dataclass(frozen=True)
@@ -27,7 +29,7 @@ class Drafts:
     seconds: float = 0.0  # wall time of the drafting stage
     compute_seconds: float = 0.0  # the slowest replica's own drafting time inside it
 
-    @property
+    @cached_property
     def counts(self) -> np.ndarray:
         """[R] drafts made for each request."""
         return np.diff(self.cu)
@@ -61,6 +63,7 @@ class Step:
     feeding: list[Feed]  # this step's prefill chunks
     started: float  # perf_counter at plan
     context: int = 0  # tokens in the decoding requests' KV caches when the step began
+    verify_cost: StepCost | None = None  # the target's verify time by token count for this batch and context
     plan: Plan | None = None
     drafts: Drafts | None = None
     pruned: Pruned | None = None

@@ -4,8 +4,6 @@ process driving the others over the unit's control group (`DriverGroup`)."""
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 
@@ -163,10 +161,11 @@ def test_dead_rank_fails_the_step_quickly_and_the_group_stays_down(tiny_checkpoi
     group = make_group(kind, EPConfig(tiny_checkpoint, world=2, step_timeout_s=60, group_timeout_s=20))
     group.forward([1, 2], [[1, 2], [3, 4]])
     kill_and_wait(group.workers[1])
-    t0 = time.monotonic()
-    with pytest.raises(EPGroupError, match="rank failed"):
+    with pytest.raises(EPGroupError, match="rank failed") as failed:
         group.forward([1, 2], [[5], [6]])
-    assert time.monotonic() - t0 < 15  # the survivor is stuck in a collective; we do not wait for it
+    # Found dead, not waited out: the survivor is stuck in a collective, and a wait would end in
+    # the step timeout's own message ("no answer within 60 s", "step exceeded 60 s").
+    assert "no answer within" not in str(failed.value) and "exceeded" not in str(failed.value)
     assert not group.healthy
     with pytest.raises(EPGroupError, match="down"):
         group.forward([1], [[7]])

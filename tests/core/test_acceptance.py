@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from dcut_core import ragged
 from dcut_core.acceptance import (
@@ -92,3 +94,15 @@ def test_censoring_keeps_the_estimate_unbiased():
 def test_ece_and_brier_exact():
     assert expected_calibration_error(np.array([0.9, 0.9]), np.array([1, 0]), bins=10) == pytest.approx(0.4)
     assert brier_score(np.array([1.0, 0.0]), np.array([1, 1])) == pytest.approx(0.5)
+
+
+@given(st.lists(st.integers(0, 3), max_size=30))
+def test_groups_cover_every_item_once_under_its_own_label(labels):
+    labels = np.array(labels, dtype=np.int64)
+    seen = np.zeros(len(labels), dtype=np.int64)
+    found = []
+    for k, mine in ragged.groups(labels):
+        assert (labels[mine] == k).all()
+        seen[mine] += 1
+        found.append(k)
+    assert (seen == 1).all() and sorted(found) == sorted(set(labels.tolist()))

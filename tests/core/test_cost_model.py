@@ -140,6 +140,8 @@ def test_the_closed_form_curve_equals_the_feature_sum():
         tokens = np.arange(1, 300)
         f = cm.features(np.full(len(tokens), 7), tokens, np.full(len(tokens), 7 * 333))
         np.testing.assert_allclose(cm.verify_curve(7, 7 * 333).seconds(tokens), f @ cm.coef_vector(), rtol=1e-12)
+        one = [cm.predict(StepShape(7, int(n), 7 * 333)) for n in tokens]  # the same closed form, in floats
+        np.testing.assert_allclose(one, f @ cm.coef_vector(), rtol=1e-12)
 
 
 def test_online_correction_trusts_its_first_measurements_fully():

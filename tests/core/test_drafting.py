@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from dcut_core.drafting import AcceptanceTracker, DraftCost, plan_drafts
+from dcut_core.drafting import AcceptanceTracker, DraftCost, plan_drafts, survival_matrix
 from dcut_core.gate import GateInput, replay
 from dcut_core.pruning import StepCost
 
@@ -247,7 +247,7 @@ def test_gate_explores_on_its_own_schedule_and_charges_catch_up_by_remaining_sha
     assert decide(g, [0, 1, 2], caps, np.full(3, 9), np.zeros(3), flat, dear).tolist() == [0, 0, 0]
     # The catch-up charge: backlog × min(1, (1 + Σ predicted survival) / remaining).
     predicted = [np.array([0.5, 0.5]), np.array([0.5, 0.5]), np.array([0.5])]
-    charge = g.catch_up_charge(predicted, np.array([10.0, 10.0, 10.0]), np.array([1, 3, 100]))
+    charge = g.catch_up_charge(survival_matrix(predicted)[0], np.array([10.0, 10.0, 10.0]), np.array([1, 3, 100]))
     assert np.allclose(charge, [10.0, 10.0 * 1.75 / 3, 10.0 * 1.5 / 100])
 
 

@@ -7,8 +7,14 @@ import pytest
 from scipy.stats import chisquare
 
 from dcut_core import ragged
-from dcut_core.rules import coupled_sampling, greedy, inverse_cdf, speculative, speculative_rng, target_offsets
+from dcut_core.rules import Accepted, coupled_sampling, greedy, inverse_cdf, speculative, target_offsets
 
+
+def speculative_rng(draft_tokens, cu_kept, draft_probs, target_probs, rng: np.random.Generator) -> Accepted:
+    """`speculative` with uniforms drawn from one generator (the statistical tests below)."""
+    u_accept = rng.random(len(draft_tokens))
+    u_sample = rng.random(len(cu_kept) - 1)
+    return speculative(draft_tokens, cu_kept, draft_probs, target_probs, u_accept, u_sample)
 
 def test_greedy_exact_cases():
     # r0: drafts 5 6 7, target 5 6 7 9 -> all accepted, bonus 9.
