@@ -104,7 +104,7 @@ def plan_drafts(predicted: list[np.ndarray], verify: StepCost, draft: DraftCost 
     n_flat = int(lens.sum())
     seconds_at = verify.seconds(r + np.arange(n_flat + 1))  # the verify curve at every budget the scan can reach
     costs = [draft] if isinstance(draft, DraftCost) else list(draft)
-    kind = np.zeros(r, dtype=np.int64) if kinds is None or len(costs) == 1 else np.asarray(kinds, dtype=np.int64)
+    kind = np.zeros(r, dtype=np.int64) if kinds is None else np.asarray(kinds, dtype=np.int64)
     table = np.array([[c.fixed, c.per_request, c.per_position, c.per_context, c.per_pass] for c in costs])
     fixed, per_pass = table[:, 0], table[:, 4]  # [kinds]
     per_request, per_position, per_context = table[kind, 1], table[kind, 2], table[kind, 3]  # [R]
