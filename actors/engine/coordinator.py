@@ -14,13 +14,7 @@ import numpy as np
 
 from actors.engine.config import EngineConfig
 from actors.engine.constraints import grammar_allowed
-from actors.engine.costs import (
-    DraftCostLearner,
-    StepOverhead,
-    online,
-    startup_cost_model,
-    startup_draft_cost,
-)
+from actors.engine.costs import online, startup_cost_model, startup_draft_cost
 from actors.engine.drafters import DrafterPool, hosted_drafter
 from actors.engine.grammar import Grammars
 from actors.engine.history import StepHistory
@@ -52,6 +46,7 @@ from dcut_core import ragged
 from dcut_core.acceptance import Calibrator, survival
 from dcut_core.drafting import AcceptanceTracker, Exploration
 from dcut_core.gate import DraftingGate, GateInput, Plan
+from dcut_core.learners import DraftCostLearner, StepOverhead
 from dcut_core.pruning import DraftBatch, policy_from_name
 
 log = logging.getLogger(__name__)

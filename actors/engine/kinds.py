@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from actors.engine.costs import DraftCostLearner
 from actors.engine.stages import Drafts, Step
+from dcut_core.learners import DraftCostLearner
 
 
 def learn_kind_costs(learner: DraftCostLearner, outs: dict, drafts: Drafts) -> None:

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from actors.engine.costs import StepOverhead
 from actors.engine.history import StepHistory
 from actors.engine.stages import Step, StepRecord
 from actors.engine.steplog import StepLog, observed
@@ -16,6 +15,7 @@ from dcut_core import ragged
 from dcut_core.acceptance import Calibrator, verify_outcomes
 from dcut_core.cost_model import StepShape
 from dcut_core.gate import DraftingGate
+from dcut_core.learners import StepOverhead
 
 
 @dataclass(frozen=True)

@@ -10,11 +10,11 @@ import pytest
 from actors.engine.backlog import Backlog
 from actors.engine.config import EngineConfig
 from actors.engine.coordinator import Engine
-from actors.engine.costs import PRIOR_DRAFT_COST
 from actors.engine.sequence import SamplingParams
 from actors.target.checkpoint import load_model
 from actors.target.decode import greedy_decode
 from actors.target.local import LocalTarget
+from dcut_core.learners import PRIOR_DRAFT_COST
 from tests.actors.conftest import holding_drafts
 
 MAX_TOKENS = 10
@@ -158,7 +158,7 @@ def test_backlog_holds_tokens_rows_and_feature_spans_and_sends_past_its_limit():
 
 
 def test_step_overhead_charges_what_drafting_adds_outside_the_passes():
-    from actors.engine.costs import StepOverhead
+    from dcut_core.learners import StepOverhead
 
     o = StepOverhead(halflife_steps=10)
     assert o.extra == 0.0

@@ -1,0 +1,102 @@
+"""What the engine learns online about costs, pure (numpy): each drafter kind's drafting cost
+(`DraftCostLearner`) and what a step spends outside the passes (`StepOverhead`)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dcut_core.drafting import DraftCost
+from dcut_core.nnls import nnls
+
+PRIOR_DRAFT_COST = DraftCost(1e-3, 2e-4, 5e-5, 1e-5)
+
+
+class RateFit:
+    """One drafter kind's cost fitted to its measured drafting time: per call, per request, per
+    position, per context token caught up, per chained pass."""
+
+    def __init__(self, initial: DraftCost, refit_every: int = 16, keep: int = 512) -> None:
+        self.cost = initial
+        self.refit_every, self.keep = refit_every, keep
+        self._x: list[tuple[float, ...]] = []
+        self._y: list[float] = []
+
+    def observe(self, requests: int, positions: int, seconds: float, catchup: int = 0, passes: int = 0) -> None:
+        """One pass: `requests` drafted `positions` in all, the longest `passes` drafts (a chained
+        drafter's sequential passes), after catching up on `catchup` context tokens."""
+        if positions <= 0:
+            return
+        self._x.append((1.0, float(requests), float(positions), float(catchup), float(passes)))
+        self._y.append(seconds)
+        del self._x[: -self.keep], self._y[: -self.keep]
+        if len(self._y) % self.refit_every == 0:
+            self.refit()
+
+    def refit(self) -> None:
+        if len(set(self._x)) < 4:  # too few distinct shapes to tell the rates apart
+            return
+        # Relative errors (rows scaled by 1 / measured): small calls count as much as large ones.
+        c = nnls(np.array(self._x) / np.array(self._y)[:, None], np.ones(len(self._y))).astype(float)
+        self.cost = DraftCost(*c)
+
+
+class DraftCostLearner:
+    """The drafting cost of the kinds a replica hosts (one kind is K = 1): each kind's rates
+    fitted to its own time inside the replica (`DraftOutput.kind_s`: its catch-up on context and
+    its pass), and what a call costs beyond them a `shared` running mean. One joint fit of every
+    kind's rates to whole calls was tried first: online, calls mixing kinds left the split
+    ambiguous, and the choices it drove got steadily worse (docs/benchmarks.md)."""
+
+    def __init__(self, kinds: int, initial: DraftCost = PRIOR_DRAFT_COST) -> None:
+        self.fits = [RateFit(initial) for _ in range(kinds)]
+        self.shared = 0.0
+        self._calls = 0
+
+    @property
+    def costs(self) -> list[DraftCost]:
+        return [fit.cost for fit in self.fits]
+
+    def observe_kind(self, kind: int, requests: int, positions: int, seconds: float, context: int = 0,
+                     passes: int = 0) -> None:
+        self.fits[kind].observe(requests, positions, seconds, context, passes)
+
+    def observe_call(self, seconds: float) -> None:
+        """A call's time beyond its kinds' own (messages, catch-up bookkeeping)."""
+        self._calls += 1
+        self.shared += max(1.0 / self._calls, 0.02) * (max(0.0, seconds) - self.shared)
+
+    def restore(self, costs: list[DraftCost | None], shared: float) -> None:
+        """Start from learnt costs (a kind's None: keep its own); `shared` counts as a mean of
+        many calls."""
+        for fit, cost in zip(self.fits, costs, strict=True):
+            if cost is not None:
+                fit.cost = cost
+        self.shared, self._calls = shared, max(self._calls, 50)
+
+    def refit(self) -> None:
+        for fit in self.fits:
+            fit.refit()
+
+
+class StepOverhead:
+    """Time a step spends outside the target's forward and the drafting stage, for drafting steps
+    and plain ones apart (running means, then a half-life). What drafting adds to it — pruning,
+    calibration, the tracker, the drafters' context bookkeeping — is a cost of drafting as real as
+    the drafter's pass, and the gate charges it (`extra`) per drafting step."""
+
+    def __init__(self, halflife_steps: float = 50.0) -> None:
+        self.decay = 0.5 ** (1.0 / halflife_steps)
+        self.mean: dict[bool, float] = {}
+        self.count: dict[bool, int] = {True: 0, False: 0}
+
+    def observe(self, drafting: bool, seconds: float) -> None:
+        self.count[drafting] += 1
+        alpha = max(1.0 - self.decay, 1.0 / self.count[drafting])
+        self.mean[drafting] = self.mean.get(drafting, seconds) + alpha * (seconds - self.mean.get(drafting, seconds))
+
+    @property
+    def extra(self) -> float:
+        """Seconds a drafting step spends outside the passes beyond a plain one (0 until both seen)."""
+        if True not in self.mean or False not in self.mean:
+            return 0.0
+        return max(0.0, self.mean[True] - self.mean[False])
