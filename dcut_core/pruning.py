@@ -134,6 +134,7 @@ class _Scan:
     order_desc: np.ndarray  # [N] survivals sorted high to low
     tokens: np.ndarray  # [M + 1] expected committed tokens with budget m
     seconds: np.ndarray  # [M + 1] predicted step time with budget m
+    within: np.ndarray | None = None  # flat indices (ascending) of the drafts scanned; None: all
 
     @property
     def rate(self) -> np.ndarray:
@@ -145,7 +146,8 @@ def _scan(batch: DraftBatch, cost: StepCost, max_budget: int | None = None,
     """Objective at every budget; with `floor`, only over the drafts with survival >= floor (a
     prefix of the sorted order — the caller guarantees the optimum lies inside it)."""
     r = batch.num_requests
-    s = batch.survival if floor is None else batch.survival[batch.survival >= floor]
+    within = None if floor is None else np.flatnonzero(batch.survival >= floor)
+    s = batch.survival if within is None else batch.survival[within]
     order_desc = np.sort(s)[::-1]
     m_max = len(order_desc) if max_budget is None else min(len(order_desc), max(0, max_budget))
     tokens = np.empty(m_max + 1, dtype=np.float64)
@@ -153,30 +155,41 @@ def _scan(batch: DraftBatch, cost: StepCost, max_budget: int | None = None,
     np.cumsum(order_desc[:m_max], out=tokens[1:])
     tokens[1:] += r
     seconds = cost.seconds(r + np.arange(m_max + 1, dtype=np.int64))
-    return _Scan(order_desc, tokens, seconds)
+    return _Scan(order_desc, tokens, seconds, within)
 
 
-def kept_top_m(batch: DraftBatch, order_desc: np.ndarray, m: int) -> np.ndarray:
+def kept_top_m(batch: DraftBatch, order_desc: np.ndarray, m: int, within: np.ndarray | None = None) -> np.ndarray:
     """Kept counts [R] of the global top-m survivals; ties broken by (request, position).
 
     Entries above the m-th value are all kept; of those equal to it, the first ones in flat
     (request-major) order fill the rest. Equal values inside a request are contiguous, so the
-    result stays prefix-closed.
+    result stays prefix-closed. Two passes over the N drafts when no tie straddles the m-th
+    value (the common case), three when one does; the rest is over the m kept. `within`: the
+    flat indices (ascending) that hold every draft of the top m, when the caller knows them
+    (`_scan` with a floor): then no pass over all N.
     """
     s, cu = batch.survival, batch.cu_drafted
     if m <= 0:
         return np.zeros(batch.num_requests, dtype=np.int64)
     v = order_desc[m - 1]
-    above = s > v
-    equal = s == v
-    take = above | (equal & (np.cumsum(equal) <= m - int(above.sum())))
-    return ragged.segment_sums(take.astype(np.int64), cu)
+    take = np.flatnonzero(s >= v) if within is None else within[s[within] >= v]  # ascending flat order
+    if len(take) > m:  # a tie at the m-th value: keep the first of the equal ones in flat order
+        equal = s[take] == v
+        extra = np.flatnonzero(equal)[m - int((~equal).sum()):]
+        take = np.delete(take, extra)
+    return np.diff(np.searchsorted(take, cu)).astype(np.int64)  # kept drafts inside each request's range
 
 
 def _decision(batch: DraftBatch, cost: StepCost, kept: np.ndarray, guard: bool = False) -> PruneDecision:
-    keep_mask = ragged.positions(batch.cu_drafted) < np.repeat(kept, batch.drafted)
-    tokens = batch.num_requests + float(batch.survival[keep_mask].sum())
-    total = np.array([batch.num_requests + int(kept.sum())], dtype=np.int64)
+    """The decision for `kept` [R]: its expected tokens (R + the kept drafts' survivals; each
+    request's kept drafts are its first ones) and predicted time."""
+    kept = np.asarray(kept, dtype=np.int64)
+    cu_kept = np.zeros(len(kept) + 1, dtype=np.int64)
+    np.cumsum(kept, out=cu_kept[1:])
+    # The kept drafts' flat indices, gathered in one go (O(kept), not O(drafted)).
+    idx = np.repeat(batch.cu_drafted[:-1] - cu_kept[:-1], kept) + np.arange(cu_kept[-1])
+    tokens = batch.num_requests + float(batch.survival[idx].sum())
+    total = np.array([batch.num_requests + int(cu_kept[-1])], dtype=np.int64)
     return PruneDecision(kept, tokens, float(cost.seconds(total)[0]), guard)
 
 
@@ -304,12 +317,12 @@ class Dcut(Capabilities):
             if floor is not None:  # no max budget on this path: keep everything
                 return _decision(batch, cost, batch.drafted.astype(np.int64), guard=m != len(batch.survival))
             m_all = len(scan.tokens) - 1
-            return _decision(batch, cost, kept_top_m(batch, scan.order_desc, m_all), guard=m != m_all)
+            return _decision(batch, cost, kept_top_m(batch, scan.order_desc, m_all, scan.within), guard=m != m_all)
         if self.fill_step and floor is None:  # a floor needs a strictly rising cost: nothing to fill
             paid = scan.seconds[m] * (1.0 + 1e-12)
             over = np.nonzero(scan.seconds[m:] > paid)[0]
             m = len(scan.tokens) - 1 if len(over) == 0 else m + int(over[0]) - 1
-        return _decision(batch, cost, kept_top_m(batch, scan.order_desc, m))
+        return _decision(batch, cost, kept_top_m(batch, scan.order_desc, m, scan.within))
 
     def _floor(self, batch: DraftBatch, cost: StepCost) -> tuple[float | None, float]:
         """(survival floor, rate of keeping everything), or (None, nan) when no floor applies.

@@ -20,6 +20,7 @@ from dcut_core.pruning import (
     Oracle,
     StepCost,
     Tetris,
+    kept_top_m,
     policy_from_name,
 )
 
@@ -265,6 +266,26 @@ def test_top_budget_is_prefix_closed_and_monotone(rows, budget):
     dropped = np.concatenate([r[k:] for r, k in zip(rows, a, strict=True)] + [np.zeros(0)])
     if len(kept_values) and len(dropped):
         assert kept_values.min() >= dropped.max()  # the kept set is a global top-m
+
+
+@settings(max_examples=300, deadline=None)
+@given(rows=st.lists(st.lists(st.sampled_from([0.0, 0.25, 0.5, 1.0]), max_size=6).map(
+    lambda p: np.sort(np.array(p, dtype=np.float64))[::-1]), min_size=1, max_size=8), data=st.data())
+def test_kept_top_m_is_the_global_top_m_with_ties_in_flat_order(rows, data):
+    """Against the obvious reference: sort every draft by (−survival, flat index), keep the first
+    m, count them per request. Few distinct values, so ties straddle the m-th value often; also
+    when the caller names a superset of the top m (`within`, as the floored scan does)."""
+    batch = DraftBatch.from_rows(rows)
+    s, n = batch.survival, len(batch.survival)
+    m = data.draw(st.integers(0, n))
+    order = sorted(range(n), key=lambda i: (-s[i], i))
+    owner = np.repeat(np.arange(len(rows)), batch.drafted)
+    want = np.bincount(owner[order[:m]], minlength=len(rows))
+    order_desc = np.sort(s)[::-1]
+    assert kept_top_m(batch, order_desc, m).tolist() == want.tolist()
+    if m:
+        within = np.flatnonzero(s >= order_desc[m - 1] - data.draw(st.sampled_from([0.0, 0.3])))
+        assert kept_top_m(batch, order_desc, m, within).tolist() == want.tolist()
 
 
 @settings(max_examples=150, deadline=None)
