@@ -121,15 +121,34 @@ class Engine:
     def add(self, prompt: list[int], params: SamplingParams, resume: list[int] | None = None) -> int:
         """Queue a request; `resume` is output it already has (a request moved from a failed
         engine): generation continues after it, and max_tokens counts it."""
-        if not prompt:
-            raise ValueError("the prompt must not be empty")
-        unknown = set(params.drafters or ()) - set(self.kinds)
-        if unknown:
-            raise ValueError(f"drafter {', '.join(sorted(unknown))} is not served here; this engine drafts with "
-                             f"{', '.join(self.kinds)}")
+        why = self.invalid(prompt, params, resume or ())
+        if why is not None:
+            raise ValueError(why)
         rid = self.new_rid()
         self.scheduler.add(Sequence(rid, list(prompt), params, output=list(resume or [])))
         return rid
+
+    def invalid(self, prompt: list[int], params: SamplingParams, resume: list[int] = ()) -> str | None:
+        """Why this engine cannot serve the request (None: it can): the one check of a request's
+        content, for `add` and for the served path (`AsyncEngine`), whatever validated it before."""
+        if not prompt:
+            return "the prompt must not be empty"
+        vocab = self.model_cfg.vocab_size
+        ids = np.asarray([*prompt, *resume])
+        if ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= vocab:
+            return f"token ids must be integers in [0, {vocab})"
+        unknown = set(params.drafters or ()) - set(self.kinds)
+        if unknown:
+            return (f"drafter {', '.join(sorted(unknown))} is not served here; this engine drafts with "
+                    f"{', '.join(self.kinds)}")
+        if params.constraint is not None:
+            try:
+                why = self.grammars().check(*params.constraint)
+            except (ValueError, OSError) as exc:  # no tokenizer or EOS to constrain with
+                why = str(exc)
+            if why is not None:
+                return f"structured output: {why}"
+        return None
 
     def abort(self, rid: int) -> None:
         """Drop a request (client gone): it leaves the batch and its KV and drafter state are freed

@@ -90,21 +90,9 @@ class AsyncEngine:
             return EngineError(ErrorKind.UNAVAILABLE, f"the engine is down: {self._fatal}")
         if self.load >= self.engine.cfg.max_running + self.max_waiting:
             return EngineError(ErrorKind.OVERLOADED, f"engine is full ({self.load} requests in flight)")
-        vocab = self.engine.model_cfg.vocab_size
-        ids = np.asarray([*request.prompt, *request.resume])
-        if ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= vocab:
-            return EngineError(ErrorKind.INVALID, f"token ids must be integers in [0, {vocab})")
-        unknown = set(request.params.drafters or ()) - set(self.engine.kinds)
-        if unknown:
-            return EngineError(ErrorKind.INVALID, f"drafter {', '.join(sorted(unknown))} is not served here; this "
-                                                  f"engine drafts with {', '.join(self.engine.kinds)}")
-        if request.params.constraint is not None:
-            try:
-                why = self.engine.grammars().check(*request.params.constraint)
-            except (ValueError, OSError) as exc:  # no tokenizer or EOS to constrain with
-                why = str(exc)
-            if why is not None:
-                return EngineError(ErrorKind.INVALID, f"structured output: {why}")
+        why = self.engine.invalid(request.prompt, request.params, request.resume)
+        if why is not None:
+            return EngineError(ErrorKind.INVALID, why)
         return None
 
     def _ensure_loop(self) -> None:
