@@ -180,17 +180,20 @@ def kept_top_m(batch: DraftBatch, order_desc: np.ndarray, m: int, within: np.nda
     return np.diff(np.searchsorted(take, cu)).astype(np.int64)  # kept drafts inside each request's range
 
 
-def _decision(batch: DraftBatch, cost: StepCost, kept: np.ndarray, guard: bool = False) -> PruneDecision:
+def _decision(batch: DraftBatch, cost: StepCost, kept: np.ndarray, guard: bool = False,
+              seconds: float | None = None) -> PruneDecision:
     """The decision for `kept` [R]: its expected tokens (R + the kept drafts' survivals; each
-    request's kept drafts are its first ones) and predicted time."""
+    request's kept drafts are its first ones) and predicted time (`seconds`, when the caller
+    has already priced R + Σ kept tokens with `cost`)."""
     kept = np.asarray(kept, dtype=np.int64)
     cu_kept = np.zeros(len(kept) + 1, dtype=np.int64)
     np.cumsum(kept, out=cu_kept[1:])
     # The kept drafts' flat indices, gathered in one go (O(kept), not O(drafted)).
     idx = np.repeat(batch.cu_drafted[:-1] - cu_kept[:-1], kept) + np.arange(cu_kept[-1])
     tokens = batch.num_requests + float(batch.survival[idx].sum())
-    total = np.array([batch.num_requests + int(cu_kept[-1])], dtype=np.int64)
-    return PruneDecision(kept, tokens, float(cost.seconds(total)[0]), guard)
+    if seconds is None:
+        seconds = float(cost.seconds(np.array([batch.num_requests + int(cu_kept[-1])], dtype=np.int64))[0])
+    return PruneDecision(kept, tokens, seconds, guard)
 
 
 def best_budget(rate: np.ndarray, candidates: np.ndarray | None = None) -> int:
@@ -322,7 +325,8 @@ class Dcut(Capabilities):
             paid = scan.seconds[m] * (1.0 + 1e-12)
             over = np.nonzero(scan.seconds[m:] > paid)[0]
             m = len(scan.tokens) - 1 if len(over) == 0 else m + int(over[0]) - 1
-        return _decision(batch, cost, kept_top_m(batch, scan.order_desc, m, scan.within))
+        return _decision(batch, cost, kept_top_m(batch, scan.order_desc, m, scan.within),
+                         seconds=float(scan.seconds[m]))
 
     def _floor(self, batch: DraftBatch, cost: StepCost) -> tuple[float | None, float]:
         """(survival floor, rate of keeping everything), or (None, nan) when no floor applies.
