@@ -47,9 +47,11 @@ from dcut_core.acceptance import Calibrator, survival
 from dcut_core.drafting import AcceptanceTracker, Exploration
 from dcut_core.gate import DraftingGate, GateInput, Plan
 from dcut_core.learners import DraftCostLearner, StepOverhead
-from dcut_core.pruning import DraftBatch, policy_from_name
+from dcut_core.pruning import DraftBatch, StepCost, policy_from_name
 
 log = logging.getLogger(__name__)
+
+FLAT_CURVE = StepCost(lambda n: np.ones(len(n)), 0.0)  # a policy without a cost model: every budget costs 1
 
 
 class Engine:
@@ -173,7 +175,7 @@ class Engine:
             if not batch and not feeding:
                 return None
             context = sum(s.cached for s in batch)
-            curve = self.cost.verify_curve(len(batch), context) if self.cost else _flat_curve()
+            curve = self.cost.verify_curve(len(batch), context) if self.cost else FLAT_CURVE
             st = Step(batch, feeding, time.perf_counter(), context, curve)
             st.plan = self.plan(st)
             st.drafts = self.propose(st)
@@ -392,9 +394,3 @@ class Engine:
             self.step_log.close()
         self.target.shutdown()
         self.drafters.shutdown()
-
-
-def _flat_curve():
-    from dcut_core.pruning import StepCost
-
-    return StepCost(lambda n: np.ones(len(n)), 0.0)

@@ -21,11 +21,9 @@ from dcut_core.learners import StepOverhead
 @dataclass(frozen=True)
 class Learnt:
     """What the estimators took from a step: the verify time predicted for it (made before
-    learning), the (request, kind) pairs asked for drafts that drafted none, and for the step
-    log what the trackers learnt from (`observed`)."""
+    learning), and for the step log what the trackers learnt from (`observed`)."""
 
     predicted_s: float
-    empty: list[tuple[int, int]]
     observed: dict | None = None
 
 
@@ -52,10 +50,10 @@ def learn(st: Step, calibrators: list[Calibrator], gate: DraftingGate, cost, log
         gate.empty(rid, kind)
     observed_now = observed(st, empty) if log else None  # for `dcut_core.gate.replay`
     if cost is None:
-        return Learnt(float("nan"), empty, observed_now)
+        return Learnt(float("nan"), observed_now)
     if st.feeding:  # the correction learns verification steps only (pruning's curve)
-        return Learnt(cost.predict(shape(st)), empty, observed_now)
-    return Learnt(cost.observe(shape(st), st.out.wall_s), empty, observed_now)
+        return Learnt(cost.predict(shape(st)), observed_now)
+    return Learnt(cost.observe(shape(st), st.out.wall_s), observed_now)
 
 
 def shape(st: Step) -> StepShape:

@@ -77,18 +77,25 @@ def test_refused_requests_fail_alone(tiny_bundle, tmp_path, reference):
 
     async def go():
         bad_ids = collect(eng, [5, 10**6])
+        bad_resume = collect(eng, PROMPTS[0], resume=[-1])  # `Engine.invalid` reads the resumed output too
+        unserved = collect(eng, PROMPTS[0], SamplingParams(MAX_TOKENS, drafters=("mtp",)))
         too_big = collect(eng, PROMPTS[0] * 40)  # admission: more than the KV cache can ever hold
         good = [collect(eng, p) for p in PROMPTS]
-        return await asyncio.gather(bad_ids, too_big, *good)
+        out = await asyncio.gather(bad_ids, bad_resume, unserved, too_big, *good)
+        after = await collect(eng, PROMPTS[1])  # served after every refusal, and healthy
+        return out, after, eng.health()
 
     try:
-        bad_ids, too_big, *good = run(go())
+        (bad_ids, bad_resume, unserved, too_big, *good), after, health = run(go())
         assert not eng._queues and not eng._sent and not eng.engine.scheduler.finished
     finally:
         eng.shutdown()
     assert bad_ids.kind is ErrorKind.INVALID and "token ids" in bad_ids.message
+    assert bad_resume.kind is ErrorKind.INVALID and "token ids" in bad_resume.message
+    assert unserved.kind is ErrorKind.INVALID and "not served here" in unserved.message
     assert too_big.kind is ErrorKind.INVALID and "KV cache" in too_big.message
     assert good == reference
+    assert after == reference[1] and health.ok and health.in_flight == 0
 
 
 def test_a_request_that_arrives_during_a_step_is_served_when_that_step_ends_everything(tiny_bundle, tmp_path,
