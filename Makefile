@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 PIP := $(BIN)/python -m pip --disable-pip-version-check
 
-.PHONY: setup serve test lint bench bench-full clean demo-model interop
+.PHONY: setup serve test lint bench bench-full clean demo-model interop chaos
 
 setup: $(STAMP)
 
@@ -35,6 +35,11 @@ test: lint
 # venvs exist, 10 more to create them).
 interop: setup
 	$(BIN)/python -m tests.interop.run --out runs/interop
+
+# Faults at random for ten minutes under load on a multi-node cluster of this machine (issue #27):
+# nothing lost, nothing wrong, nothing leaked (docs/operations.md, "Faults at random").
+chaos: setup
+	$(BIN)/python benchmarks/chaos.py --minutes 10 --out runs/chaos
 
 # The tables of docs/benchmarks.md and docs/simulate.md (about 75 minutes); bench-full is the
 # whole sweep of issue #7 (every concurrency, every fixed-K, open loop; about an hour).

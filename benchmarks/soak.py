@@ -24,23 +24,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def ray_processes() -> dict[int, tuple[str, int]]:
     """pid -> (name, RSS bytes) of this machine's Ray processes (and this driver)."""
-    out = {}
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            cmd = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            if "ray" not in cmd and int(pid) != os.getpid():
-                continue
-            rss = next(int(line.split()[1]) * 1024 for line in pathlib.Path(f"/proc/{pid}/status").read_text()
-                       .splitlines() if line.startswith("VmRSS:"))
-        except (OSError, StopIteration, ValueError):
-            continue
-        name = cmd.split()[0].rsplit("/", 1)[-1] if cmd.strip() else "?"
-        if "::" in cmd:
-            name = cmd.split("::", 1)[1].split()[0]
-        out[int(pid)] = (name[:40], rss)
-    return out
+    from chaos import name_of, processes  # benchmarks/ is this script's folder
+
+    return {pid: (name_of(p)[:40], p.rss) for pid, p in processes().items() if "ray" in p.title or pid == os.getpid()}
 
 
 async def soak(args) -> dict:

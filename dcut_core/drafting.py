@@ -257,6 +257,10 @@ class AcceptanceTracker:
         self._sums.pop(rid, None)
         self.factor.pop(rid, None)
 
+    def held(self) -> int:
+        """Requests it keeps a record of (none once each is forgotten)."""
+        return len(self._sums.keys() | self.factor.keys())
+
 
 @dataclass
 class Exploration:

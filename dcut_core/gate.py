@@ -160,6 +160,10 @@ class DraftingGate:
             t.forget(rid)
         self.chooser.forget(rid)
 
+    def held(self) -> dict[str, int]:
+        """Request records it keeps, by owner (all 0 once every request is forgotten)."""
+        return {"trackers": sum(t.held() for t in self.trackers), "chooser": len(self.chooser.tried)}
+
     @staticmethod
     def catch_up_charge(survival: np.ndarray, backlog: np.ndarray, remaining: np.ndarray) -> np.ndarray:
         """Tokens of catch-up charged to this step: each request's backlog in proportion to the

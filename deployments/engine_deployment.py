@@ -10,6 +10,7 @@ replaces a replica whose loop died or stalled.
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 
 from ray import serve
@@ -41,6 +42,11 @@ class EngineDeployment:
     def placement(self) -> dict:
         """Node and placement group of the coordinator, each EP rank and each drafter replica."""
         return self.engine.placement()
+
+    async def held(self) -> dict[str, int]:
+        """This replica's process and the request state it keeps by owner, once idle (all 0
+        unless something leaked; `benchmarks/chaos.py` checks it after faults)."""
+        return {"pid": os.getpid(), **await self.engine.held()}
 
     def check_health(self) -> None:
         """Serve's health check: fails when the step loop cannot make progress."""

@@ -73,6 +73,9 @@ class BlockDrafter:
     def release(self, request_ids: list[int]) -> None:
         self.cache.release_all(request_ids)
 
+    def held_requests(self) -> set[int]:
+        return set(self.cache.requests)
+
     @torch.inference_mode()
     def draft(self, request_ids: list[int], last_tokens: list[int], lengths: list[int], temperature: float = 0.0,
               rng: np.random.Generator | None = None) -> DraftOutput:

@@ -249,6 +249,9 @@ class MTPDrafter:
             self._hidden.pop(rid, None)
             self._last.pop(rid, None)
 
+    def held_requests(self) -> set[int]:
+        return set(self.cache.requests) | set(self._tokens) | set(self._hidden) | set(self._last)
+
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
             scale: float | None = None) -> torch.Tensor:

@@ -40,6 +40,9 @@ class NgramDrafter:
         for rid in request_ids:
             self._history.pop(rid, None)
 
+    def held_requests(self) -> set[int]:
+        return set(self._history)
+
     def draft(self, request_ids: list[int], last_tokens: list[int], lengths: list[int], temperature: float = 0.0,
               rng: np.random.Generator | None = None) -> DraftOutput:
         """Drafts follow each request's history, whose last token must be last_tokens[i]."""

@@ -53,6 +53,9 @@ class PendingContext:
     def held(self, kind: int, rid: int) -> int:
         return self.sizes[kind].get(rid, 0)
 
+    def held_requests(self) -> set[int]:
+        return {rid for chunks in self.chunks for rid in chunks}
+
     def release(self, rids: list[int]) -> None:
         for chunks, sizes in zip(self.chunks, self.sizes, strict=True):
             for rid in rids:

@@ -381,6 +381,12 @@ class Engine:
         for rid in rids:
             self.gate.forget(rid)
 
+    def held(self) -> dict[str, int]:
+        """Request state each owner keeps, the ranks' and replicas' too (all 0 when nothing is in
+        flight: a leak shows here). Between steps only."""
+        return {"scheduler": len(self.scheduler) + len(self.scheduler.finished), **self.gate.held(),
+                **self.drafters.held(), **self.target.held()}
+
     def placement(self) -> dict:
         """Where the unit's parts run (node and placement group of each): operators and tests."""
         drafters = self.drafters.whereabouts()

@@ -152,6 +152,13 @@ class DrafterPool:
             self._seen.pop(rid, None)
             self.admit(rid)
 
+    def held(self) -> dict[str, int]:
+        """Request state kept here and in the replicas (all 0 once every request is released).
+        Asks the replicas: call it between steps."""
+        replicas = resolve([r.held.remote() for r in self.replicas]) if self.replicas else []
+        return {"drafter_owner": len(self.owner), "backlog": len(self.backlog), "seen": len(self._seen),
+                "drafter_replicas": sum(replicas)}
+
     def whereabouts(self) -> list[dict]:
         """Where each replica runs. A hosted one is where its rank is (known since the ranks
         started: asking them would race the step loop for the control group)."""

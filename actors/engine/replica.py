@@ -229,6 +229,11 @@ class Drafter:
             self.pending.release(request_ids)
         self.lost.difference_update(request_ids)
 
+    def held(self) -> int:
+        """Requests this replica keeps any state for: in a kind, held back for one, or lost."""
+        pending = self.pending.held_requests() if self.pending is not None else set()
+        return len(set().union(*(d.held_requests() for d in self.drafters), pending, self.lost))
+
     def whereabouts(self) -> dict[str, str | None]:
         """Node and placement group this replica runs in."""
         return whereabouts()

@@ -205,8 +205,10 @@ class AsyncEngine:
             return Health(False, "the step loop is not running", **facts)
         if idle > self.stall_timeout_s:
             return Health(False, f"no step finished for {idle:.0f} s with {in_flight} requests in flight", **facts)
-        if not self.engine.target.healthy:
-            return Health(False, "the EP target group is down", **facts)
+        # A broken EP group is not a failed unit: the step that met it is rebuilding it in place
+        # (`Engine.recover_target`), and the stall clock above bounds how long that may take;
+        # a rebuild that fails sets `_fatal`. Reporting it sooner would have Serve kill the unit
+        # mid-rebuild and turn one lost rank into a lost unit (benchmarks/chaos.py found it).
         return Health(True, "", **facts)
 
     def stats(self) -> dict:
@@ -240,6 +242,19 @@ class AsyncEngine:
 
     def placement(self) -> dict:
         return self.engine.placement()
+
+    async def held(self, timeout_s: float = 60.0) -> dict[str, int]:
+        """Request state kept anywhere in the unit, by owner: the streams here, and every owner
+        in the engine, its ranks and drafter replicas (`Engine.held`). Waits until nothing is in
+        flight; then every count is 0 unless something leaked."""
+        deadline = time.monotonic() + timeout_s
+        while not self._idle or self._pending():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the engine did not go idle in {timeout_s:.0f} s ({self.load} in flight)")
+            await asyncio.sleep(0.05)
+        # The loop sleeps until woken, and nothing below awaits: no step can start meanwhile.
+        return {"queues": len(self._queues), "sent": len(self._sent), "new": len(self._new),
+                "aborted": len(self._aborted), **self.engine.held()}
 
     def shutdown(self) -> None:
         if self._loop_task is not None:

@@ -262,6 +262,14 @@ class EPGroup:
         self.flush()
         return self._each("cache_info", [()] * self.cfg.world)
 
+    def held(self) -> dict[str, int]:
+        """Request state kept here and on the ranks: KV caches and drafter features (all 0 once
+        every request is released). Asks the ranks: call it between steps."""
+        ranks = self.cache_info()
+        return {"target_owner": len(self._owner), "target_truncate": sum(map(len, self._truncate)),
+                "rank_requests": sum(c["requests"] for c in ranks),
+                "rank_feature_rows": sum(c["feature_rows"] for c in ranks)}
+
     # -- calls and failure handling -------------------------------------------------------------
 
     def _each(self, method: str, args: list[tuple | None], answer: bool = True) -> list:

@@ -22,7 +22,7 @@ MAX_BYTES = 1 << 30  # a larger message is refused (a step's features at 1,024 r
 # The (part, method) calls a driver may make of a rank, and nothing else.
 METHODS = {
     "target": frozenset({"forward", "truncate", "release", "cache_info", "take_features", "ping"}),
-    "drafter": frozenset({"draft", "commit", "release", "target_layers", "whereabouts"}),
+    "drafter": frozenset({"draft", "commit", "release", "target_layers", "whereabouts", "held"}),
 }
 
 # Every dataclass that crosses the link, by name (imported when first needed).

@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 import pytest
+import ray
 
 from actors.engine.api import EngineError, ErrorKind, GenerateRequest
 from actors.engine.config import EngineConfig
@@ -261,6 +262,33 @@ def test_health_tells_a_stalled_or_dead_loop(tiny_bundle, tmp_path, reference):
     assert not dead.ok and "not running" in dead.reason
 
 
+def test_a_rank_lost_under_load_is_rebuilt_in_place_while_health_stays_ok(tiny_bundle, tmp_path):
+    """Serve replaces a unit whose health fails: a rebuild under way must not look like one, or
+    one lost rank costs the whole unit."""
+    n = 24
+    expected = greedy_decode(LocalTarget(load_model(f"{tiny_bundle}/target")), list(range(len(PROMPTS))), PROMPTS, n)
+    eng = async_engine(tiny_bundle, tmp_path, ep=2, threads_per_rank=1, cpus_per_rank=1.0)
+
+    async def go():
+        tasks = [asyncio.create_task(collect(eng, p, SamplingParams(max_tokens=n))) for p in PROMPTS]
+        while eng.engine.history.steps < 3:
+            await asyncio.sleep(0.01)
+        ray.kill(eng.engine.target.workers[1])
+        seen = []  # (health, whether the group in use was broken) while the requests run on
+        while not all(t.done() for t in tasks):
+            seen.append((eng.health(), eng.engine.target.healthy))
+            await asyncio.sleep(0.02)
+        return await asyncio.gather(*tasks), seen
+
+    try:
+        outs, seen = run(go())
+    finally:
+        eng.shutdown()
+    assert outs == expected and eng.engine.rebuilt == 1
+    assert any(not broken_free for _, broken_free in seen)  # health was asked during the rebuild
+    assert all(h.ok for h, _ in seen), [h.reason for h, _ in seen if not h.ok]
+
+
 def test_set_policy_keeps_the_configured_dcut_options(tiny_bundle, tmp_path):
     eng = async_engine(tiny_bundle, tmp_path, policy="full", guard_threshold=0.37, max_budget=5).engine
     try:
@@ -299,25 +327,13 @@ def test_memory_stays_bounded_over_thousands_of_steps(tiny_bundle, tmp_path, ref
             await asyncio.gather(*(one(i + j) for j in range(16)))
             i += 16
 
-    def held() -> dict[str, int]:
-        e = eng.engine
-        return {"queues": len(eng._queues), "sent": len(eng._sent), "new": len(eng._new),
-                "aborted": len(eng._aborted), "scheduler": len(e.scheduler) + len(e.scheduler.finished),
-                "drafter_owner": len(e.drafters.owner), "backlog": len(e.drafters.backlog),
-                "tracker": sum(len(t.factor) + len(t._sums) for t in e.gate.trackers),
-                "chooser": len(e.gate.chooser.tried), "seen": len(e.drafters._seen),
-                "target_owner": len(e.target._owner),
-                "target_truncate": sum(map(len, e.target._truncate)),
-                "rank_requests": sum(c["requests"] for c in e.target.cache_info()),
-                "rank_feature_rows": sum(c["feature_rows"] for c in e.target.cache_info())}
-
     async def go():
         await serve_steps(2500)  # fills every bounded buffer (the cost model keeps 2048 samples)
         gc.collect()
-        first = held(), len(gc.get_objects())
+        first = await eng.held(), len(gc.get_objects())
         await serve_steps(1500)
         gc.collect()
-        return first, (held(), len(gc.get_objects()))
+        return first, (await eng.held(), len(gc.get_objects()))
 
     try:
         (after_first, before), (after_second, after) = run(go(), timeout=600)

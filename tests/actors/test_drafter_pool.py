@@ -54,6 +54,19 @@ def test_mixed_drafters_in_one_batch_are_lossless_for_every_policy(tiny_bundle, 
         counts = eng.drafted_by_kind
         assert all(counts[k]["drafted"] > 0 for k in eng.kinds), counts
         assert all(c["accepted"] <= c["kept"] <= c["drafted"] for c in counts.values())
+        # What each owner holds of requests in flight, and nothing once they are done.
+        eng.set_policy("full")
+        rids = [eng.add(p, SamplingParams(max_tokens=MAX_TOKENS)) for p in PROMPTS[:7]]
+        for _ in range(3):
+            eng.step()
+        mid = eng.held()
+        assert all(mid[k] > 0 for k in ("scheduler", "trackers", "drafter_owner", "drafter_replicas",
+                                         "target_owner", "rank_requests")), mid
+        while len(eng.scheduler):
+            eng.step()
+        for rid in rids:
+            eng.scheduler.finished.pop(rid)
+        assert eng.held() == dict.fromkeys(mid, 0)
     finally:
         eng.shutdown()
 
