@@ -88,7 +88,7 @@ class Proc:
     ppid: int
     title: str
     rss: int
-
+    state: str = "R"  # T: stopped
 
 def processes() -> dict[int, Proc]:
     """This machine's processes: title (Ray names its workers `ray::<actor class>`), parent, RSS."""
@@ -98,12 +98,12 @@ def processes() -> dict[int, Proc]:
             continue
         try:
             title = pathlib.Path(f"/proc/{d}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            ppid = int(pathlib.Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            state, ppid = pathlib.Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[:2]
             rss = next((int(line.split()[1]) * 1024 for line in pathlib.Path(f"/proc/{d}/status").read_text()
                         .splitlines() if line.startswith("VmRSS:")), 0)
         except (OSError, ValueError, IndexError):
             continue
-        out[int(d)] = Proc(int(d), ppid, title.strip(), rss)
+        out[int(d)] = Proc(int(d), int(ppid), title.strip(), rss, state)
     return out
 
 
@@ -157,7 +157,10 @@ class Chaos:
         self.drop: set[int] = set()  # clients asked to hang up mid-stream
         self.streaming: set[int] = set()
         self.active = args.clients
-        self.stop = asyncio.Event()
+        self.stop = threading.Event()  # the run is over: clients take no new request
+        self.ready = threading.Event()  # the undisturbed run is done and the load is on
+        self.rss_first: dict[int, Proc] | None = None
+        self.t0 = 0.0
         self.deadline = float("inf")  # after the run: clients finish what they asked by then, or it is lost
         self.reference: dict[int, Output] = {}
 
@@ -185,7 +188,8 @@ class Chaos:
         self.settings = ServeSettings(
             model_root=a.model_root, ep=2, unit_strategy="STRICT_SPREAD", drafter=a.drafter, block=a.block,
             threads_per_rank=1, cpus_per_rank=0.5, cpus_per_drafter=0.25, max_running=a.clients,
-            stall_timeout_s=a.stall_timeout, health_check_period_s=1.0, graceful_shutdown_timeout_s=2.0,
+            stall_timeout_s=a.stall_timeout, group_timeout_s=a.group_timeout, health_check_period_s=1.0,
+            graceful_shutdown_timeout_s=2.0,
             engine_autoscaling=autoscaling, cost_model_cache=self.cache())
         serve.run(build_app(self.settings), name=APP, route_prefix="/")
         self.requests = request_set(self.settings.resolved().engine_config().tokenizer_path, a.requests, a.seed)
@@ -311,58 +315,113 @@ class Chaos:
 
     # -- faults -------------------------------------------------------------------------------
 
-    def inject(self, kind: str) -> str | None:
-        """Do one fault of `kind` (in a worker thread); what it hit, or None if nothing to hit."""
+    def inject(self, kind: str) -> tuple[str | None, int | None]:
+        """Do one fault of `kind`: what it hit (None: nothing to hit) and the process hit."""
         if kind == "kill_rank" or kind == "stall_rank":
-            ranks = self.procs("TargetRank")
+            ranks = [p for p in self.procs("TargetRank") if p.state != "T"]
             if not ranks:
-                return None
+                return None, None
             victim = self.rng.choice(ranks)
             if kind == "kill_rank":
                 os.kill(victim.pid, signal.SIGKILL)
-                return f"rank pid {victim.pid}"
+                return f"rank pid {victim.pid}", victim.pid
             os.kill(victim.pid, signal.SIGSTOP)
-            threading.Timer(self.args.stall_timeout + 10, _cont, (victim.pid,)).start()
-            return f"rank pid {victim.pid} stopped for {self.args.stall_timeout + 10:.0f} s"
+            threading.Timer(self.args.stall_timeout + 5, _cont, (victim.pid,)).start()
+            return f"rank pid {victim.pid} stopped for {self.args.stall_timeout + 5:.0f} s", victim.pid
         if kind == "kill_engine" or kind == "restart_ingress":
             procs = self.procs(f"ServeReplica:{APP}:{'engine' if kind == 'kill_engine' else 'ingress'}")
             if not procs:
-                return None
+                return None, None
             victim = self.rng.choice(procs)
             os.kill(victim.pid, signal.SIGKILL)
-            return f"pid {victim.pid}"
+            return f"pid {victim.pid}", victim.pid
         if kind == "remove_node":
             head = self.cluster.head_node
             nodes = {id(n): n for p in self.procs("TargetRank") + self.procs(f"ServeReplica:{APP}:engine")
                      if (n := self.node_of(p)) is not None and n is not head}
             if not nodes:
-                return None
+                return None, None
             victim = self.rng.choice(list(nodes.values()))
             self.cluster.remove_node(victim, allow_graceful=False)
             self.cluster.add_node(num_cpus=self.args.node_cpus)
-            return f"node {victim.node_id[:8]} removed, a fresh one added"
+            return f"node {victim.node_id[:8]} removed, a fresh one added", None
         raise ValueError(kind)
 
-    async def chaos(self, end: float) -> None:
+    def chaos(self, end: float) -> None:
+        """Faults until `end`, on this (the main) thread (Ray's `Cluster` adds nodes only from it),
+        and, between them, each fault's repair time: until the app is whole again (`whole`) and a
+        probe sent after that succeeded. Faults come on schedule whether or not earlier ones are
+        repaired."""
         kinds: list[str] = []
-        while True:
-            await asyncio.sleep(self.rng.uniform(*self.args.interval))
-            if time.monotonic() > end:
+        next_at = time.monotonic() + self.rng.uniform(*self.args.interval)
+        while time.monotonic() < end or any(f["repaired_at"] is None and f["what"] for f in self.faults):
+            now = time.monotonic()
+            if now >= next_at and now < end:
+                if not kinds:
+                    kinds = list(self.args.faults)
+                    self.rng.shuffle(kinds)
+                self.fault(kinds.pop())
+                next_at = now + self.rng.uniform(*self.args.interval)
+            if now > end + self.args.drain:
                 return
-            if not kinds:
-                kinds = [k for k in self.args.faults]
-                self.rng.shuffle(kinds)
-            kind = kinds.pop()
-            t = time.monotonic()
-            in_flight = list(self.inflight.values())
-            if kind == "drop_clients":
-                chosen = self.rng.sample(sorted(self.streaming), len(self.streaming) // 2 + 1) if self.streaming else []
-                self.drop.update(chosen)
-                what = f"{len(chosen)} streams" if chosen else None
-            else:
-                what = await asyncio.to_thread(self.inject, kind)
-            self.faults.append({"kind": kind, "t": t, "what": what, "in_flight": in_flight})
-            print(f"[{t - self.t0:6.1f} s] {kind}: {what} ({len(in_flight)} in flight)", flush=True)
+            self.check_repairs()
+            time.sleep(0.5)
+
+    def fault(self, kind: str) -> None:
+        t = time.monotonic()
+        before = self.shape()
+        in_flight = list(self.inflight.values())
+        if kind == "drop_clients":
+            wait = time.monotonic() + 10
+            while not self.streaming and time.monotonic() < wait:  # hang up on streams that exist
+                time.sleep(0.1)
+            streaming = sorted(self.streaming)
+            chosen = self.rng.sample(streaming, len(streaming) // 2 + 1) if streaming else []
+            self.drop.update(chosen)
+            what, victim = (f"{len(chosen)} streams" if chosen else None), None
+        else:
+            what, victim = self.inject(kind)
+        self.faults.append({"kind": kind, "t": t, "what": what, "victim": victim, "before": before,
+                            "in_flight": in_flight, "whole_at": None, "repaired_at": None})
+        print(f"[{t - self.t0:6.1f} s] {kind}: {what} ({len(in_flight)} in flight)", flush=True)
+
+    def shape(self) -> dict[str, int]:
+        """Live (not stopped) engine replica and rank processes."""
+        live = [p for p in processes().values() if p.state != "T" and p.title.startswith("ray::")]
+        return {"engine": sum(f"ServeReplica:{APP}:engine" in p.title for p in live),
+                "ranks": sum("TargetRank" in p.title for p in live)}
+
+    def whole(self, f: dict) -> bool:
+        """The app as before the fault: its victim gone (or running again), Serve reporting every
+        deployment healthy with every replica running, as many live units and ranks as before."""
+        from ray import serve
+
+        procs = processes()
+        if f["victim"] is not None and f["victim"] in procs and procs[f["victim"]].state in "TtZ":
+            return False
+        if f["victim"] is not None and f["kind"] != "stall_rank" and f["victim"] in procs:
+            return False
+        app = serve.status().applications.get(APP)
+        if app is None or app.status != "RUNNING":
+            return False
+        if any(d.status != "HEALTHY" or set(d.replica_states) - {"RUNNING"} for d in app.deployments.values()):
+            return False
+        now = self.shape()
+        return all(now[k] >= f["before"][k] for k in now)
+
+    def check_repairs(self) -> None:
+        """Each pending fault: when the app first looks whole again (from a second after the fault:
+        Serve needs a moment to notice a death), and then the first probe sent after that which
+        succeeds. A fault whose repair was not seen before the next one's counts from its own time."""
+        now = time.monotonic()
+        pending = [f for f in self.faults if f["what"] is not None and f["repaired_at"] is None]
+        for f in pending:
+            if f["whole_at"] is None and now - f["t"] >= 1.0 and self.whole(f):
+                f["whole_at"] = now
+            if f["whole_at"] is not None:
+                probe = next((e for s, e, ok in list(self.probes) if s >= f["whole_at"] and ok), None)
+                if probe is not None:
+                    f["repaired_at"] = probe
 
     async def watch(self) -> None:
         """Units over time, and the load swing."""
@@ -377,13 +436,37 @@ class Chaos:
 
     # -- the run ------------------------------------------------------------------------------
 
-    async def run(self) -> dict:
+    def run(self) -> dict:
+        """The load on a thread of its own (its event loop: clients, probe, watch), the faults on
+        this one; then the units' state once idle, memory, and the report."""
+        a = self.args
+        box: dict = {}
+        load = threading.Thread(target=lambda: box.update(asyncio.run(self.load())), daemon=True)
+        load.start()
+        while not self.ready.wait(1.0):
+            if not load.is_alive():
+                raise RuntimeError("the load ended before it began (see above)")
+        end = self.t0 + a.minutes * 60
+        self.chaos(end)
+        time.sleep(max(0.0, end - time.monotonic()))
+        rss_first = self.rss_first or self.rss_now()  # (a run shorter than its warm-up)
+        self.deadline = time.monotonic() + a.drain
+        self.stop.set()
+        load.join()
+        held = self.held()
+        rss_last = processes()
+        drift = {f"{p.pid}:{name_of(p)}": rss_last[pid].rss / p.rss - 1 for pid, p in rss_first.items()
+                 if pid in rss_last and name_of(rss_last[pid]) == name_of(p)}  # the same process, not a reused pid
+        return self.report(box["reference_s"], held, drift)
+
+    async def load(self) -> dict:
+        """The undisturbed run, then the clients until `stop` and the drain."""
         import httpx
 
         a = self.args
+        out: dict = {}
         limits = httpx.Limits(max_connections=a.clients + 8, max_keepalive_connections=a.clients + 8)
         async with httpx.AsyncClient(timeout=httpx.Timeout(a.request_timeout, connect=10), limits=limits) as http:
-            # The undisturbed run: every request once, before any fault.
             t = time.monotonic()
             sem = asyncio.Semaphore(a.clients)
 
@@ -395,32 +478,25 @@ class Chaos:
                     self.reference[req.index] = d.output
 
             await asyncio.gather(*(once(r) for r in self.requests))
-            reference_s = time.monotonic() - t
+            out["reference_s"] = time.monotonic() - t
             self.done.clear()
             self.attempt_errors.clear()
-            print(f"undisturbed run: {len(self.requests)} requests in {reference_s:.1f} s", flush=True)
+            print(f"undisturbed run: {len(self.requests)} requests in {out['reference_s']:.1f} s", flush=True)
             self.t0 = time.monotonic()
-            end = self.t0 + a.minutes * 60
             tasks = [asyncio.create_task(self.client(http, c)) for c in range(a.clients)]
             helpers = [asyncio.create_task(self.probe(http)), asyncio.create_task(self.watch())]
-            rss_first = asyncio.create_task(self.rss_after(min(60.0, a.minutes * 60 / 5)))
-            await self.chaos(end)
-            await asyncio.sleep(max(0.0, end - time.monotonic()))
-            self.deadline = time.monotonic() + a.drain
-            self.stop.set()
+            self.ready.set()
+            await asyncio.sleep(min(60.0, a.minutes * 60 / 5))
+            self.rss_first = self.rss_now()  # warmed up
             await asyncio.gather(*tasks)
             for h in helpers:
                 h.cancel()
             await asyncio.gather(*helpers, return_exceptions=True)
-        held = await asyncio.to_thread(self.held)
-        rss_last, rss_first = processes(), rss_first.result()
-        drift = {f"{p.pid}:{name_of(p)}": rss_last[pid].rss / p.rss - 1 for pid, p in rss_first.items()
-                 if pid in rss_last and name_of(rss_last[pid]) == name_of(p)}  # the same process, not a reused pid
-        return self.report(reference_s, held, drift)
+        return out
 
-    async def rss_after(self, seconds: float) -> dict[int, Proc]:
-        """The Ray processes over 50 MB once the load has run `seconds` (warmed up)."""
-        await asyncio.sleep(seconds)
+    @staticmethod
+    def rss_now() -> dict[int, Proc]:
+        """The Ray processes over 50 MB."""
         return {p.pid: p for p in processes().values() if "ray" in p.title and p.rss > 50 * 2**20}
 
     def held(self) -> dict:
@@ -440,15 +516,26 @@ class Chaos:
 
     def report(self, reference_s: float, held: dict, drift: dict) -> dict:
         by_kind: dict[str, list[float | None]] = {}
+        affected: dict[str, list[float | None]] = {}
+        overlapped: dict[str, int] = {}
+        hits = [f for f in self.faults if f["what"] is not None]
         for f in self.faults:
             by_kind.setdefault(f["kind"], [])
+            affected.setdefault(f["kind"], [])
+            overlapped.setdefault(f["kind"], 0)
             if f["what"] is None:
                 continue
+            later = next((g["t"] for g in hits if g["t"] > f["t"]), None)
+            if f["repaired_at"] is not None and later is not None and f["repaired_at"] > later:
+                overlapped[f["kind"]] += 1  # the next fault struck first: its repair is not this one's alone
+                continue
+            by_kind[f["kind"]].append(None if f["repaired_at"] is None else f["repaired_at"] - f["t"])
             ends = [d.end for d in f["in_flight"]]
-            probe = next((e for s, e, ok in self.probes if s >= f["t"] and ok), None)
-            by_kind[f["kind"]].append(None if probe is None or None in ends else max([probe, *ends]) - f["t"])
-        recovery = {k: {"faults": len(v), "p50_s": _q(v, 0.5), "max_s": _q(v, 1.0),
-                        "unrecovered": sum(x is None for x in v)} for k, v in by_kind.items()}
+            affected[f["kind"]].append(None if None in ends else max(ends, default=f["t"]) - f["t"])
+        recovery = {k: {"faults": len(v) + overlapped[k], "overlapped": overlapped[k], "p50_s": _q(v, 0.5),
+                        "max_s": _q(v, 1.0),
+                        "unrecovered": sum(x is None for x in v), "in_flight_done_max_s": _q(affected[k], 1.0)}
+                    for k, v in by_kind.items()}
         statuses: dict[str, int] = {}
         for d in self.done:
             statuses[d.status] = statuses.get(d.status, 0) + 1
@@ -461,7 +548,8 @@ class Chaos:
             "lost": statuses.get("lost", 0),
             "failed": {s: n for s, n in statuses.items() if s.startswith("failed")},
             "failed_attempts": self.attempt_errors,
-            "faults": [{k: v for k, v in f.items() if k != "in_flight"} | {"t": round(f["t"] - self.t0, 1)}
+            "faults": [{"kind": f["kind"], "what": f["what"], "t": round(f["t"] - self.t0, 1),
+                        "repair_s": None if f["repaired_at"] is None else round(f["repaired_at"] - f["t"], 2)}
                        for f in self.faults],
             "recovery": recovery, "held": held, "leaked": {p: v for p, v in leaked.items() if v},
             "rss_drift_worst": max(drift.values(), default=0.0), "rss_drift": drift,
@@ -497,7 +585,7 @@ def goals(r: dict, full: bool = True) -> dict[str, bool]:
         "no wrong output": r["wrong"] == 0,
         "no request state left": not r["leaked"] and r["held"]["answered"] == r["held"]["units"],
         "RSS drift <= 5 %": not full or r["rss_drift_worst"] <= 0.05,
-        "recovery max <= 15 s, every fault recovered": all(
+        "repair max <= 15 s, every fault repaired": all(
             v["unrecovered"] == 0 and (v["max_s"] or 0) <= 15 for v in r["recovery"].values()),
         "every kind at least twice": not full or all(
             sum(f["kind"] == k and f["what"] is not None for f in r["faults"]) >= 2 for k in FAULTS),
@@ -509,9 +597,11 @@ def markdown(r: dict) -> str:
              f"{r['completed']}, resubmitted {r['resubmitted']}, failed {sum(r['failed'].values())}, lost {r['lost']}, "
              f"wrong {r['wrong']}; units {r['units']['min']}–{r['units']['max']} ({r['units']['changes']} changes); "
              f"worst RSS drift {100 * r['rss_drift_worst']:+.1f} %; request state left: {r['leaked'] or 'none'}",
-             "", "| fault | injected | recovery p50 (s) | recovery max (s) | not recovered |", "|---|---|---|---|---|"]
+             "", "| fault | injected | repaired in, p50 (s) | max (s) | not repaired | next fault came first | "
+                 "requests in flight at it: all done within (s) |", "|---|---|---|---|---|---|---|"]
     for k, v in r["recovery"].items():
-        lines.append(f"| {k} | {v['faults']} | {v['p50_s']} | {v['max_s']} | {v['unrecovered']} |")
+        lines.append(f"| {k} | {v['faults']} | {v['p50_s']} | {v['max_s']} | {v['unrecovered']} | {v['overlapped']} | "
+                     f"{v['in_flight_done_max_s']} |")
     causes = ", ".join(f"{k} {v}" for k, v in sorted(r["failed_attempts"].items()))
     lines += ["", f"Failed attempts (retried): {causes or 'none'}"]
     return "\n".join(lines)
@@ -531,7 +621,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--node-cpus", type=int, default=2)
     p.add_argument("--max-units", type=int, default=2, help="engine units the autoscaler may run (1: off)")
     p.add_argument("--swing", type=float, default=60.0, help="seconds between load swings (0: none)")
-    p.add_argument("--stall-timeout", type=float, default=8.0)
+    p.add_argument("--stall-timeout", type=float, default=15.0, help="a unit whose steps stall this long is replaced")
+    p.add_argument("--group-timeout", type=float, default=5.0,
+                   help="a collective waiting this long on a rank fails the step: the unit rebuilds its group")
     p.add_argument("--request-timeout", type=float, default=60.0)
     p.add_argument("--drain", type=float, default=120.0, help="seconds clients may take to finish after the run")
     p.add_argument("--model-root", default=str(BUNDLED))
@@ -549,7 +641,7 @@ def run(args) -> dict:
     chaos = Chaos(args)
     chaos.start()
     try:
-        report = asyncio.run(chaos.run())
+        report = chaos.run()
     finally:
         chaos.shutdown()
     report["goals"] = goals(report, full=args.minutes >= 5 and set(args.faults) == set(FAULTS))

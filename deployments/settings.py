@@ -54,6 +54,8 @@ class ServeSettings(BaseModel):
     cost_model_cache: str = "runs/cache"
     stall_timeout_s: float = Field(60.0, gt=0, description="the engine replica reports unhealthy when work has "
                                                           "waited this long without a step finishing")
+    group_timeout_s: float = Field(30.0, gt=0, description="a collective waiting this long on an EP rank fails "
+                                   "the step and the unit rebuilds its group in place; keep it below stall_timeout_s")
     health_check_period_s: float = Field(5.0, gt=0, description="how often Serve checks each engine replica")
     graceful_shutdown_timeout_s: float = Field(5.0, ge=0, description="how long a replica being replaced may "
                                                                       "finish its requests")
@@ -107,7 +109,7 @@ class ServeSettings(BaseModel):
             threads_per_rank=s.threads_per_rank, cpus_per_rank=s.cpus_per_rank, gpus_per_rank=s.gpus_per_rank,
             cpus_per_drafter=s.cpus_per_drafter, eos_token_id=bundle.eos_token_id(),
             cost_model_cache=s.cost_model_cache, guard_threshold=s.guard_threshold, max_budget=s.max_budget,
-            unit_placement=unit_placement, in_process=s.in_process,
+            unit_placement=unit_placement, in_process=s.in_process, group_timeout_s=s.group_timeout_s,
         )
 
     def local_cpus(self) -> int:

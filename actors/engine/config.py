@@ -27,6 +27,8 @@ class EngineConfig:
     threads_per_rank: int = 1
     cpus_per_rank: float = 1.0
     gpus_per_rank: float = 0.0  # > 0: ranks on GPUs, nccl (untested here: no GPU on this machine)
+    group_timeout_s: float = 30.0  # a collective waiting this long on a rank (stalled, cut off) fails the step,
+    # and the unit rebuilds its EP group in place: keep it below the replica's stall timeout
     cpus_per_drafter: float = 0.5
     ep_placement: str = "PACK"  # the EP group's own placement group: PACK, or STRICT_SPREAD (a rank per node)
     eos_token_id: int | None = None
@@ -76,6 +78,7 @@ class EngineConfig:
         """The target's part: its EP group (in the unit's placement group when given one), with
         `guests` built beside every rank."""
         return EPConfig(self.target_dir, world=self.ep, placement=self.ep_placement, cpus_per_rank=self.cpus_per_rank,
+                        group_timeout_s=self.group_timeout_s,
                         gpus_per_rank=self.gpus_per_rank, threads_per_rank=self.threads_per_rank,
                         kv_capacity_tokens=self.kv_capacity_tokens, placement_group=placement_group,
                         bundle_offset=self.layout().rank_bundle(0) if placement_group is not None else 0,

@@ -7,6 +7,7 @@ schedule → plan → propose → prune → verify → accept → commit, handin
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
@@ -64,6 +65,7 @@ class Engine:
         self.target = self._new_target()
         self.drafters = DrafterPool(cfg, self.target, self.unit_pg)
         self.rebuilt = 0  # EP groups rebuilt after a failure
+        self.rebuilding_since: float | None = None  # monotonic time the rebuild under way began
         self.eos = cfg.eos_token_id
         self.text_of = cfg.detokenizer()
         self.scheduler = Scheduler(cfg.max_running, self.text_of)
@@ -195,7 +197,16 @@ class Engine:
         running = [s.rid for s in self.scheduler.running]
         log.warning("EP group failed (%s); rebuilding it and resuming %d requests", exc, len(running))
         self.rebuilt += 1
-        self.target = self._new_target()
+        self.rebuilding_since = time.monotonic()
+        try:  # the old group goes first: its ranks' bundles and memory are the new one's
+            self.target.shutdown()
+        except Exception:  # already down: nothing of it to free
+            log.exception("shutting the failed target down")
+        gc.collect()  # a rank and its guests refer to each other
+        try:
+            self.target = self._new_target()
+        finally:
+            self.rebuilding_since = None
         self.drafters.rebind(self.target)
         self.drafters.reset(running)
         for s in self.scheduler.running:
@@ -214,10 +225,6 @@ class Engine:
             s.status, s.finish_reason = Status.FINISHED, "error"
             self.gate.forget(s.rid)
         self.drafters.release([s.rid for s in failed])
-        try:
-            self.target.shutdown()  # frees its bundles of the unit for the new group
-        except Exception:  # already down: nothing of it to free
-            log.exception("shutting the failed target down")
         self.recover_target(exc)
         return failed
 

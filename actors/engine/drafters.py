@@ -16,6 +16,7 @@ replica can rebuild its context: orphans draft again.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 
@@ -29,6 +30,7 @@ from actors.engine.placement import in_bundle
 from actors.engine.replica import LOCAL, Drafter, DrafterReplica
 from actors.engine.sequence import Sequence
 from actors.inprocess import InProcess, resolve
+from actors.target.group import EPGroupError
 
 log = logging.getLogger(__name__)
 
@@ -133,14 +135,15 @@ class DrafterPool:
                 replica.commit.remote(mine)
 
     def release(self, rids: list[int]) -> None:
-        for r, replica in enumerate(self.replicas):
-            mine = [rid for rid in rids if self.owner.get(rid) == r]
-            if mine:
-                replica.release.remote(mine)
+        mine = [[rid for rid in rids if self.owner.get(rid) == r] for r in range(len(self.replicas))]
         for rid in rids:
             self.owner.pop(rid, None)
             self._seen.pop(rid, None)
         self.backlog.drop(rids)
+        for replica, theirs in zip(self.replicas, mine, strict=True):
+            if theirs:
+                with contextlib.suppress(EPGroupError):  # a hosted replica of a failed group goes with its rank
+                    replica.release.remote(theirs)
 
     def reset(self, rids: list[int]) -> None:
         """These requests will be refed from their first token (the target was rebuilt): every

@@ -197,7 +197,10 @@ class AsyncEngine:
         in_flight = self.load
         # Work in flight and no progress since the last beat: a running step that takes too long,
         # or a loop asleep while requests wait (a bug, which must not look healthy).
-        idle = time.monotonic() - self._beat if in_flight else 0.0
+        # A rebuild under way (`Engine.recover_target`) restarts the clock: loading a large model
+        # again may take longer than a step ever should, and its own timeouts bound it.
+        since = max(self._beat, self.engine.rebuilding_since or 0.0)
+        idle = time.monotonic() - since if in_flight else 0.0
         facts = dict(in_flight=in_flight, steps=self.steps, idle_s=idle)
         if self._fatal is not None:
             return Health(False, f"the engine could not rebuild after a failed step: {self._fatal}", **facts)
@@ -205,10 +208,9 @@ class AsyncEngine:
             return Health(False, "the step loop is not running", **facts)
         if idle > self.stall_timeout_s:
             return Health(False, f"no step finished for {idle:.0f} s with {in_flight} requests in flight", **facts)
-        # A broken EP group is not a failed unit: the step that met it is rebuilding it in place
-        # (`Engine.recover_target`), and the stall clock above bounds how long that may take;
-        # a rebuild that fails sets `_fatal`. Reporting it sooner would have Serve kill the unit
-        # mid-rebuild and turn one lost rank into a lost unit (benchmarks/chaos.py found it).
+        # A broken EP group is not a failed unit: the step that met it is rebuilding it in place,
+        # and a rebuild that fails sets `_fatal`. Reporting it sooner would have Serve kill the
+        # unit mid-rebuild and turn one lost rank into a lost unit (benchmarks/chaos.py found it).
         return Health(True, "", **facts)
 
     def stats(self) -> dict:

@@ -137,7 +137,7 @@ class DriverGroup(EPGroup):
         for w in self.workers[1:]:
             ray.kill(w, no_restart=True)
         self.workers, self._loops, self.link = [], [], None
-        self.local.data = self.local.link = None  # this process leaves the unit's groups
+        self.local.close()  # this process leaves the unit's groups and frees rank 0's memory
         if self._owns_pg:
             remove_placement_group(self.pg)
             self._owns_pg = False

@@ -342,10 +342,13 @@ class InProcessGroup(EPGroup):
         return results
 
     def shutdown(self) -> None:
+        self.local.close()
         self.workers = []
 
 
 def rank_spec(cfg: EPConfig, rank: int) -> WorkerSpec:
-    return WorkerSpec(cfg.model_dir, rank, cfg.world, cfg.threads_per_rank, cfg.kv_capacity_tokens, cfg.kv_block_size,
-                      cfg.group_timeout_s, "nccl" if cfg.gpus_per_rank else "gloo",
-                      "cuda" if cfg.gpus_per_rank else "cpu")
+    gpu = bool(cfg.gpus_per_rank)
+    return WorkerSpec(cfg.model_dir, rank, cfg.world, threads=cfg.threads_per_rank,
+                      kv_capacity_tokens=cfg.kv_capacity_tokens, kv_block_size=cfg.kv_block_size,
+                      group_timeout_s=cfg.group_timeout_s, rendezvous_timeout_s=cfg.start_timeout_s,
+                      backend="nccl" if gpu else "gloo", device="cuda" if gpu else "cpu")

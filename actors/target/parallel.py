@@ -40,14 +40,16 @@ class AllToAllDispatch(Dispatch):
         return out
 
 
-def join_groups(master: tuple[str, int], rank: int, world: int, backend: str, timeout_s: float):
+def join_groups(master: tuple[str, int], rank: int, world: int, backend: str, timeout_s: float,
+                rendezvous_s: float = 120.0):
     """(store, data group, control group) of one EP unit. The data group (gloo, or nccl on GPUs)
     carries the MoE exchanges and fails a collective after `timeout_s`; the control group (always
     gloo, on CPU tensors) carries the driver's step plans (`link.RankLink`) and has no practical
     timeout, since an idle rank waits on it for as long as no request comes. Rank 0 serves the
-    rendezvous store at `master`."""
+    rendezvous store at `master`, which waits `rendezvous_s` for the others: a rank replacing a lost
+    one starts a process and imports torch first, which can take longer than a collective may."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master[0], master[1], world, rank == 0, timeout=timeout)
+    store = dist.TCPStore(master[0], master[1], world, rank == 0, timeout=datetime.timedelta(seconds=rendezvous_s))
     if backend == "nccl":
         # A failed or timed-out collective must raise in the step (the engine then rebuilds the
         # unit, as on gloo), not tear the process down, which is NCCL's default: abort only the

@@ -48,6 +48,7 @@ class WorkerSpec:
     kv_capacity_tokens: int = 65536
     kv_block_size: int = 16
     group_timeout_s: float = 30.0
+    rendezvous_timeout_s: float = 120.0  # the group's forming: every rank started and joined
     backend: str = "gloo"
     device: str = "cpu"
 
@@ -115,7 +116,8 @@ class TargetRank:
         """Join the process group and load this rank's slice of the model."""
         s = self.spec
         if s.world > 1:
-            self._store, self.data, control = join_groups(master, s.rank, s.world, s.backend, s.group_timeout_s)
+            self._store, self.data, control = join_groups(master, s.rank, s.world, s.backend, s.group_timeout_s,
+                                                                s.rendezvous_timeout_s)
             self.link = RankLink(control, s.rank)
         first, count = expert_range(_num_experts(s.model_dir), s.rank, s.world)
         self.model = load_model(s.model_dir, first, count).to(s.device)
@@ -262,6 +264,13 @@ class TargetRank:
     def release(self, request_ids: list[int]) -> None:
         self.cache.release_all(request_ids)
         self.features.release(request_ids)
+
+    def close(self) -> None:
+        """Let go of the model, the KV cache, the stored features and the guests (a rank in the
+        driver's process, before its replacement loads: never two ranks' memory at once)."""
+        self.model = self.cache = self.data = self.link = None
+        self.features = FeatureStore()
+        self.parts = {"target": self}
 
     def cache_info(self) -> dict:
         return {"free_tokens": self.cache.free_tokens, "requests": len(self.cache.requests),

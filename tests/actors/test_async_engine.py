@@ -4,12 +4,14 @@ health it reports is the truth, and nothing it or the engine holds grows with th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
+import os
+import signal
 import time
 
 import numpy as np
 import pytest
-import ray
 
 from actors.engine.api import EngineError, ErrorKind, GenerateRequest
 from actors.engine.config import EngineConfig
@@ -17,6 +19,7 @@ from actors.engine.sequence import SamplingParams
 from actors.engine.server import AsyncEngine
 from actors.target.checkpoint import load_model
 from actors.target.decode import greedy_decode
+from actors.target.group import EPGroupError
 from actors.target.local import LocalTarget
 
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5], [9, 10, 11, 9, 10], [3, 4, 3, 4, 3, 4], [20, 21, 22, 23, 20, 21]]
@@ -262,19 +265,24 @@ def test_health_tells_a_stalled_or_dead_loop(tiny_bundle, tmp_path, reference):
     assert not dead.ok and "not running" in dead.reason
 
 
-def test_a_rank_lost_under_load_is_rebuilt_in_place_while_health_stays_ok(tiny_bundle, tmp_path):
+@pytest.mark.parametrize("fault", ["killed", "stopped"])
+def test_a_rank_lost_under_load_is_rebuilt_in_place_while_health_stays_ok(tiny_bundle, tmp_path, fault):
     """Serve replaces a unit whose health fails: a rebuild under way must not look like one, or
-    one lost rank costs the whole unit."""
+    one lost rank costs the whole unit. A rank that dies fails the step at once; one that stops
+    answering (SIGSTOP: a hung process, a partition) fails it after the group timeout. Either way
+    the old group goes before the new one loads: its rank 0 lets go of its model and cache."""
     n = 24
     expected = greedy_decode(LocalTarget(load_model(f"{tiny_bundle}/target")), list(range(len(PROMPTS))), PROMPTS, n)
-    eng = async_engine(tiny_bundle, tmp_path, ep=2, threads_per_rank=1, cpus_per_rank=1.0)
+    eng = async_engine(tiny_bundle, tmp_path, stall_timeout_s=8.0, ep=2, threads_per_rank=1, cpus_per_rank=1.0,
+                       group_timeout_s=3.0)
+    old_group, pid = eng.engine.target, eng.engine.target.ranks[1]["pid"]
 
     async def go():
         tasks = [asyncio.create_task(collect(eng, p, SamplingParams(max_tokens=n))) for p in PROMPTS]
         while eng.engine.history.steps < 3:
             await asyncio.sleep(0.01)
-        ray.kill(eng.engine.target.workers[1])
-        seen = []  # (health, whether the group in use was broken) while the requests run on
+        os.kill(pid, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
+        seen = []  # (health, whether the group in use was whole) while the requests run on
         while not all(t.done() for t in tasks):
             seen.append((eng.health(), eng.engine.target.healthy))
             await asyncio.sleep(0.02)
@@ -284,9 +292,43 @@ def test_a_rank_lost_under_load_is_rebuilt_in_place_while_health_stays_ok(tiny_b
         outs, seen = run(go())
     finally:
         eng.shutdown()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     assert outs == expected and eng.engine.rebuilt == 1
-    assert any(not broken_free for _, broken_free in seen)  # health was asked during the rebuild
+    assert any(not whole for _, whole in seen)  # health was asked during the rebuild
     assert all(h.ok for h, _ in seen), [h.reason for h, _ in seen if not h.ok]
+    assert old_group.local.model is None and old_group.local.cache is None
+
+
+def test_a_rebuild_that_fails_once_is_retried_and_the_unit_serves_on(tiny_bundle, tmp_path, reference):
+    """A rank dies and the first rebuild fails too (a replacement that could not start in time):
+    the step's requests fail retryably, the drafters hosted on the broken group are let go
+    without asking it, the second rebuild serves, and the unit stays up (it used to report itself
+    down: releasing the requests' drafter state called into the broken group)."""
+    eng = async_engine(tiny_bundle, tmp_path, ep=2, threads_per_rank=1, cpus_per_rank=1.0)
+    build, calls = eng.engine._new_target, {"n": 0}
+
+    def failing_once():
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise EPGroupError("EP group failed: the ranks did not start (injected)")
+        return build()
+
+    async def go():
+        tasks = [asyncio.create_task(collect(eng, p, SamplingParams(max_tokens=24))) for p in PROMPTS]
+        while eng.engine.history.steps < 3:
+            await asyncio.sleep(0.01)
+        eng.engine._new_target = failing_once
+        os.kill(eng.engine.target.ranks[1]["pid"], signal.SIGKILL)
+        first = await asyncio.gather(*tasks)
+        return first, await asyncio.gather(*(collect(eng, p) for p in PROMPTS)), eng.health()
+
+    try:
+        first, again, health = run(go())
+    finally:
+        eng.shutdown()
+    assert all(isinstance(f, EngineError) and f.retryable for f in first), first
+    assert again == reference and calls["n"] == 2 and health.ok, health
 
 
 def test_set_policy_keeps_the_configured_dcut_options(tiny_bundle, tmp_path):

@@ -13,7 +13,7 @@ def test_faults_at_random_under_load_lose_nothing(tiny_bundle, tmp_path):
     args = parser().parse_args([
         "--minutes", "0.6", "--clients", "8", "--requests", "24", "--interval", "8,12",
         "--faults", "kill_rank,kill_engine,drop_clients", "--nodes", "2", "--max-units", "1", "--swing", "0",
-        "--stall-timeout", "6", "--drain", "90", "--model-root", tiny_bundle, "--block", "6", "--port", "8163",
+        "--drain", "90", "--model-root", tiny_bundle, "--block", "6", "--port", "8163",
         "--out", str(tmp_path)])
     r = run(args)
     hit = {f["kind"] for f in r["faults"] if f["what"] is not None}
