@@ -193,7 +193,9 @@ class Chaos:
             engine_autoscaling=autoscaling, cost_model_cache=self.cache())
         serve.run(build_app(self.settings), name=APP, route_prefix="/")
         self.requests = request_set(self.settings.resolved().engine_config().tokenizer_path, a.requests, a.seed)
-        self.probe_request = next(r for r in self.requests if r.temperature == 0 and not r.stream)
+        # The probe: short and greedy, so its answer says the app serves, not how long a request takes.
+        first = self.requests[0]
+        self.probe_request = Request(len(self.requests), first.prompt, 4, 0.0, None, stream=False)
 
     def cache(self) -> str:
         """A cost-model cache of this run's own, with the target's start-up profiles copied in (a
@@ -354,6 +356,9 @@ class Chaos:
         repaired."""
         kinds: list[str] = []
         next_at = time.monotonic() + self.rng.uniform(*self.args.interval)
+        while (shape := self.shape()) is None or any(v != "HEALTHY" for v in shape["status"].values()):
+            time.sleep(0.5)
+        self.last_whole = shape
         while time.monotonic() < end or any(f["repaired_at"] is None and f["what"] for f in self.faults):
             now = time.monotonic()
             if now >= next_at and now < end:
@@ -364,12 +369,15 @@ class Chaos:
                 next_at = now + self.rng.uniform(*self.args.interval)
             if now > end + self.args.drain:
                 return
+            shape = self.shape()
+            if shape is not None and all(v == "HEALTHY" for v in shape["status"].values()):
+                self.last_whole = shape
             self.check_repairs()
             time.sleep(0.5)
 
     def fault(self, kind: str) -> None:
         t = time.monotonic()
-        before = self.shape()
+        before = self.last_whole  # the app as last seen whole: what a repair restores
         in_flight = list(self.inflight.values())
         if kind == "drop_clients":
             wait = time.monotonic() + 10
@@ -385,29 +393,33 @@ class Chaos:
                             "in_flight": in_flight, "whole_at": None, "repaired_at": None})
         print(f"[{t - self.t0:6.1f} s] {kind}: {what} ({len(in_flight)} in flight)", flush=True)
 
-    def shape(self) -> dict[str, int]:
-        """Live (not stopped) engine replica and rank processes."""
-        live = [p for p in processes().values() if p.state != "T" and p.title.startswith("ray::")]
-        return {"engine": sum(f"ServeReplica:{APP}:engine" in p.title for p in live),
-                "ranks": sum("TargetRank" in p.title for p in live)}
-
-    def whole(self, f: dict) -> bool:
-        """The app as before the fault: its victim gone (or running again), Serve reporting every
-        deployment healthy with every replica running, as many live units and ranks as before."""
+    def shape(self) -> dict | None:
+        """Each deployment's status and running replicas (Serve's view), and the live (not
+        stopped) rank processes; None while the app is not running."""
         from ray import serve
 
+        app = serve.status().applications.get(APP)
+        if app is None or app.status != "RUNNING":
+            return None
+        live = [p for p in processes().values() if p.state != "T" and "TargetRank" in p.title]
+        return {"status": {k: d.status for k, d in app.deployments.items()},
+                "running": {k: d.replica_states.get("RUNNING", 0) for k, d in app.deployments.items()},
+                "ranks": len(live)}
+
+    def whole(self, f: dict) -> bool:
+        """The app as before the fault: its victim gone (or running again), no deployment
+        unhealthy or mid-replacement, as many replicas of each running as before (Serve's count;
+        the autoscaler may be adding more meanwhile) and as many live ranks."""
         procs = processes()
         if f["victim"] is not None and f["victim"] in procs and procs[f["victim"]].state in "TtZ":
             return False
         if f["victim"] is not None and f["kind"] != "stall_rank" and f["victim"] in procs:
             return False
-        app = serve.status().applications.get(APP)
-        if app is None or app.status != "RUNNING":
-            return False
-        if any(d.status != "HEALTHY" or set(d.replica_states) - {"RUNNING"} for d in app.deployments.values()):
-            return False
         now = self.shape()
-        return all(now[k] >= f["before"][k] for k in now)
+        if now is None or any(d in ("UNHEALTHY", "UPDATING") for d in now["status"].values()):
+            return False
+        return all(now["running"].get(k, 0) >= n for k, n in f["before"]["running"].items()) \
+            and now["ranks"] >= f["before"]["ranks"]
 
     def check_repairs(self) -> None:
         """Each pending fault: when the app first looks whole again (from a second after the fault:
@@ -477,7 +489,7 @@ class Chaos:
                         raise RuntimeError(f"the undisturbed run failed: request {req.index}: {d.status}")
                     self.reference[req.index] = d.output
 
-            await asyncio.gather(*(once(r) for r in self.requests))
+            await asyncio.gather(*(once(r) for r in [*self.requests, self.probe_request]))
             out["reference_s"] = time.monotonic() - t
             self.done.clear()
             self.attempt_errors.clear()
@@ -614,7 +626,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--requests", type=int, default=48, help="distinct requests the clients draw from")
-    p.add_argument("--interval", type=lambda s: tuple(map(float, s.split(","))), default=(20.0, 40.0),
+    p.add_argument("--interval", type=lambda s: tuple(map(float, s.split(","))), default=(18.0, 34.0),
                    help="seconds between faults: low,high")
     p.add_argument("--faults", type=lambda s: s.split(","), default=list(FAULTS))
     p.add_argument("--nodes", type=int, default=3, help="worker nodes")
