@@ -36,7 +36,12 @@ class ServeSettings(BaseModel):
                                                "`drafters` drafter replicas are Ray actors called every step")
     max_running: int = Field(64, ge=1)
     max_waiting: int = Field(256, ge=0, description="queued requests beyond max_running before 429")
-    kv_capacity_tokens: int = Field(65536, ge=256)
+    kv_capacity_tokens: int = Field(65536, ge=256, description="KV tokens per rank on the CPU (a GPU rank sizes its "
+                                    "cache from its free memory: gpu_memory_utilization)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="what the ranks compute in: auto is the checkpoint's dtype on GPUs, float32 on the CPU")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="share of each rank's GPU memory its "
+                                          "weights and KV cache may take")
     max_prompt_tokens: int = Field(1536, ge=1)
     max_tokens_limit: int = Field(512, ge=1)
     max_stop: int = Field(4, ge=0)
@@ -105,7 +110,8 @@ class ServeSettings(BaseModel):
         return EngineConfig(
             bundle.target, bundle.tokenizer, ",".join(kinds), bundle.drafter_dir(kinds[0]), s.block, s.policy, ep=s.ep,
             drafter_dirs=tuple((k, bundle.drafter_dir(k)) for k in kinds if k != "ngram"),
-            drafters=s.drafters, max_running=s.max_running, kv_capacity_tokens=s.kv_capacity_tokens,
+            drafters=s.drafters, max_running=s.max_running, kv_capacity_tokens=s.kv_capacity_tokens, dtype=s.dtype,
+            gpu_memory_utilization=s.gpu_memory_utilization,
             threads_per_rank=s.threads_per_rank, cpus_per_rank=s.cpus_per_rank, gpus_per_rank=s.gpus_per_rank,
             cpus_per_drafter=s.cpus_per_drafter, eos_token_id=bundle.eos_token_id(),
             cost_model_cache=s.cost_model_cache, guard_threshold=s.guard_threshold, max_budget=s.max_budget,

@@ -231,7 +231,7 @@ class Engine:
     def schedule(self) -> tuple[list[Sequence], list[Feed]]:
         """Admit waiting requests; returns the decoding set and this step's prefill chunks."""
         # Ranks fill unevenly (placement is by request count): keep a quarter of the KV in reserve.
-        for s in self.scheduler.admit(int(0.75 * self.cfg.kv_capacity_tokens * self.cfg.ep), self.cfg.block):
+        for s in self.scheduler.admit(int(0.75 * self.target.kv_tokens * self.cfg.ep), self.cfg.block):
             self.drafters.admit(s.rid)
             s.controls = s.params.controls(self.eos)
             if s.params.constraint is not None and s.grammar is None:

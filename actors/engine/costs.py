@@ -17,7 +17,7 @@ import numpy as np
 
 from actors.engine.backlog import CatchUp
 from actors.inprocess import resolve
-from actors.target.checkpoint import COMPUTE_DTYPE
+from actors.target.checkpoint import serving_dtype
 from actors.target.config import MoEConfig
 from actors.target.profile import ProfileGrid, fit_profile, run_profile
 from dcut_core.cost_model import CostModel, OnlineCorrection
@@ -54,7 +54,8 @@ def deployment_key(cfg) -> str:
     path = pathlib.Path(cfg.target_dir)
     config = (path / "config.json").read_text()
     sizes = sorted((f.name, f.stat().st_size) for f in path.glob("*.safetensors"))
-    device = [device_identity(cfg.gpus_per_rank), str(COMPUTE_DTYPE)]
+    device = [device_identity(cfg.gpus_per_rank),
+              str(serving_dtype(cfg.dtype, "cuda" if cfg.gpus_per_rank else "cpu", cfg.target_dir))]
     shape = [cfg.ep, cfg.threads_per_rank] + (["in-process"] if cfg.in_process else [])
     raw = json.dumps([config, sizes, *device, *shape])
     return hashlib.sha1(raw.encode()).hexdigest()[:16]

@@ -30,9 +30,10 @@ from actors.target.config import MoEConfig
 from actors.target.model import MoETransformer
 
 LAYOUTS = ("fused", "per_expert")
-# What every rank computes in until a serving dtype is configurable (issue #29 item 1); part of
-# the cost-model cache key (actors/engine/costs.py).
+# What a model computes in unless told otherwise: the CPU's serving dtype and the exactness
+# reference of the tests. On an accelerator a rank serves in the checkpoint's dtype (`serving_dtype`).
 COMPUTE_DTYPE = torch.float32
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Checkpoint names of other families, as the per-expert names read here (Mixtral's own layout:
 # `block_sparse_moe`, experts w1 = gate, w3 = up, w2 = down).
@@ -80,6 +81,37 @@ def fp8_block(model_dir: pathlib.Path) -> tuple[int, int] | None:
     if q.get("quant_method") != "fp8" or len(q.get("weight_block_size") or ()) != 2:
         raise ValueError(f"unsupported quantization {q!r}: only fp8 with weight_block_size is read")
     return tuple(q["weight_block_size"])
+
+
+def checkpoint_dtype(model_dir: str | pathlib.Path) -> torch.dtype:
+    """The dtype the checkpoint is published in: config.json's `torch_dtype` (or `dtype`, as newer
+    transformers writes it), else that of its stored floating-point weights; FP8 weights compute
+    in bfloat16, as their publishers serve them."""
+    model_dir = pathlib.Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    named = config.get("torch_dtype") or config.get("dtype")
+    if named in DTYPES:
+        return DTYPES[named]
+    with ExitStack() as stack:
+        tensors = _Tensors(model_dir, stack)
+        for handle, key in tensors._where.values():
+            dtype = handle.get_slice(key).get_dtype()
+            if dtype in ("F8_E4M3", "F8_E5M2"):
+                return torch.bfloat16
+            if dtype in ("BF16", "F16", "F32"):
+                return {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}[dtype]
+    return COMPUTE_DTYPE
+
+
+def serving_dtype(setting: str, device: str, model_dir: str | pathlib.Path) -> torch.dtype:
+    """What a rank computes in: `setting` by name, or for "auto" the checkpoint's dtype on an
+    accelerator (the fused attention kernels need it, and it halves the weights' and KV's bytes)
+    and float32 on the CPU (the exactness reference; sampling and acceptance are float32 anyway)."""
+    if setting != "auto":
+        if setting not in DTYPES:
+            raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, not {setting!r}")
+        return DTYPES[setting]
+    return COMPUTE_DTYPE if device == "cpu" else checkpoint_dtype(model_dir)
 
 
 class _Tensors:

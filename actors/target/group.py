@@ -44,7 +44,9 @@ class EPConfig:
     cpus_per_rank: float = 1.0
     gpus_per_rank: float = 0.0
     threads_per_rank: int = 1
-    kv_capacity_tokens: int = 65536  # per rank
+    kv_capacity_tokens: int = 65536  # per rank, on the CPU (a GPU rank sizes its cache from its memory)
+    dtype: str = "auto"  # what the ranks compute in (`checkpoint.serving_dtype`)
+    gpu_memory_utilization: float = 0.9
     kv_block_size: int = 16
     step_timeout_s: float = 120.0
     group_timeout_s: float = 30.0
@@ -308,6 +310,11 @@ class EPGroup:
     def healthy(self) -> bool:
         return self._broken is None
 
+    @property
+    def kv_tokens(self) -> int:
+        """KV tokens of the smallest rank's cache (what each rank sized at start)."""
+        return min(r.get("kv_tokens", self.cfg.kv_capacity_tokens) for r in self.ranks)
+
     def shutdown(self) -> None:
         for w in self.workers:
             ray.kill(w, no_restart=True)
@@ -351,4 +358,5 @@ def rank_spec(cfg: EPConfig, rank: int) -> WorkerSpec:
     return WorkerSpec(cfg.model_dir, rank, cfg.world, threads=cfg.threads_per_rank,
                       kv_capacity_tokens=cfg.kv_capacity_tokens, kv_block_size=cfg.kv_block_size,
                       group_timeout_s=cfg.group_timeout_s, rendezvous_timeout_s=cfg.start_timeout_s,
-                      backend="nccl" if gpu else "gloo", device="cuda" if gpu else "cpu")
+                      backend="nccl" if gpu else "gloo", device="cuda" if gpu else "cpu", dtype=cfg.dtype,
+                      gpu_memory_utilization=cfg.gpu_memory_utilization)

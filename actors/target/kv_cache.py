@@ -33,6 +33,14 @@ class CacheSpec:
         return self.layers * self.kv_heads * (self.head_dim + v)
 
 
+def tokens_for_memory(total_bytes: int, used_bytes: int, utilization: float, bytes_per_token: int,
+                      block_size: int, reserve_bytes: int = 0) -> int:
+    """KV tokens (whole blocks) that fit in `utilization` of a device's memory beside what is in
+    use already (the weights) and `reserve_bytes` kept for a step's activations."""
+    room = utilization * total_bytes - used_bytes - reserve_bytes
+    return max(0, int(room // bytes_per_token) // block_size * block_size)
+
+
 class PagedKVCache:
     """Owns K/V tensors [layers, slots, kv_heads, head_dim] and each request's block table."""
 

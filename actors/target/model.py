@@ -87,12 +87,16 @@ class MoETransformer(nn.Module):
     def moe_blocks(self) -> list[MoEBlock]:
         return [layer.mlp for layer in self.layers if layer.is_moe]
 
-    def new_cache(self, capacity_tokens: int, block_size: int = 16) -> PagedKVCache:
+    def cache_spec(self, capacity_tokens: int, block_size: int = 16) -> CacheSpec:
         c = self.cfg
-        spec = (CacheSpec(c.num_hidden_layers, 1, c.kv_lora_rank + c.head_dim, capacity_tokens, block_size, 0)
+        return (CacheSpec(c.num_hidden_layers, 1, c.kv_lora_rank + c.head_dim, capacity_tokens, block_size, 0)
                 if c.latent else
                 CacheSpec(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, capacity_tokens, block_size))
-        return PagedKVCache(spec, dtype=self.lm_head.weight.dtype, device=str(self.lm_head.weight.device))
+
+    def new_cache(self, capacity_tokens: int, block_size: int = 16) -> PagedKVCache:
+        """The paged KV cache, in the model's dtype on the model's device."""
+        return PagedKVCache(self.cache_spec(capacity_tokens, block_size), dtype=self.lm_head.weight.dtype,
+                            device=str(self.lm_head.weight.device))
 
     def prepare(self, batch: ForwardBatch, cache: PagedKVCache) -> Prepared:
         """Validate the batch and reserve its KV blocks; nothing is written yet.

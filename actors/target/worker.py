@@ -23,9 +23,9 @@ import torch
 
 from actors.ray_env import whereabouts
 from actors.target import wire
-from actors.target.checkpoint import load_model
+from actors.target.checkpoint import load_model, serving_dtype
 from actors.target.features import FeatureStore
-from actors.target.kv_cache import KVCacheFull
+from actors.target.kv_cache import KVCacheFull, tokens_for_memory
 from actors.target.link import RankLink
 from actors.target.model import ForwardBatch, Prepared
 from actors.target.moe import StepStats
@@ -33,6 +33,7 @@ from actors.target.parallel import all_agree, apply_expert_parallel, expert_rang
 from actors.target.sampling import apply_controls, draw, target_probs
 
 log = logging.getLogger(__name__)
+MIN_KV_TOKENS = 4096  # below this a GPU rank refuses to start: a few long requests would not fit
 
 
 class BatchRejected(ValueError):
@@ -51,6 +52,9 @@ class WorkerSpec:
     rendezvous_timeout_s: float = 120.0  # the group's forming: every rank started and joined
     backend: str = "gloo"
     device: str = "cpu"
+    dtype: str = "auto"  # `checkpoint.serving_dtype`: the checkpoint's on an accelerator, float32 on the CPU
+    gpu_memory_utilization: float = 0.9  # on a GPU the KV cache takes what this share leaves beside the weights
+    activation_reserve_bytes: int = 2 << 30  # and beside this much kept for a step's activations
 
 
 @dataclass(frozen=True)
@@ -120,15 +124,36 @@ class TargetRank:
                                                                 s.rendezvous_timeout_s)
             self.link = RankLink(control, s.rank)
         first, count = expert_range(_num_experts(s.model_dir), s.rank, s.world)
-        self.model = load_model(s.model_dir, first, count).to(s.device)
+        dtype = serving_dtype(s.dtype, s.device, s.model_dir)
+        self.model = load_model(s.model_dir, first, count, dtype=dtype).to(s.device)
         if s.device != "cpu":  # FP8 checkpoints: weights stay FP8 where the device multiplies them
             from actors.target.fp8 import keep_fp8
 
             keep_fp8(self.model, s.model_dir, first, count)
         if s.world > 1:
             apply_expert_parallel(self.model, s.rank, s.world, self.data)
-        self.cache = self.model.new_cache(s.kv_capacity_tokens, s.kv_block_size)
-        return {"rank": s.rank, "experts": (first, count)} | whereabouts()
+        self.cache = self.model.new_cache(self._kv_tokens(), s.kv_block_size)
+        return {"rank": s.rank, "experts": (first, count), "dtype": str(dtype).removeprefix("torch."),
+                "kv_tokens": self.cache.num_blocks * s.kv_block_size} | whereabouts()
+
+    def _kv_tokens(self) -> int:
+        """The KV cache's size in tokens: as configured on the CPU; on a GPU, what fits in
+        `gpu_memory_utilization` of its memory beside the loaded weights and the activation
+        reserve — refused at start when that is not even a few requests' worth."""
+        s = self.spec
+        if s.device == "cpu":
+            return s.kv_capacity_tokens
+        free, total = torch.cuda.mem_get_info()
+        spec = self.model.cache_spec(s.kv_block_size, s.kv_block_size)
+        per_token = spec.bytes_per_token * self.model.lm_head.weight.element_size()
+        tokens = tokens_for_memory(total, total - free, s.gpu_memory_utilization, per_token, s.kv_block_size,
+                                   s.activation_reserve_bytes)
+        if tokens < MIN_KV_TOKENS:
+            raise RuntimeError(
+                f"rank {s.rank}: room for only {tokens} KV tokens ({(total - free) / 2**30:.1f} of "
+                f"{total / 2**30:.1f} GiB in use after loading the weights, utilization {s.gpu_memory_utilization}); "
+                "raise gpu_memory_utilization, or serve at a larger EP or in a smaller dtype")
+        return tokens
 
     def forward(self, rb: RankBatch) -> RankResult:
         """Run this rank's part of one step (a collective when world > 1)."""
@@ -153,6 +178,7 @@ class TargetRank:
         if prepared is None:  # no requests here, but the MoE collectives still need this rank
             prepared = Prepared(batch, [], [], [])
         logits, captured = self.model.forward(prepared, self.cache, stats, rb.capture_layers)
+        logits = logits.float()  # argmax, controls, sampling and log-probabilities: float32 in any dtype
         if rb.keep_features is not None and captured and rb.keep_features.any():
             self._keep(prepared, captured, rb.keep_features)
             shipped = np.repeat(~rb.keep_features, np.diff(rb.cu))  # token rows of the requests not kept

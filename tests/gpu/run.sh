@@ -5,8 +5,9 @@
 # (then it says that nothing was checked). tests/gpu/README.md says what each check covers.
 #   cuda-tests  tests/gpu/test_cuda.py: the target on CUDA against CPU fp32, FP8 block-wise matmul,
 #               NVML; a test that skips on a GPU machine counts as failed
-#   engine      every policy's greedy output equal to `ar` with the ranks on the GPU, and a short
-#               bench of `ar` and `dcut` (`dcut bench` exits 1 when an output differs)
+#   engine      every policy's greedy output equal to `ar` with the ranks on the GPU in float32, and a
+#               short bench of `ar` and `dcut` (`dcut bench` exits 1 when an output differs); bf16
+#               serving is checked in cuda-tests (divergences from `ar` only at near-ties)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-runs/gpu}
@@ -40,7 +41,7 @@ fi
 
 # engine: the ranks on the GPU, every policy lossless against `ar` (dcut bench checks and exits 1).
 if "$python" -c 'import ray' 2>/dev/null; then
-  DCUT_GPUS_PER_RANK=1 timeout 240 "$python" -m deployments.cli bench --ep 1 --concurrency 1,16 \
+  DCUT_GPUS_PER_RANK=1 DCUT_DTYPE=float32 timeout 240 "$python" -m deployments.cli bench --ep 1 --concurrency 1,16 \
     --policies ar,full,dcut --num-prompts 16 --max-tokens 32 --out "$out/bench" > "$out/bench.log" 2>&1
   rc=$?
   if [ "$rc" = 124 ]; then record engine FAIL "timed out after 240 s; see bench.log"

@@ -82,6 +82,21 @@ def test_fp8_weights_stay_fp8_on_a_gpu_that_multiplies_them(tmp_path):
     assert float((kept - plain).norm() / plain.norm()) < 0.05
 
 
+def test_bf16_serving_on_cuda_parts_from_plain_decoding_only_at_near_ties(tmp_path):
+    """The demo model served in bf16 with the rank on the GPU (EP 1, in this process): greedy
+    `full` drafting against `ar`, and bf16 `ar` against float32 `ar`, may differ only where the two
+    tokens' float32 logits are within bf16's rounding (tests/actors/test_dtype.py); the KV cache
+    is bf16 and sized from the GPU's free memory; drafts were accepted."""
+    from actors.ray_env import start_local_ray
+    from tests.actors.test_dtype import bf16_against_plain
+
+    start_local_ray(num_cpus=4)
+    prompts = [[11, 12, 13, 14, 15] * 4, [40, 41, 42] * 5, [7] * 37, list(range(100, 140))]
+    diverged, far, accepted = bf16_against_plain(str(BUNDLED), str(tmp_path), prompts, 48, gpus_per_rank=1)
+    assert accepted > 0
+    assert not far, (diverged, far)
+
+
 def test_nvml_reports_the_gpus_for_the_dashboard():
     """The /metrics GPU gauges read NVML: on a GPU machine it must see the devices torch sees."""
     from actors.accelerator import device_usage

@@ -1,0 +1,117 @@
+"""The serving dtype (issue #29 item 1): a rank computes in the checkpoint's dtype on an
+accelerator and float32 on the CPU unless told otherwise; its KV cache is in that dtype and sized
+from the device's free memory on a GPU; argmax, sampling and acceptance stay float32. In bf16 the
+greedy output of a drafting policy may part from plain decoding's only where the two candidates'
+logits are within bf16's rounding of each other (a verify step computes a position in a batch of
+another shape): `divergences_are_near_ties` checks every such place against the float32 model."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from actors.engine.config import EngineConfig
+from actors.engine.coordinator import Engine
+from actors.engine.costs import deployment_key
+from actors.engine.sequence import SamplingParams
+from actors.target.checkpoint import checkpoint_dtype, load_model, save_model, serving_dtype
+from actors.target.kv_cache import tokens_for_memory
+from actors.target.local import LocalTarget
+from tests.conftest import tiny_model
+
+pytestmark = pytest.mark.usefixtures("local_ray")
+BF16_STEP = 2.0**-8  # bf16's relative spacing (8 significant bits)
+PROMPTS = [[5, 6, 7, 5, 6, 7, 5], [9, 10, 11, 9, 10], [3, 4, 3, 4, 3, 4], [20, 21, 22, 23, 20, 21],
+           [30, 31, 30, 31], [40, 41, 42, 43, 44, 40, 41], [50, 51], [60, 61, 62, 60, 61, 62]]
+
+
+def test_the_checkpoints_dtype_is_read_from_its_config_or_its_weights(tmp_path):
+    model = tiny_model()
+    save_model(model, tmp_path / "bf16", dtype=torch.bfloat16)
+    save_model(model, tmp_path / "f32")
+    assert checkpoint_dtype(tmp_path / "bf16") == torch.bfloat16  # no torch_dtype: the stored weights'
+    assert checkpoint_dtype(tmp_path / "f32") == torch.float32
+    config = json.loads((tmp_path / "f32" / "config.json").read_text())
+    (tmp_path / "f32" / "config.json").write_text(json.dumps(config | {"torch_dtype": "float16"}))
+    assert checkpoint_dtype(tmp_path / "f32") == torch.float16  # what the publisher declared wins
+    assert serving_dtype("auto", "cpu", tmp_path / "bf16") == torch.float32
+    assert serving_dtype("auto", "cuda", tmp_path / "bf16") == torch.bfloat16
+    assert serving_dtype("bfloat16", "cpu", tmp_path / "f32") == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype must be"):
+        serving_dtype("float64", "cpu", tmp_path / "f32")
+
+
+def test_kv_tokens_fill_what_the_weights_and_the_reserve_leave():
+    gib = 2**30
+    # 80 GiB device, 0.9 of it: 72 GiB; 20 GiB of weights, 2 GiB reserve: 50 GiB at 100 KiB a token
+    assert tokens_for_memory(80 * gib, 20 * gib, 0.9, 100 * 1024, 16, 2 * gib) == 50 * gib // (100 * 1024) // 16 * 16
+    assert tokens_for_memory(80 * gib, 20 * gib, 0.9, 100 * 1024, 16, 2 * gib) % 16 == 0
+    assert tokens_for_memory(80 * gib, 75 * gib, 0.9, 1024, 16) == 0  # nothing left: never negative
+    assert tokens_for_memory(1000, 0, 1.0, 10, 16) == 96  # whole blocks only
+
+
+def test_the_profile_of_one_dtype_is_never_reused_for_another(tiny_bundle):
+    f32 = EngineConfig(target_dir=f"{tiny_bundle}/target", dtype="float32")
+    assert deployment_key(f32) == deployment_key(EngineConfig(target_dir=f"{tiny_bundle}/target"))  # auto on CPU
+    assert deployment_key(f32) != deployment_key(EngineConfig(target_dir=f"{tiny_bundle}/target", dtype="bfloat16"))
+
+
+def divergences_are_near_ties(model32, prompts: list[list[int]], a: list[list[int]], b: list[list[int]],
+                              slack: float = 4.0) -> tuple[int, list[str]]:
+    """Where outputs a and b of one prompt first differ, the float32 model's logits of the two
+    tokens there must be within `slack` bf16 steps of the larger one. Returns (divergences,
+    the places where they were not)."""
+    target = LocalTarget(model32, kv_capacity_tokens=8192)
+    diverged, far = 0, []
+    for i, (p, x, y) in enumerate(zip(prompts, a, b, strict=True)):
+        t = next((j for j, (u, v) in enumerate(zip(x, y, strict=False)) if u != v), None)
+        if t is None:
+            assert len(x) == len(y) or x[-1] == y[-1], (i, x, y)
+            continue
+        diverged += 1
+        out = target.forward([i], [p + x[:t]], logits="last", with_logits=True)
+        target.release([i])
+        row = out.logits[0][-1].astype(np.float64)
+        gap, scale = abs(row[x[t]] - row[y[t]]), max(abs(row[x[t]]), abs(row[y[t]]), 1.0)
+        top = np.sort(row)[-2:]
+        if gap > slack * BF16_STEP * scale or min(row[x[t]], row[y[t]]) < top[0] - slack * BF16_STEP * scale:
+            far.append(f"prompt {i} at {t}: {x[t]} vs {y[t]}, logits {row[x[t]]:.4f} / {row[y[t]]:.4f}")
+    return diverged, far
+
+
+def bf16_against_plain(target_dir: str, cache: str, prompts: list[list[int]], max_tokens: int,
+                       **engine) -> tuple[int, list[str], int]:
+    """Serve `prompts` in bf16 with `ar` and then `full` drafting (the same engine) and check each
+    divergence against the float32 model; also bf16 `ar` against float32 `ar`. Returns (divergences
+    seen, those that were not near-ties, tokens accepted from drafts)."""
+    cfg = EngineConfig(target_dir=target_dir, drafter="ngram", block=6, policy="ar", dtype="bfloat16",
+                       cost_model_cache=cache, max_running=len(prompts), **engine)
+    params = [SamplingParams(max_tokens=max_tokens)] * len(prompts)
+    eng = Engine(cfg)
+    try:
+        (rank,) = eng.target.ranks
+        assert rank["dtype"] == "bfloat16" and eng.target.local.model.lm_head.weight.dtype == torch.bfloat16
+        assert eng.target.local.cache.k.dtype == torch.bfloat16
+        plain = [s.output for s in eng.generate(prompts, params)]
+        eng.set_policy("full")
+        drafted = eng.generate(prompts, params)
+    finally:
+        eng.shutdown()
+    ref = Engine(EngineConfig(target_dir=target_dir, policy="ar", dtype="float32", cost_model_cache=cache, **engine))
+    try:
+        fp32 = [s.output for s in ref.generate(prompts, params)]
+    finally:
+        ref.shutdown()
+    model32 = load_model(target_dir).eval()
+    n1, far1 = divergences_are_near_ties(model32, prompts, plain, [s.output for s in drafted])
+    n2, far2 = divergences_are_near_ties(model32, prompts, fp32, plain)
+    return n1 + n2, far1 + far2, sum(sum(s.accepted) for s in drafted)
+
+
+def test_bf16_serving_parts_from_plain_decoding_only_at_near_ties(tiny_bundle, tmp_path):
+    diverged, far, accepted = bf16_against_plain(f"{tiny_bundle}/target", str(tmp_path), PROMPTS, 24)
+    assert accepted > 0  # it speculated
+    assert not far, (diverged, far)
