@@ -407,13 +407,13 @@ class Chaos:
                 "ranks": len(live)}
 
     def whole(self, f: dict) -> bool:
-        """The app as before the fault: its victim gone (or running again), no deployment
+        """The app as before the fault: a killed victim gone, no deployment
         unhealthy or mid-replacement, as many replicas of each running as before (Serve's count;
         the autoscaler may be adding more meanwhile) and as many live ranks."""
-        procs = processes()
-        if f["victim"] is not None and f["victim"] in procs and procs[f["victim"]].state in "TtZ":
-            return False
-        if f["victim"] is not None and f["kind"] != "stall_rank" and f["victim"] in procs:
+        # A killed process must be gone. A stopped rank is judged by its unit: once the group is
+        # rebuilt without it, the new rank counts among the live ones and the old process (which
+        # Ray marked dead) lingers until it runs again (the SIGCONT after the stall) and exits.
+        if f["victim"] is not None and f["kind"] != "stall_rank" and f["victim"] in processes():
             return False
         now = self.shape()
         if now is None or any(d in ("UNHEALTHY", "UPDATING") for d in now["status"].values()):
