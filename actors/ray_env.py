@@ -24,6 +24,11 @@ LOCAL_RAY_ENV = {
     # serving engine makes several actor calls per step, and the soak saw the GCS grow 6 MB a
     # minute without end in sight. 10 000 bounds it and still covers the last minute or so.
     "RAY_task_events_max_num_task_in_gcs": "10000",
+    # How long a raylet lets a worker it was told to kill exit by itself before SIGKILL (5 s by
+    # default). A rank that stopped answering (hung, SIGSTOPped) never exits by itself, and its
+    # placement-group bundle, which its replacement needs, stays taken until it is gone: 1 s
+    # takes 4 s off every in-place rebuild after a stall (benchmarks/chaos.py, docs/operations.md).
+    "RAY_kill_worker_timeout_milliseconds": "1000",
 }
 
 
