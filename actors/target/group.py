@@ -19,6 +19,7 @@ leaves the group healthy.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -310,9 +311,10 @@ class EPGroup:
     def healthy(self) -> bool:
         return self._broken is None
 
-    @property
+    @functools.cached_property
     def kv_tokens(self) -> int:
-        """KV tokens of the smallest rank's cache (what each rank sized at start)."""
+        """KV tokens of the smallest rank's cache (what each rank sized at start; the scheduler
+        asks every step, and a group's ranks never change: a rebuild is a new group)."""
         return min(r.get("kv_tokens", self.cfg.kv_capacity_tokens) for r in self.ranks)
 
     def shutdown(self) -> None:
