@@ -26,6 +26,7 @@ D-Cut prunes every request's drafts in one decision, whatever made them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cache
 
 import numpy as np
 
@@ -41,41 +42,40 @@ class KindChooser:
     fallback: bool = True  # name a kind to stand in when a request's kind drafts nothing
     tried: dict[int, np.ndarray] = field(default_factory=dict)  # request -> verifications by kind
 
-    def values(self, predicted: list[list[np.ndarray]], verify: StepCost, costs, rate: float | None = None,
+    def values(self, table: GainTable, verify: StepCost, costs, rate: float | None = None,
                held: np.ndarray | None = None, remaining: np.ndarray | None = None,
                sharing: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
-        """(v, gain, n) [R, K] and ρ: predicted[k][i] is request i's conditional acceptance by
-        position under kind k (up to its cap), costs[k] the kind's DraftCost, ρ the rate a second
-        of drafting is charged at (default: plain decoding's). v_ik is the best net gain in
-        tokens, at n_ik drafts expected to yield gain_ik accepted. held [R, K]: context tokens
-        kind k has not seen of request i — catching up costs d_context,k per token, charged in
-        the share of the request's `remaining` output this step may make (as the gate does).
-        sharing [K]: requests drafting with each kind this step — a chain's passes run once for
-        all of them, so each is charged its share (default 1: the whole chain)."""
-        mats = [m if isinstance(m, np.ndarray) else padded(m) for m in predicted]
-        r = len(mats[0])
+        """(v, gain, n) [R, K] and ρ: `table` holds every request's expected accepted tokens at
+        n drafts under each kind (`GainTable.of` the predictions), costs[k] the kind's DraftCost,
+        ρ the rate a second of drafting is charged at (default: plain decoding's). v_ik is the
+        best net gain in tokens, at n_ik drafts expected to yield gain_ik accepted. held [R, K]:
+        context tokens kind k has not seen of request i — catching up costs d_context,k per
+        token, charged in the share of the request's `remaining` output this step may make (as
+        the gate does). sharing [K]: requests drafting with each kind this step — a chain's
+        passes run once for all of them, so each is charged its share (default 1: the whole
+        chain). Every kind at once: one [R, K, n] array, no loop over kinds."""
+        r = table.gain.shape[0]
         base = float(verify.seconds(np.array([r]))[0])
         zero = np.zeros((r, self.kinds))
-        if not any(m.shape[1] for m in mats):  # nobody may draft: nothing to tell apart
+        if not table.width.any():  # nobody may draft: nothing to tell apart
             return zero, zero, zero, 0.0
         rate = r / base if rate is None else rate
         tau = float(verify.seconds(np.array([r + 1]))[0]) - base  # one more verified token
-        v, gain_at, n_at = zero.copy(), zero.copy(), zero.copy()
-        for k, rates in enumerate(mats):
-            n_max = rates.shape[1]
-            if n_max == 0:
-                continue
-            gain = np.cumsum(np.cumprod(rates, axis=1), axis=1)  # [R, n]: expected accepted at n drafts
-            n = np.arange(1, n_max + 1)
-            c = costs[k]  # a chain's passes are shared by the requests drafting with it this step
-            per_pass = c.per_pass / (1.0 if sharing is None else max(1.0, float(sharing[k])))
-            net = gain - rate * (c.per_request + n * (c.per_position + per_pass + tau))
-            if held is not None and self.switch:
-                left = np.maximum(1.0, np.asarray(remaining, dtype=np.float64))[:, None]
-                net = net - rate * c.per_context * held[:, k][:, None] * np.minimum(1.0, (1.0 + gain) / left)
-            best = net.argmax(axis=1)
-            v[:, k], gain_at[:, k], n_at[:, k] = net[np.arange(r), best], gain[np.arange(r), best], best + 1
-        return v, gain_at, n_at, rate
+        c = table.costs(costs)
+        per_pass = c[4] / (1.0 if sharing is None else np.maximum(1.0, np.asarray(sharing, dtype=np.float64)))
+        gain = table.gain
+        net = gain - rate * (c[1][None, :, None] + table.n[None, None, :]
+                             * (c[2] + per_pass + tau)[None, :, None])
+        if held is not None and self.switch:
+            left = np.maximum(1.0, np.asarray(remaining, dtype=np.float64))[:, None, None]
+            net = net - rate * c[3][None, :, None] * np.asarray(held, dtype=np.float64)[:, :, None] * np.minimum(
+                1.0, (1.0 + gain) / left)
+        net = np.where(table.valid[None], net, -np.inf)
+        best = net.argmax(axis=2)[:, :, None]  # [R, K, 1]: the first best length of each kind
+        drafts = table.width > 0
+        v = np.where(drafts, np.take_along_axis(net, best, axis=2)[:, :, 0], 0.0)
+        gain_at = np.where(drafts, np.take_along_axis(gain, best, axis=2)[:, :, 0], 0.0)
+        return v, gain_at, np.where(drafts, best[:, :, 0] + 1.0, 0.0), rate
 
     def choose(self, rids: list[int], predicted: list[list[np.ndarray]], verify: StepCost, costs,
                allowed: np.ndarray | None = None, prior: np.ndarray | None = None, held: np.ndarray | None = None,
@@ -84,8 +84,10 @@ class KindChooser:
         step; whether that choice is the bonus's rather than the estimates' — an exploring request
         must draft to teach anything, even where the estimates alone would not draft (the gate
         sees to it); and the kind to draft with instead if the chosen one makes no drafts (-1:
-        none). allowed [R, K]: the kinds each request may use (its own choice); prior [R, K]: tokens
-        added to the values; held, remaining: what a switch of kind costs (`values`).
+        none). predicted[k][i]: request i's conditional acceptance by position under kind k (up
+        to its cap). allowed [R, K]: the kinds each request may use (its own choice); prior
+        [R, K]: tokens added to the values; held, remaining: what a switch of kind costs
+        (`values`).
 
         A kind's pass costs its `fixed` seconds once for all the requests it drafts for, so the
         kinds in use are chosen together: of every set of kinds, the one whose requests' best
@@ -99,17 +101,19 @@ class KindChooser:
             return np.zeros(r, dtype=np.int64), np.zeros(r, dtype=bool), np.full(r, -1, dtype=np.int64)
         counts = np.array([self.tried.get(rid, np.zeros(self.kinds)) for rid in rids])
         bonus = self.bonus * np.sqrt(np.log(2.0 + counts.sum(axis=1))[:, None] / (1.0 + counts))
-        predicted = [padded(rows) for rows in predicted]  # once for every round
+        table = GainTable.of(predicted)  # once for every round
+        c = table.costs(costs)
+        fixed_s = c[0]
         rate, sharing = None, np.full(self.kinds, r)  # first as if every request drafted with each kind
+        rows = np.arange(r)
         for _ in range(self.refine):
-            value, gain, n, rate = self.values(predicted, verify, costs, rate, held, remaining, sharing)
+            value, gain, n, rate = self.values(table, verify, costs, rate, held, remaining, sharing)
             if prior is not None:
                 value = value + prior
             score = value + bonus
             if allowed is not None:
                 value, score = np.where(allowed, value, -np.inf), np.where(allowed, score, -np.inf)
-            kind, use = self._assign(score, rate * np.array([c.fixed for c in costs]))
-            rows = np.arange(r)
+            kind, use = self._assign(score, rate * fixed_s)
             drafts = value[rows, kind] > 0  # the requests whose drafts are predicted to pay
             if rate == 0.0 or not drafts.any():
                 break
@@ -117,17 +121,18 @@ class KindChooser:
             sharing = np.bincount(k, minlength=self.kinds)  # the next round charges each its share of a chain
             tokens = r + gain[rows, kind][drafts].sum()
             m = n[rows, kind][drafts]
-            seconds = float(verify.seconds(np.array([r + int(m.sum())]))[0]) + sum(
-                costs[j].fixed + costs[j].per_pass * m[k == j].max() for j in np.unique(k)) + sum(
-                costs[j].per_request + costs[j].per_position * mj for j, mj in zip(k, m, strict=True))
+            longest = np.zeros(self.kinds)
+            np.maximum.at(longest, k, m)
+            seconds = (float(verify.seconds(np.array([r + int(m.sum())]))[0])
+                       + float(((fixed_s + c[4] * longest) * (sharing > 0)).sum())
+                       + float((c[1][k] + c[2][k] * m).sum()))
             if tokens / seconds <= rate * (1 + 1e-6):
                 break
             rate = tokens / seconds
-        exploring = (kind != np.where(use, value, -np.inf).argmax(axis=1)) & (score[np.arange(r), kind] > 0)
-        fixed = rate * np.array([c.fixed for c in costs])
+        exploring = (kind != np.where(use, value, -np.inf).argmax(axis=1)) & (score[rows, kind] > 0)
         if not self.fallback:
             return kind, exploring, np.full(r, -1, dtype=np.int64)
-        return kind, exploring, self._fallback(value - np.where(use, 0.0, fixed)[None, :], kind)
+        return kind, exploring, self._fallback(value - np.where(use, 0.0, rate * fixed_s)[None, :], kind)
 
     def _fallback(self, value: np.ndarray, kind: np.ndarray) -> np.ndarray:
         """Per request, the kind to draft with if its chosen kind makes no drafts this step (an
@@ -140,12 +145,13 @@ class KindChooser:
 
     def _assign(self, score: np.ndarray, fixed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(kind [R], kinds in use [K]): the set of kinds whose requests' positive scores minus
-        their passes' costs (tokens) sum highest; each request's best kind within it."""
-        best_total, use = -np.inf, np.ones(self.kinds, dtype=bool)
-        for subset in range(1, 2 ** self.kinds):
-            inside = (subset >> np.arange(self.kinds)) & 1 == 1
-            top = np.where(inside, score, -np.inf).max(axis=1)
-            total = float(np.maximum(top, 0.0).sum() - fixed[inside].sum())
+        their passes' costs (tokens) sum highest; each request's best kind within it. Every set
+        is scored in one array operation ([sets, R, K])."""
+        sets = kind_sets(self.kinds)
+        top = np.where(sets[:, None, :], score[None, :, :], -np.inf).max(axis=2)  # [sets, R]
+        totals = (np.maximum(top, 0.0).sum(axis=1) - np.where(sets, fixed[None, :], 0.0).sum(axis=1)).tolist()
+        best_total, use = -np.inf, sets[-1]
+        for inside, total in zip(sets, totals, strict=True):
             if total > best_total + 1e-12:  # ties: the set met first (fewer, lower kinds)
                 best_total, use = total, inside
         within = np.where(use, score, -np.inf)
@@ -169,3 +175,37 @@ def padded(rows: list[np.ndarray]) -> np.ndarray:
     if out.size:
         out[np.arange(out.shape[1]) < lens[:, None]] = np.clip(np.concatenate(rows), 0.0, 1.0)
     return out
+
+
+@dataclass(frozen=True)
+class GainTable:
+    """Every request's expected accepted tokens at n = 1 .. width_k drafts under each kind k, as
+    one [R, K, n_max] array (gain[i, k, n − 1] = Σ_{j<n} S_ikj), from the predictions of
+    conditional acceptance; lengths past a kind's longest row are not `valid`."""
+
+    gain: np.ndarray  # [R, K, n_max]
+    width: np.ndarray  # [K] the longest prediction of each kind
+    valid: np.ndarray  # [K, n_max]
+    n: np.ndarray  # [n_max] 1 .. n_max
+
+    @classmethod
+    def of(cls, predicted: list[list[np.ndarray]]) -> GainTable:
+        mats = [padded(rows) for rows in predicted]
+        width = np.array([m.shape[1] for m in mats], dtype=np.int64)
+        n_max = int(width.max(initial=0))
+        rates = np.zeros((len(mats[0]), len(mats), n_max))
+        for k, m in enumerate(mats):
+            rates[:, k, :m.shape[1]] = m
+        n = np.arange(1, n_max + 1, dtype=np.float64)
+        return cls(np.cumsum(np.cumprod(rates, axis=2), axis=2), width, n[None, :] <= width[:, None], n)
+
+    @staticmethod
+    def costs(costs) -> np.ndarray:
+        """[5, K]: each kind's fixed, per-request, per-position, per-context and per-pass seconds."""
+        return np.array([[c.fixed, c.per_request, c.per_position, c.per_context, c.per_pass] for c in costs]).T
+
+
+@cache
+def kind_sets(k: int) -> np.ndarray:
+    """[2^k − 1, k] bool: every non-empty set of k kinds, in the order of their bit patterns."""
+    return (np.arange(1, 2 ** k)[:, None] >> np.arange(k)) & 1 == 1

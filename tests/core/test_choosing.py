@@ -204,3 +204,74 @@ def test_a_chains_passes_are_shared_by_the_requests_that_draft_with_it():
         predicted = [[np.full(4, 0.5)] * r, [np.full(4, 0.7)] * r]
         kind, _, _ = KindChooser(2, bonus=0.0).choose(list(range(r)), predicted, verify, costs)
         assert (kind == want).all(), (r, kind)
+
+
+def reference_values(predicted, verify, costs, rate, held, remaining, sharing):
+    """`KindChooser.values` written out request by request, kind by kind and length by length."""
+    r, k = len(predicted[0]), len(predicted)
+    base = float(verify.seconds(np.array([r]))[0])
+    tau = float(verify.seconds(np.array([r + 1]))[0]) - base
+    rate = r / base if rate is None else rate
+    v, gain_at, n_at = np.zeros((r, k)), np.zeros((r, k)), np.zeros((r, k))
+    for j in range(k):
+        width = max(len(p) for p in predicted[j])
+        if width == 0:
+            continue
+        c = costs[j]
+        per_pass = c.per_pass / (1.0 if sharing is None else max(1.0, float(sharing[j])))
+        for i in range(r):
+            rates = [min(1.0, max(0.0, x)) for x in predicted[j][i]] + [0.0] * (width - len(predicted[j][i]))
+            best, survive, gain = None, 1.0, 0.0
+            for n in range(1, width + 1):
+                survive *= rates[n - 1]
+                gain += survive
+                net = gain - rate * (c.per_request + n * (c.per_position + per_pass + tau))
+                if held is not None:
+                    net -= rate * c.per_context * held[i, j] * min(1.0, (1.0 + gain) / max(1.0, remaining[i]))
+                if best is None or net > best[0]:
+                    best = (net, gain, n)
+            v[i, j], gain_at[i, j], n_at[i, j] = best
+    return v, gain_at, n_at
+
+
+def reference_assign(score, fixed):
+    """`KindChooser._assign` by enumerating the sets of kinds one by one."""
+    r, k = score.shape
+    best_total, use = -np.inf, None
+    for subset in range(1, 2 ** k):
+        inside = [(subset >> j) & 1 == 1 for j in range(k)]
+        total = sum(max(0.0, max((score[i, j] for j in range(k) if inside[j]), default=-np.inf))
+                    for i in range(r)) - sum(fixed[j] for j in range(k) if inside[j])
+        if total > best_total + 1e-9:
+            best_total, use = total, inside
+    return best_total, use
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 6), st.integers(2, 3), st.integers(0, 2**31 - 1), st.booleans(), st.booleans())
+def test_the_chooser_array_code_equals_a_request_by_request_reference(r, k, seed, with_held, with_sharing):
+    """Values over every kind at once equal the loops they replace, and the chosen set of kinds
+    is the best of all sets (ties: within rounding)."""
+    from dcut_core.choosing import GainTable
+
+    rng = np.random.default_rng(seed)
+    widths = rng.integers(0, 6, k)
+    predicted = [[rng.random(int(rng.integers(0, w + 1))) * 1.2 for _ in range(r)] for w in widths]
+    costs = [DraftCost(*rng.uniform(0, [2e-3, 5e-4, 5e-4, 1e-5, 2e-3])) for _ in range(k)]
+    verify = linear(0.01, float(rng.uniform(0, 1e-3)))
+    held = rng.integers(0, 300, (r, k)).astype(np.float64) if with_held else None
+    remaining = rng.integers(1, 60, r)
+    sharing = rng.integers(0, r + 1, k) if with_sharing else None
+    rate = None if seed % 2 else float(rng.uniform(10, 500))
+    ch = KindChooser(k, bonus=0.0)
+    got = ch.values(GainTable.of(predicted), verify, costs, rate, held, remaining, sharing)
+    want = reference_values(predicted, verify, costs, rate, held, remaining, sharing)
+    for a, b in zip(got[:3], want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+    score = got[0] + rng.normal(0, 0.5, (r, k))
+    fixed = rng.uniform(0, 1.0, k)
+    kind, use = ch._assign(score, fixed)
+    best, _ = reference_assign(score, fixed)
+    chosen = np.maximum(np.where(use, score, -np.inf).max(axis=1), 0.0).sum() - fixed[use].sum()
+    assert chosen == pytest.approx(best, abs=1e-9)
+    assert use[kind].all() or not np.isfinite(np.where(use, score, -np.inf).max(axis=1)).all()
