@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+import torch
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,21 @@ def merge_outputs(r: int, parts) -> DraftOutput:
     np.cumsum([len(t) for t in tokens], out=cu[1:])
     return DraftOutput(np.concatenate(tokens).astype(np.int64), cu, np.concatenate(conf).astype(np.float64),
                        np.concatenate(margin).astype(np.float64))
+
+
+def cat_rows(parts: list) -> np.ndarray | torch.Tensor:
+    """Feature rows of one request in order: host arrays stay on the host; if any part is a
+    tensor (features handed over on a rank's device), all join it there."""
+    tensors = [p for p in parts if isinstance(p, torch.Tensor)]
+    if not tensors:
+        return np.concatenate(parts)
+    dev = tensors[0].device
+    return torch.cat([as_tensor(p).to(dev, non_blocking=True) for p in parts])
+
+
+def as_tensor(rows: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """A tensor as it is, a host array as a host tensor (never on torch's default device)."""
+    return rows if isinstance(rows, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(rows))
 
 
 class Drafter(Protocol):

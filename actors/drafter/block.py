@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from actors.drafter.base import DraftOutput
+from actors.drafter.base import DraftOutput, as_tensor
 from actors.drafter.model import DraftModel
 from actors.target.kv_cache import CacheSpec, PagedKVCache
 
@@ -26,8 +26,24 @@ class BlockDrafter:
         self.cut = cut  # run only the block positions each request's drafts need
         if not 2 <= self.block <= cfg.block_size:
             raise ValueError(f"block size must be in 2..{cfg.block_size}")
-        spec = CacheSpec(cfg.num_layers, cfg.num_key_value_heads, cfg.head_dim, capacity_tokens)
-        self.cache = PagedKVCache(spec)
+        self.spec = CacheSpec(cfg.num_layers, cfg.num_key_value_heads, cfg.head_dim, capacity_tokens)
+        self.cache = PagedKVCache(self.spec)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.mask_embedding.device
+
+    def to(self, device: str | torch.device) -> BlockDrafter:
+        """Move the weights and the (empty) context cache to `device` (a GPU rank's own)."""
+        if torch.device(device) == self.device:
+            return self
+        if self.cache.requests:
+            raise RuntimeError("a drafter moves before it holds any request's context")
+        self.model.to(device)
+        self.model.embed.to(device), self.model.lm_head.to(device)  # borrowed from the target, not registered
+        self.model._head_w = None  # the head's rows, gathered again where the head now is
+        self.cache = PagedKVCache(self.spec, device=str(device))
+        return self
 
     @property
     def target_layers(self) -> tuple[int, ...]:
@@ -44,7 +60,7 @@ class BlockDrafter:
             if not h:  # tokens the target has not processed yet carry no features
                 rows.append(0)
                 continue
-            x = torch.cat([torch.as_tensor(h[layer]).float() for layer in self.target_layers], dim=-1)
+            x = torch.cat([on(h[layer], self.device) for layer in self.target_layers], dim=-1)
             feats.append(x)
             rows.append(x.shape[0])
         growth = {rid: n for rid, n in zip(request_ids, rows, strict=True) if n}
@@ -52,9 +68,10 @@ class BlockDrafter:
             return
         self.cache.reserve(growth)
         starts = [self.context_length(rid) for rid in request_ids]
-        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, rows, strict=True)])
+        dev = self.device
+        positions = torch.cat([torch.arange(s, s + n, device="cpu") for s, n in zip(starts, rows, strict=True)]).to(dev)
         slots = torch.cat([self.cache.slots(rid, s, s + n) for rid, s, n in zip(request_ids, starts, rows,
-                                                                                  strict=True) if n])
+                                                                                  strict=True) if n]).to(dev)
         proj = self.model.project(torch.cat(feats))  # [Σn, H]
         cos, sin = self.model.rope(positions)
         for i, layer in enumerate(self.model.layers):
@@ -89,38 +106,49 @@ class BlockDrafter:
         b = len(request_ids)
         ctx = [self.context_length(rid) for rid in request_ids]
         t = max(ctx, default=0)
-        key_slots = torch.zeros(b, t, dtype=torch.long)
+        key_slots = torch.zeros(b, t, dtype=torch.long, device="cpu")
         for i, (rid, n) in enumerate(zip(request_ids, ctx, strict=True)):
             if n:
                 key_slots[i, :n] = self.cache.slots(rid, 0, n)
-        mask = torch.arange(t)[None, :] < torch.tensor(ctx)[:, None]  # [B, T]
+        # the batch's small integers are built on the host, then sent in one copy each
+        dev = self.device
+        key_slots = key_slots.to(dev, non_blocking=True)
+        ctx_t, lengths_t = torch.tensor(ctx, device=dev), torch.tensor(lengths, device=dev)
+        mask = torch.arange(t, device=dev)[None, :] < ctx_t[:, None]  # [B, T]
         ctx_kv = [(self.cache.k[i][key_slots], self.cache.v[i][key_slots]) for i in range(len(self.model.layers))]
         ragged = self.cut and len(set(lengths)) > 1
-        sizes = torch.tensor(lengths) + 1 if ragged else None
-        hidden = self.model.block_hidden(torch.tensor(last_tokens), torch.tensor(ctx), ctx_kv, mask, block, sizes)
-        pick = torch.arange(block)[None, :]
-        want = (pick >= 1) & (pick <= torch.tensor(lengths)[:, None])  # [B, K] rows that may be kept
+        sizes = lengths_t + 1 if ragged else None
+        hidden = self.model.block_hidden(torch.tensor(last_tokens, device=dev), ctx_t, ctx_kv, mask, block, sizes)
+        pick = torch.arange(block, device=dev)[None, :]
+        want = (pick >= 1) & (pick <= lengths_t[:, None])  # [B, K] rows that may be kept
         logits = self.model.logits(hidden[want]).float()  # [N, head vocabulary]
-        out = sample_drafts(logits, lengths, temperature, rng)
-        ids = self.model.head_ids.numpy()
-        return DraftOutput(ids[out.tokens], out.cu, out.confidence, out.margin, out.probs)
+        return sample_drafts(logits, lengths, temperature, rng, self.model.head_ids)
+
+
+def on(rows, device: torch.device) -> torch.Tensor:
+    """Feature rows (a host array, or a tensor already on the rank's device) as float32 on `device`."""
+    return as_tensor(rows).to(device=device, dtype=torch.float32, non_blocking=True)
 
 
 def sample_drafts(logits: torch.Tensor, lengths: list[int], temperature: float,
-                  rng: np.random.Generator | None) -> DraftOutput:
-    """Greedy (temperature 0) or sampled drafts with their confidence and top-2 margin."""
+                  rng: np.random.Generator | None, head_ids: torch.Tensor | None = None) -> DraftOutput:
+    """Greedy (temperature 0) or sampled drafts with their confidence and top-2 margin, computed
+    where the logits are; what crosses to the host is three numbers a draft (one copy), and the
+    distributions only when sampling asks for them. head_ids: the token of each logit column
+    (a frequency-ranked head), default the column itself."""
     cu = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=cu[1:])
     if temperature > 0:
         probs = torch.softmax(logits / temperature, dim=-1)
-        u = torch.from_numpy((rng or np.random.default_rng()).random(len(logits)))
+        u = torch.from_numpy((rng or np.random.default_rng()).random(len(logits))).to(logits.device)
         tokens = torch.searchsorted(probs.double().cumsum(-1), (u * probs.double().sum(-1))[:, None]).squeeze(-1)
         tokens = tokens.clamp_max(probs.shape[-1] - 1)
     else:
         probs = torch.softmax(logits, dim=-1)
         tokens = probs.argmax(-1)
-    top2 = torch.topk(probs, 2, dim=-1).values
+    top2 = torch.topk(probs, min(2, probs.shape[-1]), dim=-1).values
     conf = probs.gather(-1, tokens[:, None]).squeeze(-1)
-    return DraftOutput(tokens.numpy().astype(np.int64), cu, conf.numpy().astype(np.float64),
-                       (top2[:, 0] - top2[:, 1]).numpy().astype(np.float64),
-                       probs.numpy() if temperature > 0 else None)
+    ids = tokens if head_ids is None else head_ids[tokens]
+    host = torch.stack([ids.double(), conf.double(), (top2[:, 0] - top2[:, -1]).double()]).cpu().numpy()
+    return DraftOutput(host[0].astype(np.int64), cu, host[1], host[2],
+                       probs.cpu().numpy() if temperature > 0 else None)

@@ -34,6 +34,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from actors.drafter.block import on
 from actors.drafter.mtp import MTPDrafter
 from actors.target.layers import RMSNorm, SwiGLU, apply_rope
 from actors.target.rope import Rotary
@@ -141,7 +142,8 @@ class Eagle3Module(nn.Module):
 
     def features(self, captured: dict) -> torch.Tensor:
         """f [N, H] from the target's outputs of the three feature layers ({layer: [N, H]})."""
-        parts = [torch.as_tensor(captured[layer]).float() for layer in self.cfg.target_layers]
+        dev = self.fc.weight.device
+        parts = [on(captured[layer], dev) for layer in self.cfg.target_layers]
         if self.fc_norms is not None:
             parts = [norm(p) for norm, p in zip(self.fc_norms, parts, strict=True)]
         x = torch.cat(parts, dim=-1)
@@ -177,7 +179,7 @@ class Eagle3Module(nn.Module):
         (so a draft and its confidence are the draft vocabulary's)."""
         small = self.draft_logits(g)
         out = small.new_full((*small.shape[:-1], self.vocab_size), float("-inf"))
-        out[..., torch.arange(self.cfg.draft_vocab_size) + self.d2t] = small
+        out[..., torch.arange(self.cfg.draft_vocab_size, device=small.device) + self.d2t] = small
         return out
 
     def save(self, folder: str | pathlib.Path) -> None:

@@ -158,8 +158,9 @@ class DraftModel(nn.Module):
         b = last_tokens.shape[0]
         x = self.mask_embedding.expand(b, block, -1).clone()
         x[:, 0] = self.embed(last_tokens)
-        cos, sin = self.rope(positions[:, None] + torch.arange(block)[None, :])
-        live = None if sizes is None else torch.arange(block)[None, :] < sizes[:, None]
+        offsets = torch.arange(block, device=x.device)[None, :]
+        cos, sin = self.rope(positions[:, None] + offsets)
+        live = None if sizes is None else offsets < sizes[:, None]
         for layer, (k, v) in zip(self.layers, ctx_kv, strict=True):
             x = layer(x, cos, sin, k, v, ctx_mask, live)
         return self.norm(x)

@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from actors.drafter.base import DraftOutput
-from actors.drafter.block import sample_drafts
+from actors.drafter.block import on, sample_drafts
 from actors.target.kv_cache import CacheSpec, PagedKVCache
 from actors.target.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin
 
@@ -147,8 +147,9 @@ class MTPDrafter:
         self.module, self.final_norm, self.layer, self.block = module, final_norm, target_layer, block
         # keys and values per pair; a latent-attention module (a DeepSeek-V3 next-n layer) keeps one
         # latent row as the key and its first `value_dim` values as the value
-        self.cache = PagedKVCache(CacheSpec(1, module.kv_heads, module.head_dim, capacity_tokens,
-                                            value_dim=getattr(module, "value_dim", None)))
+        self.spec = CacheSpec(1, module.kv_heads, module.head_dim, capacity_tokens,
+                              value_dim=getattr(module, "value_dim", None))
+        self.cache = PagedKVCache(self.spec)
         self.scale = getattr(module, "scale", None)  # softmax scale (None: 1/sqrt(head_dim))
         self._tokens: dict[int, list[int]] = {}  # committed tokens from pair index + 1 on
         self._hidden: dict[int, list[torch.Tensor]] = {}  # target states from pair index on
@@ -158,9 +159,27 @@ class MTPDrafter:
     def target_layers(self) -> tuple[int, ...]:
         return (self.layer,)
 
+    @property
+    def device(self) -> torch.device:
+        return self.cache.k.device
+
+    def to(self, device: str | torch.device) -> MTPDrafter:
+        """Move the module (with the target's embedding and head it borrows), the final norm and the
+        (empty) cache to `device` (a GPU rank's own)."""
+        if torch.device(device) == self.device:
+            return self
+        if self.held_requests():
+            raise RuntimeError("a drafter moves before it holds any request's context")
+        for part in (self.module, self.final_norm, *getattr(self.module, "_shared", ()),
+                     *getattr(self.module, "_embed", ())):
+            if part is not None:
+                part.to(device)
+        self.cache = PagedKVCache(self.spec, device=str(device))
+        return self
+
     def _features(self, hidden: dict) -> torch.Tensor:
         """What the module conditions on, per position, from the target's captured states."""
-        return self.final_norm(torch.as_tensor(hidden[self.layer]).float())
+        return self.final_norm(on(hidden[self.layer], self.device))
 
     @torch.inference_mode()
     def commit(self, request_ids: list[int], tokens: list[list[int]], hidden: list[dict]) -> None:
@@ -173,7 +192,7 @@ class MTPDrafter:
                 buf_h.extend(self._features(h))
             m = min(len(buf_t), len(buf_h))
             if m:
-                new.append((rid, torch.tensor(buf_t[:m]), torch.stack(buf_h[:m])))
+                new.append((rid, torch.tensor(buf_t[:m], device=self.device), torch.stack(buf_h[:m])))
                 del buf_t[:m], buf_h[:m]
         if new:
             self._pairs(new)
@@ -187,18 +206,22 @@ class MTPDrafter:
         starts = [self.cache.length(rid) if rid in self.cache else 0 for rid in rids]
         self.cache.reserve(dict(zip(rids, counts, strict=True)))
         x = self.module.combine(torch.cat([t for _, t, _ in new]), torch.cat([h for _, _, h in new]))
-        positions = torch.cat([torch.arange(s + 1, s + 1 + n) for s, n in zip(starts, counts, strict=True)])
+        dev = self.device  # the pass's small integers are built on the host, then sent in one copy each
+        positions = torch.cat([torch.arange(s + 1, s + 1 + n, device="cpu") for s, n in zip(starts, counts,
+                                                                                          strict=True)]).to(dev)
         q, k, v = self.module.qkv(x, positions)  # pair j sits at position j
-        slots = torch.cat([self.cache.slots(rid, s, s + n) for rid, s, n in zip(rids, starts, counts, strict=True)])
+        slots = torch.cat([self.cache.slots(rid, s, s + n) for rid, s, n in zip(rids, starts, counts,
+                                                                                strict=True)]).to(dev)
         self.cache.k[0, slots], self.cache.v[0, slots] = k, v
         for rid, n in zip(rids, counts, strict=True):
             self.cache.commit(rid, n)
-        newest = torch.cumsum(torch.tensor(counts), 0) - 1
+        newest = torch.cumsum(torch.tensor(counts, device=dev), 0) - 1
         ctx = [s + n for s, n in zip(starts, counts, strict=True)]
-        keys = torch.zeros(len(rids), max(ctx), dtype=torch.long)
+        keys = torch.zeros(len(rids), max(ctx), dtype=torch.long, device="cpu")
         for i, (rid, t) in enumerate(zip(rids, ctx, strict=True)):
             keys[i, :t] = self.cache.slots(rid, 0, t)
-        mask = torch.arange(max(ctx))[None, :] < torch.tensor(ctx)[:, None]  # [R, T]
+        keys = keys.to(dev, non_blocking=True)
+        mask = torch.arange(max(ctx), device=dev)[None, :] < torch.tensor(ctx, device=dev)[:, None]  # [R, T]
         attn = _attend(q[newest][:, None], self.cache.k[0][keys], self.cache.v[0][keys], mask[:, None], self.scale)
         g = self.module.finish(x[newest], attn[:, 0])
         for rid, row in zip(rids, g, strict=True):
@@ -217,16 +240,18 @@ class MTPDrafter:
             g = torch.stack([self._last[request_ids[i]] for i in live])
             ctx = [self.cache.length(request_ids[i]) for i in live]
             t = max(ctx)
-            keys = torch.zeros(len(live), t, dtype=torch.long)
+            dev = self.device
+            keys = torch.zeros(len(live), t, dtype=torch.long, device="cpu")
             for j, i in enumerate(live):
                 keys[j, :ctx[j]] = self.cache.slots(request_ids[i], 0, ctx[j])
+            keys, ctx_t = keys.to(dev, non_blocking=True), torch.tensor(ctx, device=dev)
             n = max(lengths)
             # keys and values: the cached pairs, then room for the chain's own (written in place)
             k_all = self.cache.k.new_zeros((len(live), t + n, *self.cache.k.shape[2:]))
             v_all = self.cache.v.new_zeros((len(live), t + n, *self.cache.v.shape[2:]))
             k_all[:, :t], v_all[:, :t] = self.cache.k[0][keys], self.cache.v[0][keys]
-            mask = torch.zeros(len(live), t + n, dtype=torch.bool)
-            mask[:, :t] = torch.arange(t)[None, :] < torch.tensor(ctx)[:, None]
+            mask = torch.zeros(len(live), t + n, dtype=torch.bool, device=dev)
+            mask[:, :t] = torch.arange(t, device=dev)[None, :] < ctx_t[:, None]
             for s in range(n):
                 logits = self.module.logits(g).float()
                 steps.append(logits)
@@ -234,12 +259,12 @@ class MTPDrafter:
                     break
                 tok = logits.argmax(-1)  # the chain follows the greedy draft (sampling draws below)
                 x = self.module.combine(tok, g)
-                q, k_all[:, t + s], v_all[:, t + s] = self.module.qkv(x, torch.tensor(ctx) + 1 + s)
+                q, k_all[:, t + s], v_all[:, t + s] = self.module.qkv(x, ctx_t + 1 + s)
                 mask[:, t + s] = True
                 g = self.module.finish(x, _attend(q[:, None], k_all[:, :t + s + 1], v_all[:, :t + s + 1],
                                                   mask[:, None, :t + s + 1], self.scale)[:, 0])
         rows = [steps[s][j] for j, i in enumerate(live) for s in range(lengths[i])]
-        logits = torch.stack(rows) if rows else torch.zeros(0, self.module.vocab_size)
+        logits = torch.stack(rows) if rows else torch.zeros(0, self.module.vocab_size, device=self.device)
         return sample_drafts(logits, lengths, temperature, rng)
 
     def release(self, request_ids: list[int]) -> None:

@@ -12,7 +12,7 @@ for it.
 
 from __future__ import annotations
 
-import numpy as np
+from actors.drafter.base import cat_rows
 
 
 class PendingContext:
@@ -46,7 +46,7 @@ class PendingContext:
             del self.sizes[kind][rid]
             tokens.append([t for toks, _ in chunks for t in toks])
             rows = [h for _, h in chunks if h]
-            hidden.append({lay: np.concatenate([h[lay] for h in rows]) for lay in rows[0]} if rows else {})
+            hidden.append({lay: cat_rows([h[lay] for h in rows]) for lay in rows[0]} if rows else {})
         self.drafters[kind].commit(rids, tokens, hidden)
         return sum(map(len, tokens))
 

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from actors.drafter import KINDS
-from actors.drafter.base import DraftOutput, merge_outputs
+from actors.drafter.base import DraftOutput, cat_rows, merge_outputs
 from actors.drafter.block import BlockDrafter
 from actors.drafter.ngram import NgramDrafter
 from actors.drafter.pending import PendingContext
@@ -142,8 +142,17 @@ class Drafter:
         self._local_features = None  # the hosting rank's `take_features`
 
     def attach(self, rank) -> None:
-        """Live beside a target rank: catch-ups with `sources=LOCAL` read its feature store."""
-        self._local_features = rank.take_features
+        """Live beside a target rank: on its device, and catch-ups with `sources=LOCAL` read its
+        feature store there (on a GPU the features never leave it)."""
+        self.to(rank.spec.device)
+        self._local_features = lambda spans: rank.take_features(spans, host=False)
+
+    def to(self, device: str) -> Drafter:
+        """Every hosted kind with weights moves to `device` (before any request's context)."""
+        for d in self.drafters:
+            if hasattr(d, "to"):
+                d.to(device)
+        return self
 
     def target_layers(self) -> tuple[int, ...]:
         """The target layers whose outputs any hosted kind reads (their union)."""
@@ -217,7 +226,7 @@ class Drafter:
         for i, rid in enumerate(c.rids):
             parts = [h for h in (c.hidden[i] if c.hidden else None, fetched.get(rid)) if h]  # older rows first
             hidden.append(parts[0] if len(parts) == 1 else
-                          {k: np.concatenate([h[k] for h in parts]) for k in parts[0]} if parts else {})
+                          {k: cat_rows([h[k] for h in parts]) for k in parts[0]} if parts else {})
         keep = [i for i, rid in enumerate(c.rids) if rid not in self.lost]
         commit = self.pending.add if self.pending is not None else self.drafter.commit
         commit([c.rids[i] for i in keep], [c.tokens[i] for i in keep], [hidden[i] for i in keep])

@@ -63,9 +63,10 @@ class FeatureStore:
         if n:
             chunks.append(Chunk(start, n, block, offset))
 
-    def take(self, spans: dict[int, tuple[int, int]]) -> dict[int, np.ndarray]:
-        """Rows of positions [start, end) per request (a float16 array), then dropped with
-        everything before them. Raises LookupError if a span is not all held."""
+    def take(self, spans: dict[int, tuple[int, int]], host: bool = True) -> dict[int, np.ndarray | torch.Tensor]:
+        """Rows of positions [start, end) per request (float16: a host array, or with `host`
+        False a tensor where they were computed, for a drafter on the same device), then dropped
+        with everything before them. Raises LookupError if a span is not all held."""
         out = {}
         for rid, (start, end) in spans.items():
             chunks = self._chunks.get(rid, [])
@@ -74,7 +75,8 @@ class FeatureStore:
             if end > start and (not parts or parts[0].start != start or parts[-1].end != end):
                 held = [(c.start, c.end) for c in chunks]
                 raise LookupError(f"request {rid}: features of positions [{start}, {end}) are not all held ({held})")
-            out[rid] = torch.cat([p.rows() for p in parts]).cpu().numpy() if parts else None
+            rows = torch.cat([p.rows() for p in parts]) if parts else None
+            out[rid] = rows.cpu().numpy() if host and rows is not None else rows
             self._chunks[rid] = [c if c.start >= end else c.cut(end, c.end) for c in chunks if c.end > end]
         return out
 

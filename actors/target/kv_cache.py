@@ -123,8 +123,9 @@ class PagedKVCache:
     # -- slot arithmetic ------------------------------------------------------------------------
 
     def slots(self, rid: int, start: int, end: int) -> torch.Tensor:
-        """Slot index of positions start..end-1 of request rid: [end - start]."""
+        """Slot index of positions start..end-1 of request rid: [end - start], on the host (the
+        caller sends a step's indices to the device in one copy)."""
         bs = self.spec.block_size
-        table = torch.tensor(self._tables[rid], dtype=torch.long)
-        pos = torch.arange(start, end)
+        table = torch.tensor(self._tables[rid], dtype=torch.long, device="cpu")
+        pos = torch.arange(start, end, device="cpu")
         return table[pos // bs] * bs + pos % bs

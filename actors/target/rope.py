@@ -29,7 +29,7 @@ class Rotary:
 
     def inv_freq(self) -> tuple[torch.Tensor, float]:
         """Inverse frequencies [dim / 2] and the factor cos/sin are scaled by."""
-        exponents = torch.arange(0, self.dim, 2, dtype=torch.float32) / self.dim
+        exponents = torch.arange(0, self.dim, 2, dtype=torch.float32, device="cpu") / self.dim
         if not self.yarn:
             return 1.0 / (self.theta ** exponents), 1.0
         p = dict(self.yarn)
@@ -48,19 +48,30 @@ class Rotary:
         if p.get("truncate", True):
             low, high = math.floor(low), math.ceil(high)
         low, high = max(low, 0), min(high, self.dim - 1)
-        ramp = ((torch.arange(self.dim // 2, dtype=torch.float32) - low) / (high - low if high != low else 0.001))
+        dims = torch.arange(self.dim // 2, dtype=torch.float32, device="cpu")
+        ramp = (dims - low) / (high - low if high != low else 0.001)
         keep = 1 - ramp.clamp(0, 1)  # 1: the original frequency (fast dims), 0: interpolated
         base = self.theta ** exponents
         return (1.0 / (factor * base)) * (1 - keep) + (1.0 / base) * keep, float(attention)
 
     @cached_property
-    def _table(self) -> tuple[torch.Tensor, float]:
-        return self.inv_freq()  # once per Rotary: every forward asks for it
+    def _tables(self) -> dict[torch.device, tuple[torch.Tensor, float]]:
+        return {}
+
+    def _table(self, device: torch.device) -> tuple[torch.Tensor, float]:
+        """The inverse frequencies on `device`, computed and copied there once per Rotary (every
+        attention layer of every forward asks: a host-to-device copy each time would be a
+        synchronisation each time)."""
+        table = self._tables.get(device)
+        if table is None:
+            inv, scale = self.inv_freq()
+            table = self._tables[device] = (inv.to(device), scale)
+        return table
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [N, dim] at integer positions [N]."""
-        inv, scale = self._table
-        freqs = positions.float()[:, None] * inv.to(positions.device)[None, :]
+        inv, scale = self._table(positions.device)
+        freqs = positions.float()[:, None] * inv[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         if scale == 1.0:
             return emb.cos(), emb.sin()

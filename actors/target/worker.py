@@ -242,13 +242,15 @@ class TargetRank:
             if keep[j]:
                 self.features.write(rid, start, block, cu[j], cu[j + 1] - cu[j])
 
-    def take_features(self, spans: dict[int, tuple[int, int]]) -> dict[int, dict[int, np.ndarray]]:
+    def take_features(self, spans: dict[int, tuple[int, int]], host: bool = True) -> dict[int, dict]:
         """Hand over (and drop) stored features: request -> (start, end) positions; each request
-        gets {layer: [end - start, H] float16}. A drafter resolves this call's result itself; the
-        coordinator only passes the reference on."""
+        gets {layer: [end - start, H] float16} — host arrays, or with `host` False tensors on this
+        rank's device (for the drafter it hosts). A drafter resolves this call's result itself;
+        the coordinator only passes the reference on."""
         out = {}
-        for rid, rows in self.features.take(spans).items():
-            parts = np.split(rows, len(self._feature_layers), axis=1) if rows is not None else ()
+        for rid, rows in self.features.take(spans, host).items():
+            parts = (np.split(rows, len(self._feature_layers), axis=1) if isinstance(rows, np.ndarray) else
+                     rows.chunk(len(self._feature_layers), dim=1)) if rows is not None else ()
             out[rid] = dict(zip(self._feature_layers, parts, strict=False))
         return out
 

@@ -208,3 +208,41 @@ def test_the_ngram_index_finds_what_a_scan_of_the_history_finds(chunks, cuts, wa
         assert out.tokens.tolist() == tokens
         np.testing.assert_allclose(out.confidence, confs, rtol=1e-12)
         np.testing.assert_allclose(out.margin, margins, rtol=1e-12)
+
+
+def test_every_drafter_kind_computes_where_its_weights_are(tiny_bundle):
+    """#29: a drafter hosted by a GPU rank runs on that rank's device with its features. On this
+    CPU the check is a trap: torch's default device is set to `meta` while a replica of every kind
+    takes context (features as tensors, as a rank hands them over without a host copy) and
+    drafts, so any tensor a drafter makes without naming its device lands on `meta` and the
+    step fails. The drafts equal those of a replica fed host arrays with no trap set."""
+    import torch
+
+    from actors.engine.backlog import CatchUp
+    from actors.engine.replica import Drafter, DrafterSpec
+    from actors.target.checkpoint import load_model
+
+    kinds = ("block", "mtp", "eagle3", "ngram")
+    dirs = (("block", f"{tiny_bundle}/drafter"), ("mtp", f"{tiny_bundle}/mtp"), ("eagle3", f"{tiny_bundle}/eagle3"))
+    spec = DrafterSpec(",".join(kinds), f"{tiny_bundle}/target", None, 6, dirs=dirs, pending_tokens=5)
+    trapped, plain = Drafter(spec).to("cpu"), Drafter(spec)
+    layers = trapped.target_layers()
+    model = LocalTarget(load_model(f"{tiny_bundle}/target"))
+    history = {0: [5, 9, 14, 5, 9, 14, 5], 1: [3, 1, 4, 1, 5, 9, 2]}
+    feats = [model.forward([r], [h[:-1]], capture_layers=layers).captured[0] for r, h in history.items()]
+    on_device = [{lay: torch.as_tensor(f[lay]).half() for lay in f} for f in feats]
+    host = [{lay: torch.as_tensor(f[lay]).half().numpy() for lay in f} for f in feats]
+    rids, last = list(history), [h[-1] for h in history.values()]
+    plain.commit(CatchUp(rids, list(history.values()), host))
+    torch.set_default_device("meta")
+    try:
+        trapped.commit(CatchUp(rids, list(history.values()), on_device))
+        got = [trapped.draft(rids, last, [4, 4], None, [k, k]) for k in range(len(kinds))]
+    finally:
+        torch.set_default_device(None)
+    for k, out in enumerate(got):
+        want = plain.draft(rids, last, [4, 4], None, [k, k])
+        assert out.tokens.tolist() == want.tokens.tolist() and len(out.tokens) > 0, kinds[k]
+        np.testing.assert_allclose(out.confidence, want.confidence, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="moves before"):
+        trapped.drafters[0].to("meta")  # holding context: its cache cannot move

@@ -104,3 +104,33 @@ def test_nvml_reports_the_gpus_for_the_dashboard():
     gpus = device_usage()
     assert len(gpus) >= torch.cuda.device_count() >= 1
     assert all(g.memory_total_bytes > 0 and 0.0 <= g.utilization <= 1.0 for g in gpus)
+
+
+def test_hosted_drafters_draft_on_the_gpu_with_device_features():
+    """A drafter hosted by a GPU rank moves there (`Drafter.to`, done by `attach`) and takes the
+    rank's features as device tensors: every kind of the bundle drafts on CUDA what it drafts on
+    the CPU (greedy; float32 weights on both), and its weights and caches are on the GPU."""
+    import numpy as np
+
+    from actors.engine.backlog import CatchUp
+    from actors.engine.replica import Drafter
+    from actors.target.local import LocalTarget
+    from deployments.settings import ServeSettings
+
+    spec = ServeSettings(drafter="auto").engine_config().drafter_spec()
+    gpu, cpu = Drafter(spec).to("cuda"), Drafter(spec)
+    model = LocalTarget(load_model(spec.target_dir))
+    history = {0: list(range(100, 140)), 1: [11, 12, 13, 14, 15] * 6}
+    layers = gpu.target_layers()
+    feats = [model.forward([r], [h[:-1]], capture_layers=layers).captured[0] for r, h in history.items()]
+    rids, last = list(history), [h[-1] for h in history.values()]
+    gpu.commit(CatchUp(rids, list(history.values()), [{k: torch.as_tensor(v).half().cuda() for k, v in f.items()}
+                                                      for f in feats]))
+    cpu.commit(CatchUp(rids, list(history.values()), [{k: torch.as_tensor(v).half().numpy() for k, v in f.items()}
+                                                      for f in feats]))
+    for k, d in enumerate(gpu.drafters):
+        if hasattr(d, "cache"):
+            assert d.cache.k.is_cuda, spec.kinds[k]
+        a, b = gpu.draft(rids, last, [6, 6], None, [k, k]), cpu.draft(rids, last, [6, 6], None, [k, k])
+        assert len(a.tokens) == len(b.tokens) > 0, spec.kinds[k]
+        assert np.mean(a.tokens == b.tokens) >= 0.9, (spec.kinds[k], a.tokens, b.tokens)
