@@ -4,10 +4,11 @@ What runs where:
 - CPU (here, and CI), GPUs below compute capability 9.0, and torch builds without block-wise
   `F.scaled_mm`: the weights are dequantized as they are read (`checkpoint.py`) and every matmul
   runs in the model's dtype. On CPU torch's `scaled_mm` takes only tensor- and row-wise scales.
-- CUDA at capability ≥ 9.0 (Hopper, Blackwell): `keep_fp8` swaps, after the rank's model is on the
-  device, every linear layer and every expert whose checkpoint weight is FP8 for that weight and
-  its 128 × 128 block scales — except layers whose weight their owner multiplies itself (a
-  module's `reads_weights_of`: latent attention's kv_b_proj), which keep the dequantized weight.
+- CUDA at capability ≥ 9.0 (Hopper, Blackwell): `keep_fp8` swaps, before the rank's model moves
+  to the device (so only FP8 bytes travel and the device never holds both), every linear layer and
+  every expert whose checkpoint weight is FP8 for that weight and its 128 × 128 block scales —
+  except layers whose weight their owner multiplies itself (a module's `reads_weights_of`: latent
+  attention's kv_b_proj), which keep the dequantized weight.
   Each matmul quantizes its input per token and 128 columns (the activation scheme DeepSeek-V3
   was trained with) and runs `F.scaled_mm` with BlockWise1x128 ×
   BlockWise128x128 scaling. Before swapping anything, one layer is checked on the device: its FP8
@@ -149,12 +150,16 @@ def fp8_layers(model: nn.Module, tensors, first: int, count: int) -> tuple[dict[
 
 
 def keep_fp8(model: nn.Module, model_dir: str | Path, first: int, count: int,
-             mm: Callable = blockwise_mm, check: bool = True) -> int:
-    """Swap the model's FP8-stored linear layers and experts for FP8 ones on its device (see the
-    module doc); returns how many were swapped (0 when the device cannot, or the check fails)."""
+             mm: Callable = blockwise_mm, check: bool = True, device: torch.device | str | None = None) -> int:
+    """Swap the model's FP8-stored linear layers and experts for FP8 ones (see the module doc)
+    where the model is, for serving on `device` (default: where it is): the check runs there.
+    Swapped on the host before the move, only the FP8 weights travel to the device, never their
+    dequantized copies (twice the bytes). Returns how many were swapped (0 when the device
+    cannot, or the check fails)."""
     from actors.target.checkpoint import _Tensors, fp8_block
 
-    device = next(model.parameters()).device
+    here = next(model.parameters()).device
+    device = torch.device(device) if device is not None else here
     if fp8_block(Path(model_dir)) != (BLOCK, BLOCK) or (mm is blockwise_mm and not device_supports_fp8(device)):
         return 0
     with ExitStack() as stack:
@@ -166,10 +171,9 @@ def keep_fp8(model: nn.Module, model_dir: str | Path, first: int, count: int,
     dtype = next(model.parameters()).dtype
     for name, (w, s) in linears.items():
         parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, attr, Fp8Linear(w.to(device), s.to(device), mm))
+        setattr(model.get_submodule(parent) if parent else model, attr, Fp8Linear(w.to(here), s.to(here), mm))
     for i, ((gu, gus), (d, ds)) in experts.items():
-        model.layers[i].mlp.experts = Fp8Experts(first, (gu.to(device), gus.to(device)), (d.to(device), ds.to(device)),
-                                                 mm)
+        model.layers[i].mlp.experts = Fp8Experts(first, (gu.to(here), gus.to(here)), (d.to(here), ds.to(here)), mm)
     log.info("FP8 weights kept on %s: %d linear layers, %d expert sets (activations %s)", device, len(linears),
              len(experts), dtype)
     return len(linears) + len(experts)
@@ -180,14 +184,14 @@ def _check(model: nn.Module, linears: dict, device, mm: Callable) -> bool:
     name, (w, s) = next(iter(linears.items())) if linears else (None, (None, None))
     if name is None:
         return True
-    ref = model.get_submodule(name)
-    x = torch.randn(5, w.shape[1], device=device, dtype=ref.weight.dtype)
+    ref = model.get_submodule(name).weight  # one layer's dequantized weight, copied to the device for the check
+    x = torch.randn(5, w.shape[1], device=device, dtype=ref.dtype)
     try:
         got = fp8_linear(x, w.to(device), s.to(device), mm).float()
     except (RuntimeError, ValueError, NotImplementedError) as exc:
         log.warning("FP8 matmul unavailable on %s (%s): serving dequantized weights", device, exc)
         return False
-    want = ref(x).float()
+    want = F.linear(x, ref.to(device)).float()
     err = float((got - want).norm() / want.norm().clamp_min(1e-12))
     if not err < TOLERANCE:
         log.warning("FP8 matmul on %s is off by %.3f (relative) on %s: serving dequantized weights", device, err, name)

@@ -125,11 +125,7 @@ class TargetRank:
             self.link = RankLink(control, s.rank)
         first, count = expert_range(_num_experts(s.model_dir), s.rank, s.world)
         dtype = serving_dtype(s.dtype, s.device, s.model_dir)
-        self.model = load_model(s.model_dir, first, count, dtype=dtype).to(s.device)
-        if s.device != "cpu":  # FP8 checkpoints: weights stay FP8 where the device multiplies them
-            from actors.target.fp8 import keep_fp8
-
-            keep_fp8(self.model, s.model_dir, first, count)
+        self.model = load_rank_model(s.model_dir, first, count, dtype, s.device)
         if s.world > 1:
             apply_expert_parallel(self.model, s.rank, s.world, self.data)
         self.cache = self.model.new_cache(self._kv_tokens(), s.kv_block_size)
@@ -313,3 +309,17 @@ def _num_experts(model_dir: str) -> int:
     from actors.target.config import MoEConfig
 
     return MoEConfig.load(model_dir).num_experts
+
+
+def load_rank_model(model_dir: str, first: int, count: int, dtype: torch.dtype, device: str, **fp8):
+    """A rank's slice of the model (experts first .. first + count), loaded on the host in
+    `dtype`, its FP8-stored layers swapped for FP8 ones there when `device` multiplies FP8
+    (`fp8.keep_fp8`, which checks one layer on the device first), then moved: the device receives
+    the weights it serves, never their dequantized copies beside them. `fp8`: keep_fp8's
+    options (tests)."""
+    model = load_model(model_dir, first, count, dtype=dtype)
+    if device != "cpu" or fp8:
+        from actors.target.fp8 import keep_fp8
+
+        keep_fp8(model, model_dir, first, count, device=device, **fp8)
+    return model.to(device)

@@ -103,3 +103,31 @@ def test_latent_attention_keeps_the_weights_it_reads_itself(tmp_path):
     assert {"q_a_proj", "q_b_proj", "o_proj"} <= swapped and "kv_b_proj" not in swapped
     kept = logits(model)
     assert float((kept - plain).norm() / plain.norm()) < 0.05
+
+
+def test_fp8_layers_are_swapped_on_the_host_before_the_model_moves(fp8_pair, monkeypatch):
+    """#29 item 5: a rank swaps its FP8-stored layers before moving the model to its device, so
+    what travels (and the device's peak) is the FP8 model, not the dequantized one. The bytes
+    handed to `Module.to` are counted: those of the swapped model, well under the dequantized
+    model's, and the served logits are the kept-FP8 model's."""
+    from actors.target.fp8 import reference_mm
+    from actors.target.worker import load_rank_model
+
+    fp8_dir, _ = fp8_pair
+    moved = []
+    to = torch.nn.Module.to
+
+    def counting_to(self, *args, **kwargs):
+        if self.__class__.__name__ == "MoEModel" or hasattr(self, "layers"):
+            moved.append(sum(t.numel() * t.element_size() for t in (*self.parameters(), *self.buffers())))
+        return to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "to", counting_to)
+    model = load_rank_model(fp8_dir, 0, 8, torch.float32, "cpu", mm=reference_mm)
+    dequantized = load_model(fp8_dir)
+    full = sum(t.numel() * t.element_size() for t in (*dequantized.parameters(), *dequantized.buffers()))
+    assert any(isinstance(m, Fp8Experts) for m in model.modules())
+    assert len(moved) == 1 and moved[0] < 0.6 * full, (moved, full)
+    plain = load_model(fp8_dir)
+    keep_fp8(plain, fp8_dir, 0, 8, mm=reference_mm)
+    assert torch.equal(logits(model), logits(plain))
