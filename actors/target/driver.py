@@ -13,6 +13,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.inprocess import InProcess, Pending
 from actors.target import wire
+from actors.target.gpu import local_rank_device, release_gpu
 from actors.target.group import EPConfig, EPGroup, EPGroupError, rank_spec
 from actors.target.worker import BatchRejected, TargetRank, TargetWorker
 
@@ -35,8 +36,15 @@ class DriverGroup(EPGroup):
         super().__init__(cfg)
 
     def _start(self, cfg: EPConfig) -> list:
-        self.local = TargetRank(rank_spec(cfg, 0), cfg.guests)
         self.pg, self._owns_pg = self._reserve(cfg)
+        try:
+            device, self._gpu_holder = local_rank_device(cfg.gpus_per_rank, self.pg, cfg.bundle_offset,
+                                                         cfg.start_timeout_s)
+        except Exception as exc:
+            if self._owns_pg:
+                remove_placement_group(self.pg)
+            raise EPGroupError(f"rank 0 got no GPU: {type(exc).__name__}: {exc}") from exc
+        self.local = TargetRank(rank_spec(cfg, 0, device), cfg.guests)
         remote = [TargetWorker.options(num_cpus=cfg.cpus_per_rank, num_gpus=cfg.gpus_per_rank, max_concurrency=2,
                                        scheduling_strategy=PlacementGroupSchedulingStrategy(
                                            self.pg, placement_group_bundle_index=cfg.bundle_offset + r)
@@ -47,9 +55,12 @@ class DriverGroup(EPGroup):
     @staticmethod
     def _bundles(cfg: EPConfig) -> list[dict[str, float]]:
         """Rank 0 runs here: an own group's bundle 0 stands for this process (a token of a
-        resource every node has, on this node: `_selectors`), so STRICT_SPREAD puts the other
-        ranks on other nodes; bundles 1 .. N-1 hold ranks 1 .. N-1."""
-        here = {f"node:{ray.util.get_node_ip_address()}": 0.001}
+        resource every node has, on this node: `_selectors`) and holds rank 0's GPU when ranks
+        have GPUs (`gpu.local_rank_device` takes it from there), so STRICT_SPREAD puts the other
+        ranks on other nodes and no other rank is given rank 0's GPU; bundles 1 .. N-1 hold ranks
+        1 .. N-1."""
+        here = {f"node:{ray.util.get_node_ip_address()}": 0.001} | (
+            {"GPU": cfg.gpus_per_rank} if cfg.gpus_per_rank else {})
         return [here, *EPGroup._bundles(cfg)[1:]]
 
     @staticmethod
@@ -138,6 +149,8 @@ class DriverGroup(EPGroup):
             ray.kill(w, no_restart=True)
         self.workers, self._loops, self.link = [], [], None
         self.local.close()  # this process leaves the unit's groups and frees rank 0's memory
+        release_gpu(self._gpu_holder)
+        self._gpu_holder = None
         if self._owns_pg:
             remove_placement_group(self.pg)
             self._owns_pg = False

@@ -29,6 +29,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.inprocess import InProcess
+from actors.target.gpu import local_rank_device, release_gpu
 from actors.target.moe import StepStats
 from actors.target.worker import BatchRejected, RankBatch, TargetRank, TargetWorker, WorkerSpec
 
@@ -335,7 +336,9 @@ class InProcessGroup(EPGroup):
 
     def _start(self, cfg: EPConfig) -> list:
         self.pg, self._owns_pg = None, False
-        self.local = self._new_rank(rank_spec(cfg, 0), cfg.guests)
+        device, self._gpu_holder = local_rank_device(cfg.gpus_per_rank, cfg.placement_group, cfg.bundle_offset,
+                                                     cfg.start_timeout_s)
+        self.local = self._new_rank(rank_spec(cfg, 0, device), cfg.guests)
         return [InProcess(self.local)]
 
     def _new_rank(self, spec: WorkerSpec, guests: tuple) -> TargetRank:
@@ -353,12 +356,16 @@ class InProcessGroup(EPGroup):
     def shutdown(self) -> None:
         self.local.close()
         self.workers = []
+        release_gpu(self._gpu_holder)
+        self._gpu_holder = None
 
 
-def rank_spec(cfg: EPConfig, rank: int) -> WorkerSpec:
+def rank_spec(cfg: EPConfig, rank: int, device: str | None = None) -> WorkerSpec:
+    """Rank `rank`'s spec; `device` default: "cuda" with GPUs (a rank actor sees only its own),
+    else "cpu"."""
     gpu = bool(cfg.gpus_per_rank)
     return WorkerSpec(cfg.model_dir, rank, cfg.world, threads=cfg.threads_per_rank,
                       kv_capacity_tokens=cfg.kv_capacity_tokens, kv_block_size=cfg.kv_block_size,
                       group_timeout_s=cfg.group_timeout_s, rendezvous_timeout_s=cfg.start_timeout_s,
-                      backend="nccl" if gpu else "gloo", device="cuda" if gpu else "cpu", dtype=cfg.dtype,
+                      backend="nccl" if gpu else "gloo", device=device or ("cuda" if gpu else "cpu"), dtype=cfg.dtype,
                       gpu_memory_utilization=cfg.gpu_memory_utilization)

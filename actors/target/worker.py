@@ -96,6 +96,8 @@ class TargetRank:
         """`guests`: (name, class, args) of objects to build in this process beside the rank; one
         with an `attach(rank)` method is handed the rank (a drafter reads its features)."""
         torch.set_num_threads(spec.threads)  # ranks share the machine's cores: set it, never guess
+        if torch.device(spec.device).index is not None:  # rank 0 in its driver's process: its own GPU
+            torch.cuda.set_device(torch.device(spec.device))
         self.spec = spec
         self.model = None
         self.cache = None
