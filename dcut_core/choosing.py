@@ -54,14 +54,28 @@ class KindChooser:
         the gate does). sharing [K]: requests drafting with each kind this step — a chain's
         passes run once for all of them, so each is charged its share (default 1: the whole
         chain). Every kind at once: one [R, K, n] array, no loop over kinds."""
+        base, tau = self._verify_terms(table, verify)
+        return self._values(table, base, tau, GainTable.costs(costs), rate, held, remaining, sharing)
+
+    @staticmethod
+    def _verify_terms(table: GainTable, verify: StepCost) -> tuple[float, float]:
+        """The verify time of the step's R tokens, and of one token more (τ); (0, 0) when no
+        request may draft (a captured verify table may then hold R alone)."""
+        if not table.width.any():
+            return 0.0, 0.0
         r = table.gain.shape[0]
-        base = float(verify.seconds(np.array([r]))[0])
-        zero = np.zeros((r, self.kinds))
+        base, more = verify.seconds(np.array([r, r + 1])).tolist()
+        return base, more - base
+
+    def _values(self, table: GainTable, base: float, tau: float, c: np.ndarray, rate: float | None,
+                held: np.ndarray | None, remaining: np.ndarray | None,
+                sharing: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+        """`values` with the verify terms and the [5, K] cost table given (once per choice)."""
+        r = table.gain.shape[0]
         if not table.width.any():  # nobody may draft: nothing to tell apart
+            zero = np.zeros((r, self.kinds))
             return zero, zero, zero, 0.0
         rate = r / base if rate is None else rate
-        tau = float(verify.seconds(np.array([r + 1]))[0]) - base  # one more verified token
-        c = table.costs(costs)
         per_pass = c[4] / (1.0 if sharing is None else np.maximum(1.0, np.asarray(sharing, dtype=np.float64)))
         gain = table.gain
         net = gain - rate * (c[1][None, :, None] + table.n[None, None, :]
@@ -71,11 +85,11 @@ class KindChooser:
             net = net - rate * c[3][None, :, None] * np.asarray(held, dtype=np.float64)[:, :, None] * np.minimum(
                 1.0, (1.0 + gain) / left)
         net = np.where(table.valid[None], net, -np.inf)
-        best = net.argmax(axis=2)[:, :, None]  # [R, K, 1]: the first best length of each kind
+        best = net.argmax(axis=2)  # [R, K]: the first best length of each kind
+        rows, kinds = table.grid
         drafts = table.width > 0
-        v = np.where(drafts, np.take_along_axis(net, best, axis=2)[:, :, 0], 0.0)
-        gain_at = np.where(drafts, np.take_along_axis(gain, best, axis=2)[:, :, 0], 0.0)
-        return v, gain_at, np.where(drafts, best[:, :, 0] + 1.0, 0.0), rate
+        v = np.where(drafts, net[rows, kinds, best], 0.0)
+        return v, np.where(drafts, gain[rows, kinds, best], 0.0), np.where(drafts, best + 1.0, 0.0), rate
 
     def choose(self, rids: list[int], predicted: list[list[np.ndarray]], verify: StepCost, costs,
                allowed: np.ndarray | None = None, prior: np.ndarray | None = None, held: np.ndarray | None = None,
@@ -103,11 +117,12 @@ class KindChooser:
         bonus = self.bonus * np.sqrt(np.log(2.0 + counts.sum(axis=1))[:, None] / (1.0 + counts))
         table = GainTable.of(predicted)  # once for every round
         c = table.costs(costs)
+        base, tau = self._verify_terms(table, verify)
         fixed_s = c[0]
         rate, sharing = None, np.full(self.kinds, r)  # first as if every request drafted with each kind
         rows = np.arange(r)
         for _ in range(self.refine):
-            value, gain, n, rate = self.values(table, verify, costs, rate, held, remaining, sharing)
+            value, gain, n, rate = self._values(table, base, tau, c, rate, held, remaining, sharing)
             if prior is not None:
                 value = value + prior
             score = value + bonus
@@ -187,6 +202,7 @@ class GainTable:
     width: np.ndarray  # [K] the longest prediction of each kind
     valid: np.ndarray  # [K, n_max]
     n: np.ndarray  # [n_max] 1 .. n_max
+    grid: tuple[np.ndarray, np.ndarray]  # ([R, 1], [1, K]) indices: a [R, K] pick along n is gain[*grid, pick]
 
     @classmethod
     def of(cls, predicted: list[list[np.ndarray]]) -> GainTable:
@@ -197,7 +213,8 @@ class GainTable:
         for k, m in enumerate(mats):
             rates[:, k, :m.shape[1]] = m
         n = np.arange(1, n_max + 1, dtype=np.float64)
-        return cls(np.cumsum(np.cumprod(rates, axis=2), axis=2), width, n[None, :] <= width[:, None], n)
+        grid = (np.arange(rates.shape[0])[:, None], np.arange(rates.shape[1])[None, :])
+        return cls(np.cumsum(np.cumprod(rates, axis=2), axis=2), width, n[None, :] <= width[:, None], n, grid)
 
     @staticmethod
     def costs(costs) -> np.ndarray:
