@@ -15,7 +15,7 @@ for arrays, so the same trace packs to the same bytes).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -77,6 +77,16 @@ class TraceCosts:
     own: tuple[float, float] = (0.0, 0.0)  # plain decoding (`ar`)
     own_policy: tuple[float, float] = (0.0, 0.0)  # what a drafting policy's step that drafts nothing adds (the gate)
     own_drafting: tuple[float, float] = (0.0, 0.0)  # what a drafting step adds to one that drafts nothing
+    # The same two for an engine hosting one kind, measured beside a unit of several (its gate
+    # chooses no kind, and it keeps one kind's trackers): None when not measured (a one-kind trace).
+    own_one: tuple[tuple[float, float], tuple[float, float]] | None = None
+
+    def for_kinds(self, hosted: int) -> TraceCosts:
+        """The costs an engine hosting `hosted` kinds pays: its own time per step is the
+        one-kind engine's when it hosts one and the trace measured that."""
+        if hosted != 1 or self.own_one is None:
+            return self
+        return replace(self, own_policy=self.own_one[0], own_drafting=self.own_one[1], own_one=None)
 
     def forward_seconds(self, shape: StepShape) -> float:
         return self.verify_scale * self.verify.predict(shape)
@@ -96,13 +106,16 @@ class TraceCosts:
         return {"verify": self.verify.to_json(), "verify_scale": self.verify_scale,
                 "draft": [[d.fixed, d.per_request, d.per_position, d.per_context, d.per_pass] for d in self.draft],
                 "shared": self.shared, "own": list(self.own), "own_policy": list(self.own_policy),
-                "own_drafting": list(self.own_drafting)}
+                "own_drafting": list(self.own_drafting)} | (
+                    {} if self.own_one is None else {"own_one": [list(x) for x in self.own_one]})
 
     @classmethod
     def from_dict(cls, d: dict) -> TraceCosts:
+        one = d.get("own_one")  # absent in traces recorded before it was measured
         return cls(CostModel.from_json(d["verify"]), float(d["verify_scale"]),
                    tuple(DraftCost(*map(float, x)) for x in d["draft"]), float(d["shared"]),
-                   *(tuple(map(float, d[k])) for k in ("own", "own_policy", "own_drafting")))
+                   *(tuple(map(float, d[k])) for k in ("own", "own_policy", "own_drafting")),
+                   None if one is None else (tuple(map(float, one[0])), tuple(map(float, one[1]))))
 
 
 @dataclass(frozen=True)

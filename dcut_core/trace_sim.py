@@ -122,7 +122,7 @@ class _Run:
         self.gate = DraftingGate([AcceptanceTracker(block=self.block) for _ in range(k)],
                                  Exploration(s.explore_every, s.explore_requests, s.explore_warmup), s.max_budget,
                                  s.draft_slack, s.draft_extend, bonus=s.bonus, teach_empty=k > 1)
-        costs = trace.costs
+        self.costs = costs = trace.costs.for_kinds(k)  # the own time of an engine hosting k kinds
         self.draft = [costs.draft[i] for i in self.kidx]
         self.queue: deque[int] = deque(range(len(trace.requests)))
         self.running: list[_Live] = []
@@ -167,7 +167,7 @@ class _Run:
 
     def _curve(self, batch: list[_Live]):
         context = sum(r.cached(self.trace.requests[r.q].prompt_len) for r in batch)
-        return self.trace.costs.verify_curve(len(batch), context)
+        return self.costs.verify_curve(len(batch), context)
 
     def _plan(self, batch: list[_Live]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(drafts [R], hosted kind [R], fallback [R]), as `Engine.plan`."""
@@ -179,7 +179,7 @@ class _Run:
         held = np.array([[x.cached(self.trace.requests[x.q].prompt_len) - x.seen[j] for j in range(len(self.kidx))]
                          for x in batch], dtype=np.int64)
         remaining = np.array([self._remaining(x) for x in batch])
-        costs = self.trace.costs
+        costs = self.costs
         a, b = costs.own_drafting
         extra = max(0.0, a + b * r)  # what a drafting step costs outside the passes (the engine's `extra`)
         g = GateInput.capture([x.rid for x in batch], cap, remaining, held, self._curve(batch), self.draft, None,
@@ -243,7 +243,7 @@ class _Run:
                 self.gate.empty(x.rid, int(used[i]))
 
     def _advance_time(self, batch, feeding, kept, drafts, used) -> None:
-        trace, costs = self.trace, self.trace.costs
+        trace, costs = self.trace, self.costs
         prompt = [trace.requests[x.q].prompt_len for x in batch]
         counts = np.diff(drafts["cu"])
         context = sum(x.cached(p) for x, p in zip(batch, prompt, strict=True))
@@ -358,7 +358,7 @@ class _OracleRun(_Run):
         base = float(curve.seconds(np.array([r]))[0])
         span = max(1, int(gains.sum()))  # the verify curve's slope over the tokens the oracle may add
         per_token = (float(curve.seconds(np.array([r + span]))[0]) - base) / span
-        costs = self.trace.costs
+        costs = self.costs
         plain = costs.own_seconds(r, True, False)
         mask = oracle_step(gains, kinds, per_token, base + plain, self.draft, backlog,
                            costs.shared + costs.own_seconds(r, True, True) - plain)

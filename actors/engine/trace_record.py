@@ -20,6 +20,7 @@ in docs/benchmarks.md says how close the simulator then comes).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -110,31 +111,53 @@ def measure_costs(cfg: EngineConfig, prompts: list[list[int]], max_tokens: int, 
     (not the start-up profile times one running correction), each kind's drafting rates, and
     the step's own time outside the passes — the time between steps included, since a closed
     loop's wall clock counts it — fitted as a + b·R for plain steps, for `dcut` steps that draft
-    nothing, and for drafting steps. The engine's saved learned state is left as it was found."""
+    nothing, and for drafting steps. A unit of several kinds is measured beside an engine of its
+    cheapest kind alone, whose own time the simulator charges a one-kind setting (the kind
+    chooser and the per-kind learning are what several kinds add). The engine's saved learned
+    state is left as it was found."""
     from actors.engine.coordinator import Engine
-    from actors.engine.loadgen import closed_loop
 
     engine = Engine(cfg)
     engine.warm_start.path = None  # it serves the trace's prompts to measure, not to learn for later engines
-    own: dict[str, list[tuple[int, float]]] = {"ar": [], "dcut": [], "drafting": []}
     try:
-        for _ in range(rounds):
-            for c in sorted({1, min(4, len(prompts)), min(16, len(prompts))}):
-                for policy in ("dcut", "ar"):
-                    engine.set_policy(policy)
-                    res = closed_loop(engine, prompts, c, max_tokens)
-                    between = (res.wall_s - sum(r.step_s for r in res.records)) / max(1, len(res.records))
-                    for r in res.records:
-                        if not r.prefill_tokens:  # prefill's own bookkeeping would blur it
-                            key = policy if policy == "ar" or not r.drafted else "drafting"
-                            own[key].append((r.requests, r.step_s - r.target_compute_s - r.draft_s + between))
+        own = _own_times(engine, prompts, max_tokens, rounds, ("dcut", "ar"))
         engine.cost.refit()
         learner = engine.draft_cost
         plain, gated, drafting = (_line(own[k]) for k in ("ar", "dcut", "drafting"))
-        return TraceCosts(engine.cost.model, engine.cost.scale, tuple(DraftCost(*_fields(d)) for d in learner.costs),
-                          float(learner.shared), plain, _minus(gated, plain), _minus(drafting, gated))
+        costs = TraceCosts(engine.cost.model, engine.cost.scale, tuple(DraftCost(*_fields(d)) for d in learner.costs),
+                           float(learner.shared), plain, _minus(gated, plain), _minus(drafting, gated))
     finally:
         engine.shutdown()
+    if len(cfg.kinds) == 1:
+        return costs
+    one = Engine(dataclasses.replace(cfg, drafter="ngram" if "ngram" in cfg.kinds else cfg.kinds[0]))
+    one.warm_start.path = None
+    try:
+        own = _own_times(one, prompts, max_tokens, rounds, ("dcut",))
+    finally:
+        one.shutdown()
+    gated, drafting = _line(own["dcut"]), _line(own["drafting"])
+    return dataclasses.replace(costs, own_one=(_minus(gated, plain), _minus(drafting, gated)))
+
+
+def _own_times(engine, prompts: list[list[int]], max_tokens: int, rounds: int,
+               policies: tuple[str, ...]) -> dict[str, list[tuple[int, float]]]:
+    """(requests, seconds) of every decode step's own time, by plain (`ar`), `dcut` drafting
+    nothing (`dcut`) and drafting (`drafting`), over closed loops at 1, 4 and 16 requests."""
+    from actors.engine.loadgen import closed_loop
+
+    own: dict[str, list[tuple[int, float]]] = {"ar": [], "dcut": [], "drafting": []}
+    for _ in range(rounds):
+        for c in sorted({1, min(4, len(prompts)), min(16, len(prompts))}):
+            for policy in policies:
+                engine.set_policy(policy)
+                res = closed_loop(engine, prompts, c, max_tokens)
+                between = (res.wall_s - sum(r.step_s for r in res.records)) / max(1, len(res.records))
+                for r in res.records:
+                    if not r.prefill_tokens:  # prefill's own bookkeeping would blur it
+                        key = policy if policy == "ar" or not r.drafted else "drafting"
+                        own[key].append((r.requests, r.step_s - r.target_compute_s - r.draft_s + between))
+    return own
 
 
 def _line(points: list[tuple[int, float]]) -> tuple[float, float]:

@@ -55,6 +55,9 @@ def test_outputs_are_the_targets_greedy_ones_and_the_file_round_trips(trace, tin
     c = trace.costs
     assert c.verify_scale > 0 and c.own_seconds(1, False, False) > 0
     assert all(d.per_position + d.per_pass > 0 or d.fixed > 0 for d in c.draft)
+    assert c.own_one is not None and again.costs.own_one == c.own_one  # a one-kind engine measured beside the unit
+    one = c.for_kinds(1)
+    assert (one.own_policy, one.own_drafting) == c.own_one and one.own == c.own and c.for_kinds(len(KINDS)) is c
 
 
 @pytest.mark.parametrize("kind", KINDS)

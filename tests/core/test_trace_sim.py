@@ -204,3 +204,23 @@ def test_learned_state_round_trips_and_restores_kinds_by_name():
     assert tuple(trackers[0].accepted) == prior.kinds["ngram"].accepted
     assert tuple(cals[0].weights) == prior.kinds["ngram"].weights
     assert (trackers[1].accepted == AcceptanceTracker(block=5).accepted).all()  # untouched: cold
+
+
+def test_a_one_kind_setting_pays_the_one_kind_engines_own_time():
+    """A trace of several kinds may carry the own time of a one-kind engine measured beside the
+    unit (`own_one`): a one-kind setting is charged that, a setting of several kinds the unit's;
+    without it (older traces) every setting pays the unit's."""
+    import dataclasses
+
+    reqs = tuple(request(6, [[2, 1, 3, 0, 2, 1, 2, 0, 1], [0, 3, 1, 2, 0, 1, 3, 2, 0]], 5) for _ in range(4))
+    trace = Trace(("block", "ngram"), 5, 10, reqs, costs(kinds=2))
+    dear = dataclasses.replace(trace.costs, own_policy=(0.004, 0.0), own_drafting=(0.002, 0.0))
+    cheap = dataclasses.replace(dear, own_one=((0.0, 0.0), (0.0, 0.0)))
+    one, several = SimSettings(kinds=trace.kinds[:1]), SimSettings(kinds=trace.kinds)
+    runs = {name: (simulate_trace(dataclasses.replace(trace, costs=c), one, 2),
+                   simulate_trace(dataclasses.replace(trace, costs=c), several, 2))
+            for name, c in (("dear", dear), ("cheap", cheap))}
+    assert runs["cheap"][0].seconds < runs["dear"][0].seconds  # the one-kind setting: its own time
+    assert runs["cheap"][1].seconds == runs["dear"][1].seconds  # several kinds: the unit's, either way
+    again = type(trace.costs).from_dict(msgpack.unpackb(msgpack.packb(cheap.as_dict())))
+    assert again.own_one == cheap.own_one and type(trace.costs).from_dict(dear.as_dict()).own_one is None
