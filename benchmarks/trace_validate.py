@@ -15,8 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import shutil
 import statistics
 import sys
+import tempfile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
@@ -43,7 +45,9 @@ def main() -> int:
     from actors.engine.coordinator import Engine
     from actors.engine.loadgen import closed_loop
     from actors.engine.trace_record import record_trace
+    from actors.engine.warm import prior_of
     from actors.ray_env import start_local_ray
+    from dcut_core.learned import LearnedState
     from dcut_core.trace_sim import oracle_run, simulate_trace
     from deployments.bundle import BUNDLED
     from deployments.settings import ServeSettings
@@ -57,10 +61,14 @@ def main() -> int:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
+    cache = tempfile.mkdtemp(prefix="validate-")  # start-up profiles only: every engine starts from the prior
+    for f in pathlib.Path("runs/cache").glob("cost_model_*.json"):
+        shutil.copy(f, cache)
+
     def engine_of(name: str) -> Engine:
         drafter = ",".join(KINDS) if name in ("auto", "ar") else name
         s = ServeSettings(model_root=str(BUNDLED), drafter=drafter, block=args.block, max_running=max(levels),
-                          policy="ar" if name == "ar" else "dcut", cost_model_cache="runs/cache")
+                          policy="ar" if name == "ar" else "dcut", cost_model_cache=cache)
         return Engine(s.engine_config())
 
     auto = ServeSettings(model_root=str(BUNDLED), drafter=",".join(KINDS), block=args.block, max_running=max(levels),
@@ -69,8 +77,9 @@ def main() -> int:
     write_trace(trace, out / "heldout.trace")
     settings = settings_of(trace)
     engines = {name: engine_of(name) for name in settings}
-    for e in engines.values():  # warm-up: what a serving engine has learnt after its first requests
-        closed_loop(e, ids[:8], 4, args.max_tokens)
+    for e in engines.values():  # warm-up: lazy set-up and first calls, little learning
+        closed_loop(e, ids[:2], 2, 8)
+    prior = LearnedState.from_dict(json.loads(prior_of(auto.target_dir).read_text()))
     runs = []
     try:
         for rnd in range(args.rounds):
@@ -86,10 +95,11 @@ def main() -> int:
     finally:
         for e in engines.values():
             e.shutdown()
+        shutil.rmtree(cache, ignore_errors=True)
     rows = []
     for c in levels:
         for name, s in settings.items():
-            sim = simulate_trace(trace, s, c)
+            sim = simulate_trace(trace, s, c, prior)  # from the bundle's prior, as the engines started
             meas = [r["measured"] for r in runs if r["concurrency"] == c and r["setting"] == name]
             ratios = [sim.tok_s / m for m in meas]
             rows.append({"concurrency": c, "setting": name, "predicted": sim.tok_s, "measured": statistics.median(meas),

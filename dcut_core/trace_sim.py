@@ -296,9 +296,14 @@ class _Run:
         self.running = [x for x in self.running if x.t < self.trace.requests[x.q].length]
 
 
-def simulate_trace(trace: Trace, settings: SimSettings, concurrency: int) -> SimResult:
-    """One closed-loop run of the engine's decisions over every request of the trace."""
-    return _Run(trace, settings, concurrency).run()
+def simulate_trace(trace: Trace, settings: SimSettings, concurrency: int,
+                   prior: LearnedState | None = None) -> SimResult:
+    """One closed-loop run of the engine's decisions over every request of the trace, its
+    estimators starting from `prior` (a bundle's, as a fresh engine does) or from nothing."""
+    run = _Run(trace, settings, concurrency)
+    if prior is not None:
+        prior.restore(settings.kinds, run.calibrators, run.gate.trackers, run.gate.exploration)
+    return run.run()
 
 
 def oracle_step(gains: np.ndarray, kinds: np.ndarray, verify_per_token: float, base_seconds: float,
