@@ -54,42 +54,27 @@ class KindChooser:
         the gate does). sharing [K]: requests drafting with each kind this step — a chain's
         passes run once for all of them, so each is charged its share (default 1: the whole
         chain). Every kind at once: one [R, K, n] array, no loop over kinds."""
-        base, tau = self._verify_terms(table, verify)
-        return self._values(table, base, tau, GainTable.costs(costs), rate, held, remaining, sharing)
+        return self._values(Choice.of(table, verify, costs, held if self.switch else None, remaining), rate, sharing)
 
-    @staticmethod
-    def _verify_terms(table: GainTable, verify: StepCost) -> tuple[float, float]:
-        """The verify time of the step's R tokens, and of one token more (τ); (0, 0) when no
-        request may draft (a captured verify table may then hold R alone)."""
-        if not table.width.any():
-            return 0.0, 0.0
-        r = table.gain.shape[0]
-        base, more = verify.seconds(np.array([r, r + 1])).tolist()
-        return base, more - base
-
-    def _values(self, table: GainTable, base: float, tau: float, c: np.ndarray, rate: float | None,
-                held: np.ndarray | None, remaining: np.ndarray | None,
+    def _values(self, ch: Choice, rate: float | None,
                 sharing: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
-        """`values` with the verify terms and the [5, K] cost table given (once per choice)."""
+        """`values` at rate ρ for one choice's fixed terms (`Choice`, built once for its rounds)."""
+        table, c = ch.table, ch.costs
         r = table.gain.shape[0]
         if not table.width.any():  # nobody may draft: nothing to tell apart
             zero = np.zeros((r, self.kinds))
             return zero, zero, zero, 0.0
-        rate = r / base if rate is None else rate
+        rate = r / ch.base if rate is None else rate
         per_pass = c[4] / (1.0 if sharing is None else np.maximum(1.0, np.asarray(sharing, dtype=np.float64)))
-        gain = table.gain
-        net = gain - rate * (c[1][None, :, None] + table.n[None, None, :]
-                             * (c[2] + per_pass + tau)[None, :, None])
-        if held is not None and self.switch:
-            left = np.maximum(1.0, np.asarray(remaining, dtype=np.float64))[:, None, None]
-            net = net - rate * c[3][None, :, None] * np.asarray(held, dtype=np.float64)[:, :, None] * np.minimum(
-                1.0, (1.0 + gain) / left)
-        net = np.where(table.valid[None], net, -np.inf)
+        seconds = c[1][None, :, None] + table.n[None, None, :] * (c[2] + per_pass + ch.tau)[None, :, None]
+        if ch.switching is not None:
+            seconds = seconds + ch.switching
+        net = np.where(table.valid[None], table.gain - rate * seconds, -np.inf)
         best = net.argmax(axis=2)  # [R, K]: the first best length of each kind
         rows, kinds = table.grid
         drafts = table.width > 0
         v = np.where(drafts, net[rows, kinds, best], 0.0)
-        return v, np.where(drafts, gain[rows, kinds, best], 0.0), np.where(drafts, best + 1.0, 0.0), rate
+        return v, np.where(drafts, table.gain[rows, kinds, best], 0.0), np.where(drafts, best + 1.0, 0.0), rate
 
     def choose(self, rids: list[int], predicted: list[list[np.ndarray]], verify: StepCost, costs,
                allowed: np.ndarray | None = None, prior: np.ndarray | None = None, held: np.ndarray | None = None,
@@ -116,13 +101,13 @@ class KindChooser:
         counts = np.array([self.tried.get(rid, np.zeros(self.kinds)) for rid in rids])
         bonus = self.bonus * np.sqrt(np.log(2.0 + counts.sum(axis=1))[:, None] / (1.0 + counts))
         table = GainTable.of(predicted)  # once for every round
-        c = table.costs(costs)
-        base, tau = self._verify_terms(table, verify)
+        ch = Choice.of(table, verify, costs, held if self.switch else None, remaining)
+        c = ch.costs
         fixed_s = c[0]
         rate, sharing = None, np.full(self.kinds, r)  # first as if every request drafted with each kind
         rows = np.arange(r)
         for _ in range(self.refine):
-            value, gain, n, rate = self._values(table, base, tau, c, rate, held, remaining, sharing)
+            value, gain, n, rate = self._values(ch, rate, sharing)
             if prior is not None:
                 value = value + prior
             score = value + bonus
@@ -220,6 +205,36 @@ class GainTable:
     def costs(costs) -> np.ndarray:
         """[5, K]: each kind's fixed, per-request, per-position, per-context and per-pass seconds."""
         return np.array([[c.fixed, c.per_request, c.per_position, c.per_context, c.per_pass] for c in costs]).T
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What one choice's rounds share: the gains, the verify time of the step's R tokens (`base`)
+    and of one more (τ), each kind's costs [5, K], and the seconds a request's catch-up charges
+    each of its lengths under each kind ([R, K, n]; None: no switch charge)."""
+
+    table: GainTable
+    base: float
+    tau: float
+    costs: np.ndarray
+    switching: np.ndarray | None
+
+    @classmethod
+    def of(cls, table: GainTable, verify: StepCost, costs, held: np.ndarray | None,
+           remaining: np.ndarray | None) -> Choice:
+        """held [R, K]: context each kind has not seen of each request, charged d_context,k a
+        token in the share of its `remaining` output the step may make."""
+        c = GainTable.costs(costs)
+        if not table.width.any():  # nobody may draft (a captured verify table may hold R alone)
+            return cls(table, 0.0, 0.0, c, None)
+        r = table.gain.shape[0]
+        base, more = verify.seconds(np.array([r, r + 1])).tolist()
+        switching = None
+        if held is not None:
+            left = np.maximum(1.0, np.asarray(remaining, dtype=np.float64))[:, None, None]
+            switching = c[3][None, :, None] * np.asarray(held, dtype=np.float64)[:, :, None] * np.minimum(
+                1.0, (1.0 + table.gain) / left)
+        return cls(table, base, more - base, c, switching)
 
 
 @cache
