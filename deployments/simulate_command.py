@@ -25,6 +25,7 @@ import numpy as np
 from dcut_core.cost_model import preset
 from dcut_core.drafting import DraftCost
 from dcut_core.hardware import HARDWARE, MODELS, ModelShape
+from dcut_core.own_time import MEASURED, OwnTime
 from dcut_core.pruning import policy_from_name
 from dcut_core.published import (
     BATCHES,
@@ -63,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--refit", action="store_true", help="fit the published trace again (about a minute)")
     p.add_argument("--draft-ms", default="0,0,0", help="drafting cost: per call, per request, per draft (ms)")
     p.add_argument("--steps", type=int, help="steps per run (default: about 40 000 request-steps)")
+    p.add_argument("--coordinator-times", help="results.json of benchmarks/coordinator.py: the engine's own time "
+                                                "per step to add to every simulated step (default: the times "
+                                                "measured on the project's CPU machine, dcut_core/own_time.py)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/simulate")
 
@@ -156,6 +160,33 @@ def reproduce(args: argparse.Namespace) -> tuple[list[SimResult], list[str]]:
     return results, md
 
 
+def _own_time(args: argparse.Namespace) -> OwnTime:
+    if not args.coordinator_times:
+        return MEASURED
+    return OwnTime.from_records(json.loads(pathlib.Path(args.coordinator_times).read_text()), args.coordinator_times)
+
+
+def coordinator_share(results: list[SimResult], own: OwnTime) -> list[str]:
+    """Markdown: per policy and batch, the simulated step, the coordinator's own time at that
+    many requests, its share of the step, and the speed-up over plain decoding without and with
+    both policies' own times added (plain decoding pays `ar`'s)."""
+    md = ["", "### The coordinator's share of a step", "",
+          f"Own time per step: {own.source}. Speed-up over plain decoding without / with every step's own time.",
+          "", "| policy | B | step ms | coordinator ms | share | speed-up | with own time |",
+          "|---|---|---|---|---|---|---|"]
+    for batch in dict.fromkeys(r.batch for r in results):  # plain decoding's, once per batch
+        ar_s = next(r.ar_seconds for r in results if r.batch == batch)
+        mine = own.ms("ar", batch) * 1e-3
+        md.append(f"| ar | {batch} | {1e3 * ar_s:.2f} | {1e3 * mine:.2f} | {mine / (ar_s + mine):.1%} | 1.00 | 1.00 |")
+    for r in results:
+        step = r.seconds / r.steps
+        mine, plain = own.ms(r.policy, r.batch) * 1e-3, own.ms("ar", r.batch) * 1e-3
+        with_own = (r.tokens / (r.seconds + r.steps * mine)) / (r.batch / (r.ar_seconds + plain))
+        md.append(f"| {r.policy} | {r.batch} | {1e3 * step:.2f} | {1e3 * mine:.2f} | {mine / (step + mine):.1%} | "
+                  f"{r.speedup:.2f} | {with_own:.2f} |")
+    return md
+
+
 def run(args: argparse.Namespace) -> int:
     from deployments.trace_command import is_trace
     from deployments.trace_command import simulate as simulate_trace
@@ -184,6 +215,7 @@ def run(args: argparse.Namespace) -> int:
         for pol in policies:
             cells = [r for r in results if r.policy == policy_from_name(pol, args.block).name]
             md.append(f"| {pol} | " + " | ".join(f"{r.speedup:.2f} (keep {r.keep_ratio:.2f})" for r in cells) + " |")
+        md += coordinator_share(results, _own_time(args))
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps([r.record() for r in results], indent=1))

@@ -132,3 +132,23 @@ def test_moe_cost_is_flat_and_dcut_keeps_more_than_on_dense():
     moe = simulate(Dcut(), cfg, PUBLISHED_TRACE, lambda b: cm.verify_curve(b, b * 1024), lambda b: 0.01)
     den = simulate(Dcut(), cfg, PUBLISHED_TRACE, DENSE_VERIFY_MS.curve, lambda b: 0.01)
     assert moe.keep_ratio > den.keep_ratio + 0.05
+
+
+def test_the_coordinators_own_time_interpolates_and_extends_its_measurements():
+    """Linear between measured batch sizes, along the last segment beyond them, `dcut`'s for a
+    policy not measured; read from benchmarks/coordinator.py's records (first block per policy)."""
+    from dcut_core.own_time import MEASURED, OwnTime
+
+    own = OwnTime({"ar": ((1, 1.0), (16, 2.5), (64, 4.0)), "dcut": ((1, 2.0), (64, 8.3))}, "test")
+    assert own.ms("ar", 1) == 1.0 and own.ms("ar", 8.5) == pytest.approx(1.75) and own.ms("ar", 64) == 4.0
+    assert own.ms("ar", 112) == pytest.approx(4.0 + 48 * 1.5 / 48)  # the last segment's slope
+    assert own.ms("oracle", 33) == own.ms("dcut", 33) == pytest.approx(2.0 + 32 * 6.3 / 63)
+    recs = [{"policy": "ar", "block": 8, "requests": 1, "own_ms": 0.5}, {"policy": "ar", "block": 8, "requests": 4,
+                                                                        "own_ms": 1.1},
+            {"policy": "dcut", "block": 8, "requests": 1, "own_ms": 1.5}, {"policy": "dcut", "block": 16,
+                                                                          "requests": 1, "own_ms": 9.0}]
+    got = OwnTime.from_records(recs, "file")
+    assert got.points == {"ar": ((1, 0.5), (4, 1.1)), "dcut": ((1, 1.5),)} and got.ms("dcut", 100) == 1.5
+    with pytest.raises(ValueError, match="ar and dcut"):
+        OwnTime.from_records(recs[:2], "file")
+    assert MEASURED.ms("dcut", 4096) > MEASURED.ms("dcut", 1024) > MEASURED.ms("ar", 1024)

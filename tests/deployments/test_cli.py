@@ -47,7 +47,9 @@ def test_simulate_takes_a_models_config_json_alone(tmp_path, capsys):
                  "h200", "--ep", "32", "--batch", "16", "--policies", "full,dcut", "--steps", "60",
                  "--out", str(out)]) == 0
     assert "deepseek-v3: 670.9 B parameters, 36.5 B active, 68.6 KiB of KV per token" in capsys.readouterr().out
-    assert "## deepseek-v3, h200, EP 32" in (out / "tables.md").read_text()
+    tables = (out / "tables.md").read_text()
+    assert "## deepseek-v3, h200, EP 32" in tables
+    assert "### The coordinator's share of a step" in tables and "| ar | 16 |" in tables and "| dcut | 16 |" in tables
 
 
 def test_console_entry_point_runs():

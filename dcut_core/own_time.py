@@ -1,0 +1,57 @@
+"""The coordinator's own time per step against running requests: what the engine spends outside
+the target's forward and the drafters' passes (scheduling, the drafting gate, pruning,
+acceptance, commit), as `benchmarks/coordinator.py` measures it over a zero-cost target.
+
+`dcut simulate` adds it to each simulated step, so an operator sees at which batch the
+coordinator's Python becomes a visible share of a GPU step (issue #26, item 6). Between measured
+batch sizes it is interpolated linearly, beyond the largest extrapolated along the last segment
+(the measured growth is close to linear in requests there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class OwnTime:
+    """Per policy, (running requests, own ms per step) measured points, and where from."""
+
+    points: dict[str, tuple[tuple[int, float], ...]]
+    source: str
+
+    def ms(self, policy: str, requests: int) -> float:
+        """Own ms per step of `policy` at `requests` running (a policy not measured: `dcut`'s)."""
+        pts = self.points.get(policy) or self.points["dcut"]
+        r, y = (np.array(v, dtype=np.float64) for v in zip(*pts, strict=True))
+        if requests <= r[-1] or len(r) < 2:
+            return float(np.interp(requests, r, y))
+        slope = (y[-1] - y[-2]) / (r[-1] - r[-2])
+        return float(y[-1] + slope * (requests - r[-1]))
+
+    @classmethod
+    def from_records(cls, records: list[dict], source: str) -> OwnTime:
+        """From `benchmarks/coordinator.py`'s results.json records (policy, requests, own_ms); a
+        policy measured at several blocks keeps the first block's."""
+        points: dict[str, dict[int, float]] = {}
+        block: dict[str, int] = {}
+        for rec in records:
+            pol = rec["policy"]
+            if block.setdefault(pol, rec["block"]) != rec["block"]:
+                continue
+            points.setdefault(pol, {})[int(rec["requests"])] = float(rec["own_ms"])
+        if "dcut" not in points or "ar" not in points:
+            raise ValueError("coordinator times need the ar and dcut policies measured")
+        return cls({p: tuple(sorted(v.items())) for p, v in points.items()}, source)
+
+
+# benchmarks/coordinator.py --forward model, 2026-12-01 (runs/coordinator/results.json): the
+# engine's own Python on this project's 2-core CPU machine; a serving host's cores are faster.
+MEASURED = OwnTime({"ar": ((1, 0.73), (16, 1.04), (64, 2.27), (256, 5.82), (1024, 16.70)),
+                    "full": ((1, 1.49), (16, 2.05), (64, 4.84), (256, 15.87), (1024, 43.89)),
+                    "tetris": ((1, 1.41), (16, 2.75), (64, 4.57), (256, 12.38), (1024, 43.29)),
+                    "dcut-buckets": ((1, 1.40), (16, 2.82), (64, 5.45), (256, 12.29), (1024, 45.84)),
+                    "dcut": ((1, 1.55), (16, 2.32), (64, 3.29), (256, 7.20), (1024, 20.00))},
+                   "benchmarks/coordinator.py on the 2-core CPU machine, 2026-12-01")
