@@ -6,6 +6,10 @@ actors/engine/replay.py: a zero-cost target, everything else real — the schedu
 gate, the real n-gram drafter, pruning, acceptance, commit, the learned estimators), so the
 engine's own time shows at batch sizes this machine cannot run a model at.
 
+`--target real` runs the same waves on the real bundled model instead (the GPU script's check:
+the engine's own time next to a real GPU forward, in the format `dcut simulate
+--coordinator-times` reads).
+
 Prompts: the mixed workload's training draw (`dcut trace`'s seed 23, never the reported seed-11
 prompts), cycled to fill the batch; their greedy outputs come from the real bundled model first,
 and every replayed output is checked against them. Per (policy, R): one wave of R requests
@@ -89,10 +93,12 @@ class Workload:
     max_tokens: int
     forward: object  # StepShape -> seconds, or None
     cache: str
+    real: bool = False  # the real target (as `dcut serve` builds it: on the GPU with DCUT_GPUS_PER_RANK=1)
 
 
 def one_wave(policy: str, block: int, r: int, w: Workload) -> dict:
     """R requests admitted together under `policy`; per-stage medians of the full decode steps."""
+    from actors.engine.coordinator import Engine
     from actors.engine.replay import ReplayEngine
     from actors.engine.sequence import SamplingParams
     from deployments.settings import ServeSettings
@@ -107,7 +113,7 @@ def one_wave(policy: str, block: int, r: int, w: Workload) -> dict:
                               prefill_budget=1 << 24)
     timed = None if w.forward is None else (lambda shape: 0.0 if shape.tokens > 17 * shape.requests else
                                             w.forward(shape))
-    eng = ReplayEngine(cfg, w.table, timed)
+    eng = Engine(cfg) if w.real else ReplayEngine(cfg, w.table, timed)
     clock = StageClock(eng)
     batch = [w.prompts[i % len(w.prompts)] for i in range(r)]
     rids = [eng.add(p, SamplingParams(max_tokens=w.max_tokens)) for p in batch]
@@ -147,6 +153,10 @@ def main() -> int:
     p.add_argument("--forward", default="model",
                    help="each forward's time: 'model' (what the real target's profile predicts for its shape, "
                         "slept), 'none', or milliseconds")
+    p.add_argument("--target", choices=["replay", "real"], default="replay",
+                   help="replay: the zero-cost target (--forward says how long a forward takes); real: the "
+                        "bundled model's ranks as `dcut serve` builds them (tests/gpu/run.sh: on the GPU), "
+                        "their measured forward left out of the own time")
     p.add_argument("--out", default="runs/coordinator")
     args = p.parse_args()
 
@@ -170,8 +180,9 @@ def main() -> int:
     for r in (int(x) for x in args.requests.split(",")):
         for spec in args.policies.split(","):
             policy, block = spec.split(":")
-            row = one_wave(policy, int(block), r, Workload(prompts, table, args.max_tokens, forward, cache))
-            row["forward"] = args.forward
+            row = one_wave(policy, int(block), r, Workload(prompts, table, args.max_tokens, forward, cache,
+                                                           args.target == "real"))
+            row["forward"] = "real" if args.target == "real" else args.forward
             rows.append(row)
             print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     shutil.rmtree(cache, ignore_errors=True)

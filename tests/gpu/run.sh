@@ -8,6 +8,9 @@
 #   engine      every policy's greedy output equal to `ar` with the ranks on the GPU in float32, and a
 #               short bench of `ar` and `dcut` (`dcut bench` exits 1 when an output differs); bf16
 #               serving is checked in cuda-tests (divergences from `ar` only at near-ties)
+#   coordinator the engine's own time per step next to the real GPU forward at 1, 64 and 256
+#               requests (benchmarks/coordinator.py --target real; outputs checked against greedy),
+#               then `dcut simulate` of DeepSeek-V3 on H200 at EP 32 with those times
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-runs/gpu}
@@ -50,6 +53,24 @@ if "$python" -c 'import ray' 2>/dev/null; then
   fi
 else
   record engine FAIL "ray is not installed for $python: the engine was not checked"
+fi
+
+# coordinator: the engine's own time beside a real GPU forward, and what it means at EP 32.
+if "$python" -c 'import ray' 2>/dev/null; then
+  DCUT_GPUS_PER_RANK=1 DCUT_DTYPE=float32 timeout 240 "$python" benchmarks/coordinator.py --target real \
+    --requests 1,64,256 --policies ar:8,dcut:8 --max-tokens 32 --num-prompts 32 --out "$out/coordinator" \
+    > "$out/coordinator.log" 2>&1
+  rc=$?
+  if [ "$rc" = 124 ]; then record coordinator FAIL "timed out after 240 s; see coordinator.log"
+  elif [ "$rc" != 0 ]; then record coordinator FAIL "benchmarks/coordinator.py exit $rc; see coordinator.log"
+  elif ! timeout 120 "$python" -m deployments.cli simulate --model-config cluster_configs/models/deepseek-v3.json \
+      --hardware h200 --ep 32 --batch 64,256,1024 --policies dcut --coordinator-times "$out/coordinator/results.json" \
+      --out "$out/simulate" > "$out/simulate.log" 2>&1; then
+    record coordinator FAIL "dcut simulate with the measured times failed; see simulate.log"
+  else record coordinator PASS "own ms per step in $out/coordinator/table.md; EP 32 shares in $out/simulate/tables.md"
+  fi
+else
+  record coordinator FAIL "ray is not installed for $python: the coordinator was not measured"
 fi
 
 {

@@ -26,7 +26,7 @@ def test_without_a_gpu_it_fails_and_says_nothing_was_checked(tmp_path):
     assert rc == 2 and "NOTHING WAS CHECKED" in out
 
 
-def stand_in(tmp_path, pytest_says: str, pytest_rc: int, ray: bool, bench_rc: int) -> str:
+def stand_in(tmp_path, pytest_says: str, pytest_rc: int, ray: bool, bench_rc: int, coordinator_rc: int = 0) -> str:
     """An interpreter that claims a GPU and answers each call of the script as told."""
     path = tmp_path / "python"
     path.write_text(f"""#!/usr/bin/env bash
@@ -35,6 +35,7 @@ case "$*" in
   *"cuda.is_available"*) exit 0 ;;
   *"get_device_name"*) echo "torch stand-in cuda 12 Fake GPU"; exit 0 ;;
   *deployments.cli*) echo bench; exit {bench_rc} ;;
+  *benchmarks/coordinator.py*) echo coordinator; exit {coordinator_rc} ;;
   *"-m pytest"*) printf '%s\\n' "{pytest_says}"; exit {pytest_rc} ;;
 esac
 exit 3
@@ -43,16 +44,20 @@ exit 3
     return str(path)
 
 
-@pytest.mark.parametrize(("pytest_says", "pytest_rc", "ray", "bench_rc", "failing"), [
-    ("5 passed in 3.0s", 0, True, 0, None),
-    ("FAILED tests/gpu/test_cuda.py::test_x - boom\n1 failed, 4 passed", 1, True, 0, "cuda-tests"),
-    ("SKIPPED [1] tests/gpu/test_cuda.py:35: needs CUDA\n4 passed, 1 skipped", 0, True, 0, "cuda-tests"),
-    ("5 passed in 3.0s", 0, True, 1, "engine"),  # an output differs from ar
-    ("5 passed in 3.0s", 0, True, 124, "engine"),  # timed out
-    ("5 passed in 3.0s", 0, False, 0, "engine"),  # not checked is not passed
+@pytest.mark.parametrize(("pytest_says", "pytest_rc", "ray", "bench_rc", "coordinator_rc", "failing"), [
+    ("5 passed in 3.0s", 0, True, 0, 0, None),
+    ("FAILED tests/gpu/test_cuda.py::test_x - boom\n1 failed, 4 passed", 1, True, 0, 0, "cuda-tests"),
+    ("SKIPPED [1] tests/gpu/test_cuda.py:35: needs CUDA\n4 passed, 1 skipped", 0, True, 0, 0, "cuda-tests"),
+    ("5 passed in 3.0s", 0, True, 1, 0, "engine"),  # an output differs from ar
+    ("5 passed in 3.0s", 0, True, 124, 0, "engine"),  # timed out
+    ("5 passed in 3.0s", 0, False, 0, 0, "engine"),  # not checked is not passed
+    ("5 passed in 3.0s", 0, True, 0, 1, "coordinator"),  # an output differed from greedy, or it crashed
+    ("5 passed in 3.0s", 0, True, 0, 124, "coordinator"),  # timed out
+    ("5 passed in 3.0s", 0, False, 0, 0, "coordinator"),  # not measured is not passed
 ])
-def test_any_failing_check_fails_the_script_and_is_named(tmp_path, pytest_says, pytest_rc, ray, bench_rc, failing):
-    rc, out = run(tmp_path, stand_in(tmp_path, pytest_says, pytest_rc, ray, bench_rc))
+def test_any_failing_check_fails_the_script_and_is_named(tmp_path, pytest_says, pytest_rc, ray, bench_rc,
+                                                         coordinator_rc, failing):
+    rc, out = run(tmp_path, stand_in(tmp_path, pytest_says, pytest_rc, ray, bench_rc, coordinator_rc))
     summary = (tmp_path / "out" / "summary.txt").read_text()
     if failing is None:
         assert rc == 0 and "FAIL" not in summary, out
