@@ -4,6 +4,7 @@ injected into a running engine."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Iterator
 
@@ -63,20 +64,27 @@ def with_fault():
 
 
 def kill_and_wait(actor, timeout_s: float = 60.0) -> None:
-    """ray.kill a target rank, and wait until its process is gone: its `ping` (answered beside a
-    driven rank's serve loop, max_concurrency 2) fails. ray.kill returns before the process
-    dies, so without this the next step may still reach it."""
+    """ray.kill a target rank, and wait until its process is gone. ray.kill returns before the
+    process dies, and Ray reports the actor dead (its `ping`, answered beside a driven rank's
+    serve loop, fails) while the process may still run a moment and answer the unit's own link:
+    so the wait is for the process id itself (every node of these tests is on this machine)."""
+    pid = ray.get(actor.__ray_call__.remote(lambda _self: os.getpid()), timeout=timeout_s)
     ray.kill(actor, no_restart=True)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        try:
-            ray.get(actor.ping.remote(), timeout=5)
-        except ray.exceptions.RayActorError:
+        if not _running(pid):
             return
-        except ray.exceptions.GetTimeoutError:
-            continue
         time.sleep(0.05)
-    raise AssertionError("the actor outlived ray.kill")
+    raise AssertionError("the actor's process outlived ray.kill")
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` still runs (a zombie awaiting its parent does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def holding_drafts(eng, steps: int):
