@@ -197,17 +197,23 @@ def drafts_by_kind() -> dict[tuple[str, str], float]:
 def test_a_request_names_the_drafters_it_may_use(client, reference):
     """The `drafter` extension: the main app hosts block, MTP, EAGLE-3 and n-gram drafters; a request that
     names one drafts only with it (the per-kind counters of /metrics move for it alone), with
-    the same output; a kind the server does not host, or no kind, is a 400 naming the field."""
+    the same output; a kind the server does not host, or no kind, is a 400 naming the field.
+    Whether a request drafts at all is the gate's call from measured costs (on a loaded moment it
+    may draft nothing for four short requests), so the round is repeated, up to three times,
+    until some request has drafted: the property is checked on every request either way."""
     moved_any = set()
-    for kinds in (["mtp"], ["ngram"], "block", ["eagle3"]):
-        before = drafts_by_kind()
-        out = client.completions.create(model="dcut-demo", prompt=PROMPT, max_tokens=12, temperature=0,
-                                        extra_body={"drafter": kinds})
-        assert out.choices[0].text.strip() == words(reference)
-        after = drafts_by_kind()
-        moved = {k for k in ("block", "mtp", "eagle3", "ngram") if after[(k, "chosen")] > before[(k, "chosen")]}
-        assert moved <= set([kinds] if isinstance(kinds, str) else kinds), (kinds, moved)
-        moved_any |= moved
+    for _ in range(3):
+        for kinds in (["mtp"], ["ngram"], "block", ["eagle3"]):
+            before = drafts_by_kind()
+            out = client.completions.create(model="dcut-demo", prompt=PROMPT, max_tokens=12, temperature=0,
+                                            extra_body={"drafter": kinds})
+            assert out.choices[0].text.strip() == words(reference)
+            after = drafts_by_kind()
+            moved = {k for k in ("block", "mtp", "eagle3", "ngram") if after[(k, "chosen")] > before[(k, "chosen")]}
+            assert moved <= set([kinds] if isinstance(kinds, str) else kinds), (kinds, moved)
+            moved_any |= moved
+        if moved_any:
+            break
     assert moved_any, "no request drafted: the test would pass without speculation"  # it did speculate
     both = client.completions.create(model="dcut-demo", prompt=PROMPT, max_tokens=12, temperature=0,
                                      extra_body={"drafter": ["block", "ngram"]})
