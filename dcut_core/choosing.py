@@ -201,11 +201,6 @@ class GainTable:
         grid = (np.arange(rates.shape[0])[:, None], np.arange(rates.shape[1])[None, :])
         return cls(np.cumsum(np.cumprod(rates, axis=2), axis=2), width, n[None, :] <= width[:, None], n, grid)
 
-    @staticmethod
-    def costs(costs) -> np.ndarray:
-        """[5, K]: each kind's fixed, per-request, per-position, per-context and per-pass seconds."""
-        return np.array([[c.fixed, c.per_request, c.per_position, c.per_context, c.per_pass] for c in costs]).T
-
 
 @dataclass(frozen=True)
 class Choice:
@@ -224,7 +219,7 @@ class Choice:
            remaining: np.ndarray | None) -> Choice:
         """held [R, K]: context each kind has not seen of each request, charged d_context,k a
         token in the share of its `remaining` output the step may make."""
-        c = GainTable.costs(costs)
+        c = cost_columns(costs)
         if not table.width.any():  # nobody may draft (a captured verify table may hold R alone)
             return cls(table, 0.0, 0.0, c, None)
         r = table.gain.shape[0]
@@ -235,6 +230,11 @@ class Choice:
             switching = c[3][None, :, None] * np.asarray(held, dtype=np.float64)[:, :, None] * np.minimum(
                 1.0, (1.0 + table.gain) / left)
         return cls(table, base, more - base, c, switching)
+
+
+def cost_columns(costs) -> np.ndarray:
+    """[5, K]: each kind's fixed, per-request, per-position, per-context and per-pass seconds."""
+    return np.array([[c.fixed, c.per_request, c.per_position, c.per_context, c.per_pass] for c in costs]).T
 
 
 @cache

@@ -55,6 +55,11 @@ def as_tensor(rows: np.ndarray | torch.Tensor) -> torch.Tensor:
     return rows if isinstance(rows, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(rows))
 
 
+def on(rows, device: torch.device) -> torch.Tensor:
+    """Feature rows (a host array, or a tensor already on the rank's device) as float32 on `device`."""
+    return as_tensor(rows).to(device=device, dtype=torch.float32, non_blocking=True)
+
+
 class Drafter(Protocol):
     """Drafts for a batch of requests; owns whatever per-request state it keeps."""
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from actors.drafter.base import DraftOutput, as_tensor
+from actors.drafter.base import DraftOutput, on
 from actors.drafter.model import DraftModel
 from actors.target.kv_cache import CacheSpec, PagedKVCache
 
@@ -123,11 +123,6 @@ class BlockDrafter:
         want = (pick >= 1) & (pick <= lengths_t[:, None])  # [B, K] rows that may be kept
         logits = self.model.logits(hidden[want]).float()  # [N, head vocabulary]
         return sample_drafts(logits, lengths, temperature, rng, self.model.head_ids)
-
-
-def on(rows, device: torch.device) -> torch.Tensor:
-    """Feature rows (a host array, or a tensor already on the rank's device) as float32 on `device`."""
-    return as_tensor(rows).to(device=device, dtype=torch.float32, non_blocking=True)
 
 
 def sample_drafts(logits: torch.Tensor, lengths: list[int], temperature: float,

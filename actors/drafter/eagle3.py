@@ -34,7 +34,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from actors.drafter.block import on
+from actors.drafter.base import on
 from actors.drafter.mtp import MTPDrafter
 from actors.target.layers import RMSNorm, SwiGLU, apply_rope
 from actors.target.rope import Rotary

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from actors.drafter.base import DraftOutput
-from actors.drafter.block import on, sample_drafts
+from actors.drafter.base import DraftOutput, on
+from actors.drafter.block import sample_drafts
 from actors.target.kv_cache import CacheSpec, PagedKVCache
 from actors.target.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin
 
