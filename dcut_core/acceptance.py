@@ -45,6 +45,23 @@ def verify_outcomes(cu_drafted: np.ndarray, kept: np.ndarray, accepted: np.ndarr
     return idx, pos[idx] < a[idx]
 
 
+def hindsight_outcomes(tokens: np.ndarray, cu: np.ndarray, emitted: np.ndarray,
+                       cu_emitted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Drafts nobody verified, judged after the step against the tokens it emitted: per request
+    (judged [R], accepted [R]). The first min(drafts, emitted) drafts of request i are compared
+    with its emitted tokens (draft j guessed the token the step emitted j-th), and `accepted` of
+    them match in a row. What lies past the emitted tokens is unknown: accepted = judged says
+    nothing of later drafts (censored, as `verify_outcomes` treats kept drafts). The n-gram
+    look-ahead is made for every request each step, so its kind learns this way from every step,
+    not only from the steps it drafts for."""
+    cu, cu_emitted = np.asarray(cu, dtype=np.int64), np.asarray(cu_emitted, dtype=np.int64)
+    judged = np.minimum(np.diff(cu), np.diff(cu_emitted))
+    cu_j = ragged.offsets_from_lengths(judged)
+    pos, seg = ragged.positions(cu_j), ragged.segment_ids(cu_j)
+    match = np.asarray(tokens)[cu[:-1][seg] + pos] == np.asarray(emitted)[cu_emitted[:-1][seg] + pos]
+    return judged, ragged.leading_true(match, cu_j)
+
+
 def _logit(x: np.ndarray) -> np.ndarray:
     x = np.clip(x, _EPS, 1.0 - _EPS)
     return np.log(x) - np.log1p(-x)

@@ -19,7 +19,8 @@ from dcut_core.pruning import StepCost
 class GateInput:
     """Everything one gate decision sees, in plain numbers: the step's requests, their caps,
     remaining output and lag (per drafter kind, the context it has not seen: catching up on it
-    comes before drafting), each kind's drafting cost, the kinds each request may use, what any
+    comes before drafting), each kind's drafting cost, the kinds each request may use, the
+    drafts a kind is known to be able to make now (the n-gram kind's look-ahead), what any
     drafting step costs beyond the kinds' passes, and the verify cost sampled at every token
     count the decision can ask about (R .. R + Σ caps). The engine builds it every step; a step
     log keeps it (`as_dict`), and `replay` feeds it back to a fresh gate."""
@@ -32,15 +33,35 @@ class GateInput:
     draft: list[DraftCost]  # one per kind
     allowed: np.ndarray | None = None  # [R, kinds] bool
     shared_fixed: float = 0.0
+    available: np.ndarray | None = None  # [R, kinds] drafts each kind can make now (-1: as many as asked)
 
     @classmethod
     def capture(cls, rids: list[int], caps, remaining, lag, verify: StepCost, draft: list[DraftCost],
-                allowed=None, shared_fixed: float = 0.0) -> GateInput:
+                allowed=None, shared_fixed: float = 0.0, available=None) -> GateInput:
         caps = np.asarray(caps, dtype=np.int64)
         tokens = len(rids) + np.arange(int(caps.sum()) + 1)
         lag = np.asarray(lag, dtype=np.float64).reshape(len(rids), len(draft))
         return cls(list(rids), caps, np.asarray(remaining, dtype=np.int64), lag, verify.seconds(tokens), list(draft),
-                   None if allowed is None else np.asarray(allowed, dtype=bool), float(shared_fixed))
+                   None if allowed is None else np.asarray(allowed, dtype=bool), float(shared_fixed),
+                   None if available is None else np.asarray(available, dtype=np.int64).reshape(len(rids), len(draft)))
+
+    def room(self) -> np.ndarray:
+        """[R, kinds]: the most drafts each kind may make for each request this step: the cap,
+        within what the kind can make now (`available`) and only for the kinds it may use."""
+        room = np.repeat(self.caps[:, None], len(self.draft), axis=1)
+        if self.available is not None:
+            room = np.where(self.available >= 0, np.minimum(room, self.available), room)
+        if self.allowed is not None:
+            room = np.where(self.allowed, room, 0)
+        return room
+
+    def usable(self) -> np.ndarray | None:
+        """[R, kinds] bool: the kinds each request may choose from — those it allows, less any
+        known to have nothing to draft now (None: every kind)."""
+        if self.allowed is None and self.available is None:
+            return None
+        usable = np.ones(self.lag.shape, dtype=bool) if self.allowed is None else self.allowed
+        return usable if self.available is None else usable & (self.available != 0)
 
     def verify(self) -> StepCost:
         """The captured verify cost as a curve (the same values at every count it holds)."""
@@ -51,7 +72,8 @@ class GateInput:
         return {"rids": self.rids, "caps": self.caps.tolist(), "remaining": self.remaining.tolist(),
                 "lag": self.lag.tolist(), "verify_table": self.verify_table.tolist(),
                 "draft": [[d.fixed, d.per_request, d.per_position, d.per_context, d.per_pass] for d in self.draft],
-                "allowed": None if self.allowed is None else self.allowed.tolist(), "shared_fixed": self.shared_fixed}
+                "allowed": None if self.allowed is None else self.allowed.tolist(), "shared_fixed": self.shared_fixed,
+                "available": None if self.available is None else self.available.tolist()}
 
     @classmethod
     def from_dict(cls, d: dict) -> GateInput:
@@ -60,10 +82,11 @@ class GateInput:
         draft = d["draft"]
         draft = [DraftCost(*x) for x in draft] if draft and isinstance(draft[0], list) else [DraftCost(*draft)]
         lag = np.asarray(d["lag"] if "lag" in d else d["backlog"], dtype=np.float64).reshape(len(d["rids"]), len(draft))
-        allowed = d.get("allowed")
+        allowed, available = d.get("allowed"), d.get("available")
         return cls(list(d["rids"]), np.asarray(d["caps"], dtype=np.int64), np.asarray(d["remaining"], dtype=np.int64),
                    lag, np.asarray(d["verify_table"], dtype=np.float64), draft,
-                   None if allowed is None else np.asarray(allowed, dtype=bool), d.get("shared_fixed", 0.0))
+                   None if allowed is None else np.asarray(allowed, dtype=bool), d.get("shared_fixed", 0.0),
+                   None if available is None else np.asarray(available, dtype=np.int64).reshape(lag.shape))
 
 
 @dataclass(frozen=True)
@@ -112,24 +135,28 @@ class DraftingGate:
 
     def decide(self, g: GateInput) -> Plan:
         """Which kind drafts for each request and how far: the chooser picks the kinds (an
-        exploring request drafts its whole cap), `plan_drafts` the lengths from the chosen
-        kinds' predictions and costs, the catch-up charged by each request's lag."""
-        rids, caps = g.rids, g.caps
+        exploring request drafts all its kind may), `plan_drafts` the lengths from the chosen
+        kinds' predictions and costs, the catch-up charged by each request's lag. A kind is
+        predicted only as far as it may draft (`GateInput.room`): an n-gram kind whose look-ahead
+        found nothing is worth nothing to that request this step."""
+        rids, room = g.rids, g.room()
         verify = g.verify()
-        per_kind = [t.predict_batch(rids, caps) for t in self.trackers]
-        kinds, exploring, fallback = self.chooser.choose(rids, per_kind, verify, g.draft, g.allowed, held=g.lag,
+        per_kind = [t.predict_batch(rids, room[:, k]) for k, t in enumerate(self.trackers)]
+        kinds, exploring, fallback = self.chooser.choose(rids, per_kind, verify, g.draft,
+                                                         g.usable(), held=g.lag,
                                                          remaining=g.remaining)
+        mine = room[np.arange(len(rids)), kinds]
         predicted = [per_kind[k][i] for i, k in enumerate(kinds.tolist())]
         survival = survival_matrix(predicted)
         charge = self.catch_up_charge(survival[0], g.lag[np.arange(len(rids)), kinds], g.remaining)
         plan = plan_drafts(predicted, verify, g.draft, self.max_budget, self.slack, charge, extend=self.extend,
                            kinds=kinds, shared_fixed=g.shared_fixed, survival=survival)
-        lengths = np.where(exploring, caps, plan.lengths)
+        lengths = np.where(exploring, mine, plan.lengths)
         if not plan.drafting and not exploring.any():
             warming = sum(t.observations for t in self.trackers) < self.exploration.warmup
             probe = self.exploration.probe(len(rids), warming)
             if probe is not None:
-                return Plan(kinds, caps * probe, fallback, g)
+                return Plan(kinds, mine * probe, fallback, g)
         idle = lengths == 0
         for k, tracker in enumerate(self.trackers):
             tracker.skipped([rid for rid, i in zip(rids, idle & (kinds == k), strict=True) if i])
@@ -138,9 +165,10 @@ class DraftingGate:
     def choose(self, g: GateInput) -> Plan:
         """The kinds `decide` would choose, every request drafting to its cap: for a policy that
         drafts without gating (its requests still teach the trackers)."""
-        per_kind = [t.predict_batch(g.rids, g.caps) for t in self.trackers]
-        kinds, _, fallback = self.chooser.choose(g.rids, per_kind, g.verify(), g.draft, g.allowed)
-        return Plan(kinds, g.caps, fallback, g)
+        room = g.room()
+        per_kind = [t.predict_batch(g.rids, room[:, k]) for k, t in enumerate(self.trackers)]
+        kinds, _, fallback = self.chooser.choose(g.rids, per_kind, g.verify(), g.draft, g.usable())
+        return Plan(kinds, room[np.arange(len(g.rids)), kinds], fallback, g)
 
     def observe(self, rid: int, kind: int, kept: int, accepted: int, beyond: np.ndarray | None = None) -> None:
         """One verification of request rid's drafts by drafter `kind` (`AcceptanceTracker.observe`)."""
@@ -197,4 +225,6 @@ def replay(gate: DraftingGate, steps) -> list[tuple[np.ndarray, np.ndarray]]:
                 gate.observe(rid, obs["kinds"][i] if obs.get("kinds") else 0, obs["kept"][i], obs["accepted"][i], b)
             for rid, kind in obs.get("empty") or ():
                 gate.empty(rid, kind)
+            for rid, kind, kept, accepted in obs.get("shadow") or ():
+                gate.observe(rid, kind, kept, accepted)
     return plans

@@ -9,6 +9,7 @@ from dcut_core.drafting import DraftCost
 from dcut_core.nnls import nnls
 
 PRIOR_DRAFT_COST = DraftCost(1e-3, 2e-4, 5e-5, 1e-5)
+FREE = DraftCost(0.0, 0.0, 0.0, 0.0)
 
 
 class RateFit:
@@ -47,9 +48,10 @@ class DraftCostLearner:
     kind's rates to whole calls was tried first: online, calls mixing kinds left the split
     ambiguous, and the choices it drove got steadily worse (docs/benchmarks.md)."""
 
-    def __init__(self, kinds: int, initial: DraftCost = PRIOR_DRAFT_COST) -> None:
-        self.fits = [RateFit(initial) for _ in range(kinds)]
-        self.shared = 0.0
+    def __init__(self, kinds: int, initial: DraftCost = PRIOR_DRAFT_COST, free: tuple[int, ...] = ()) -> None:
+        self.fits = [RateFit(FREE if k in free else initial) for k in range(kinds)]
+        self.free = frozenset(free)  # kinds whose drafts cost nothing more to use (the coordinator's n-gram
+        self.shared = 0.0  # look-ahead, made for every request before the plan): never learnt or restored
         self._calls = 0
 
     @property
@@ -58,7 +60,8 @@ class DraftCostLearner:
 
     def observe_kind(self, kind: int, requests: int, positions: int, seconds: float, context: int = 0,
                      passes: int = 0) -> None:
-        self.fits[kind].observe(requests, positions, seconds, context, passes)
+        if kind not in self.free:
+            self.fits[kind].observe(requests, positions, seconds, context, passes)
 
     def observe_call(self, seconds: float) -> None:
         """A call's time beyond its kinds' own (messages, catch-up bookkeeping)."""
@@ -68,8 +71,8 @@ class DraftCostLearner:
     def restore(self, costs: list[DraftCost | None], shared: float) -> None:
         """Start from learnt costs (a kind's None: keep its own); `shared` counts as a mean of
         many calls."""
-        for fit, cost in zip(self.fits, costs, strict=True):
-            if cost is not None:
+        for k, (fit, cost) in enumerate(zip(self.fits, costs, strict=True)):
+            if cost is not None and k not in self.free:
                 fit.cost = cost
         self.shared, self._calls = shared, max(self._calls, 50)
 

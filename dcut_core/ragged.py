@@ -66,6 +66,21 @@ def segment_cumprod(values: np.ndarray, cu: np.ndarray) -> np.ndarray:
     return np.cumprod(padded, axis=1)[mask]
 
 
+def leading_true(mask: np.ndarray, cu: np.ndarray) -> np.ndarray:
+    """Per request, how many entries of `mask` [N] are True before its first False: [R]."""
+    return segment_sums(segment_cumprod(mask.astype(np.float64), cu).astype(np.int64), cu)
+
+
+def gather(cu: np.ndarray, rows: np.ndarray, lengths: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(flat indices [M], offsets [len(rows) + 1]): the entries of the chosen rows, in their
+    order — the first lengths[j] of row rows[j] (default: all of it)."""
+    rows = np.asarray(rows, dtype=np.int64)
+    have = np.diff(cu)[rows]
+    n = have if lengths is None else np.minimum(have, np.asarray(lengths, dtype=np.int64))
+    out = offsets_from_lengths(n)
+    return np.repeat(np.asarray(cu)[rows], n) + positions(out), out
+
+
 def check_offsets(cu: np.ndarray, n: int) -> None:
     """Raise ValueError unless cu is a valid offsets array for n flat entries."""
     if cu.ndim != 1 or len(cu) < 1 or cu[0] != 0 or cu[-1] != n or (np.diff(cu) < 0).any():

@@ -34,11 +34,6 @@ def target_offsets(cu_kept: np.ndarray) -> np.ndarray:
     return cu_kept + np.arange(len(cu_kept))
 
 
-def _leading_true(mask: np.ndarray, cu: np.ndarray) -> np.ndarray:
-    """Per request, how many entries of `mask` are True before the first False: [R]."""
-    return ragged.segment_sums(ragged.segment_cumprod(mask.astype(np.float64), cu).astype(np.int64), cu)
-
-
 def _draft_rows(cu_kept: np.ndarray) -> np.ndarray:
     """Target row of every draft [N]: draft j of request i is judged by row cu_t[i] + j."""
     return np.arange(int(cu_kept[-1])) + ragged.segment_ids(cu_kept)
@@ -54,7 +49,7 @@ def greedy(draft_tokens: np.ndarray, cu_kept: np.ndarray, target_tokens: np.ndar
     if len(target_tokens) != cu_t[-1]:
         raise ValueError(f"expected {cu_t[-1]} target rows, got {len(target_tokens)}")
     match = draft_tokens == target_tokens[_draft_rows(cu_kept)]  # [N]
-    accepted = _leading_true(match, cu_kept)
+    accepted = ragged.leading_true(match, cu_kept)
     # Accepted drafts equal the target's tokens, so the output is target rows 0..a_i.
     emit = ragged.positions(cu_t) <= np.repeat(accepted, np.diff(cu_t))
     return Accepted(accepted, target_tokens[emit], ragged.offsets_from_lengths(accepted + 1))
@@ -85,7 +80,7 @@ def speculative(
     rows = _draft_rows(cu_kept)
     p_x = target_probs[rows, draft_tokens]  # [N]
     q_x = np.ones(n) if draft_probs is None else draft_probs[np.arange(n), draft_tokens]
-    accepted = _leading_true(u_accept * q_x < p_x, cu_kept)
+    accepted = ragged.leading_true(u_accept * q_x < p_x, cu_kept)
 
     final_rows = cu_t[:-1] + accepted  # [R] row that yields the bonus or recovered token
     dist = target_probs[final_rows].astype(np.float64, copy=True)  # [R, V]

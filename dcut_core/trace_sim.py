@@ -50,6 +50,7 @@ class SimSettings:
     prefill_budget: int = 2048
     backlog_tokens: int = 512  # one kind: context held back per request before it is sent anyway
     bonus: float = 1.0  # the kind chooser's optimism (UCB bonus, tokens)
+    lookahead: bool = True  # the n-gram kind looked up for every request before the gate, and taught by it
 
 
 @dataclass
@@ -124,6 +125,10 @@ class _Run:
                                  s.draft_slack, s.draft_extend, bonus=s.bonus, teach_empty=k > 1)
         self.costs = costs = trace.costs.for_kinds(k)  # the own time of an engine hosting k kinds
         self.draft = [costs.draft[i] for i in self.kidx]
+        # The engine looks the n-gram kind up for every request before its gate decides (it knows
+        # what that kind can draft, and learns what it would have had accepted every step).
+        self.ngram = s.kinds.index("ngram") if s.lookahead and "ngram" in s.kinds else None
+        self._available: np.ndarray | None = None
         self.queue: deque[int] = deque(range(len(trace.requests)))
         self.running: list[_Live] = []
         self.next_rid = 0
@@ -182,8 +187,14 @@ class _Run:
         costs = self.costs
         a, b = costs.own_drafting
         extra = max(0.0, a + b * r)  # what a drafting step costs outside the passes (the engine's `extra`)
+        available = None
+        if self.ngram is not None:  # the look-ahead: what the n-gram kind can draft now
+            available = np.full((r, len(self.kidx)), -1, dtype=np.int64)
+            available[:, self.ngram] = np.minimum(cap, [self.trace.requests[x.q].count[self.kidx[self.ngram], x.t]
+                                                        for x in batch])
+        self._available = available
         g = GateInput.capture([x.rid for x in batch], cap, remaining, held, self._curve(batch), self.draft, None,
-                              costs.shared + extra)
+                              costs.shared + extra, available)
         gated = self.policy.gated and self.s.drafting_gate
         plan = self.gate.decide(g) if gated else self.gate.choose(g)
         return plan.lengths, plan.kinds, plan.fallback
@@ -241,6 +252,14 @@ class _Run:
         for i, x in enumerate(batch):
             if lengths[i] > 0 and cu[i + 1] == cu[i]:
                 self.gate.empty(x.rid, int(used[i]))
+        if self._available is None:
+            return
+        ng = self.ngram  # the look-ahead of the requests it did not draft for, judged by what they emitted
+        for i, x in enumerate(batch):
+            n = min(int(self._available[i, ng]), int(accepted[i]) + 1)
+            if n > 0 and not (used[i] == ng and cu[i + 1] > cu[i]):
+                rt = self.trace.requests[x.q]
+                self.gate.observe(x.rid, ng, n, min(n, int(rt.accepted[self.kidx[ng], x.t])))
 
     def _advance_time(self, batch, feeding, kept, drafts, used) -> None:
         trace, costs = self.trace, self.costs
@@ -251,7 +270,7 @@ class _Run:
                           context + sum(start for _, start, _ in feeding))
         forward = costs.forward_seconds(shape) if shape.tokens else 0.0
         draft = 0.0
-        if counts.sum():
+        if counts[used != (-1 if self.ngram is None else self.ngram)].sum():  # a call to the drafter replicas
             draft = costs.shared
             for j in np.unique(used[counts > 0]):
                 mine = np.nonzero((used == j) & (counts > 0))[0]

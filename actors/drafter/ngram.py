@@ -32,6 +32,21 @@ class NgramDrafter:
                 self._history[rid] = History(self.min_n, self.max_n)
             self._history[rid].extend(toks)
 
+    def follow(self, request_ids: list[int], prompts: list[list[int]], outputs: list[list[int]]) -> None:
+        """Bring each request's history up to its prompt and output so far (what it holds is a
+        prefix of them: only the tokens past it are added). The coordinator's look-ahead
+        follows its sequences this way, with no commit calls to make."""
+        for rid, prompt, output in zip(request_ids, prompts, outputs, strict=True):
+            history = self._history.get(rid)
+            if history is None:
+                history = self._history[rid] = History(self.min_n, self.max_n)
+            have = len(history.tokens)
+            if have < len(prompt):
+                history.extend(prompt[have:])
+                have = len(prompt)
+            if have - len(prompt) < len(output):
+                history.extend(output[have - len(prompt):])
+
     def truncate(self, lengths: dict[int, int]) -> None:
         for rid, n in lengths.items():
             self._history[rid].truncate(n)

@@ -65,6 +65,12 @@ class EngineConfig:
         return tuple(self.drafter.split(","))
 
     @property
+    def replica_kinds(self) -> tuple[str, ...]:
+        """The kinds the drafter replicas host: all but n-gram, which the coordinator drafts itself
+        (actors/engine/lookahead.py). None: the engine has no drafter replica."""
+        return tuple(k for k in self.kinds if k != "ngram")
+
+    @property
     def drafts(self) -> bool:
         """The configured policy uses drafts (an `ar`-only engine starts no drafter)."""
         from dcut_core.pruning import policy_from_name
@@ -72,7 +78,7 @@ class EngineConfig:
         return policy_from_name(self.policy, self.block).drafts
 
     def layout(self) -> UnitLayout:
-        drafters = (self.ep if self.in_process else self.drafters) if self.drafts else 0
+        drafters = (self.ep if self.in_process else self.drafters) if self.drafts and self.replica_kinds else 0
         return UnitLayout(self.ep, drafters, self.coordinator_cpus, self.cpus_per_rank, self.gpus_per_rank,
                           self.cpus_per_drafter, self.in_process)
 
@@ -88,9 +94,9 @@ class EngineConfig:
                         guests=guests)
 
     def drafter_spec(self) -> DrafterSpec:
-        """The drafter replicas' part."""
-        return DrafterSpec(self.drafter, self.target_dir, self.drafter_dir, self.block, self.threads_per_rank,
-                           dirs=self.drafter_dirs)
+        """The drafter replicas' part (the kinds they host: `replica_kinds`)."""
+        return DrafterSpec(",".join(self.replica_kinds), self.target_dir, self.drafter_dir, self.block,
+                           self.threads_per_rank, dirs=self.drafter_dirs)
 
     def dcut_options(self, policy: str) -> dict:
         """The options of `policy` that this config sets (only `dcut` takes any)."""

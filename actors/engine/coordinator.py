@@ -2,7 +2,8 @@
 lossless verification. `actors/engine/actor.py` wraps it as the `BatchCoordinator` Ray actor.
 
 One decode step is the list in DESIGN.md, one method per stage:
-schedule → plan → propose → prune → verify → accept → commit, handing a `Step` along.
+schedule → look → plan → propose → prune → verify → accept → commit, handing a `Step` along
+(`look`: the n-gram kind's drafts for every request, made here before the gate decides).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from actors.engine.grammar import Grammars
 from actors.engine.history import StepHistory
 from actors.engine.kinds import count_kinds, learn_kind_costs
 from actors.engine.learning import learn, record
+from actors.engine.lookahead import LOCAL_KIND, Lookahead, NgramLookahead
 from actors.engine.placement import unit_placement_group
 from actors.engine.sequence import SamplingParams, Scheduler, Sequence, Status
 from actors.engine.stages import (
@@ -77,7 +79,9 @@ class Engine:
         self.gate = DraftingGate([AcceptanceTracker(block=cfg.block) for _ in self.kinds],
                                  Exploration(cfg.explore_every, cfg.explore_requests, cfg.explore_warmup),
                                  cfg.max_budget, cfg.draft_slack, cfg.draft_extend, teach_empty=len(self.kinds) > 1)
-        self.draft_cost = DraftCostLearner(len(self.kinds))
+        local = self.kinds.index(LOCAL_KIND) if cfg.drafts and LOCAL_KIND in self.kinds else None
+        self.lookahead = NgramLookahead(local, cfg.block) if local is not None else None
+        self.draft_cost = self._new_cost_learner()
         self.drafted_by_kind = {k: dict.fromkeys(("chosen", "drafted", "kept", "accepted"), 0) for k in self.kinds}
         self.overhead = StepOverhead()
         self.model_cfg = MoEConfig.load(cfg.target_dir)
@@ -101,7 +105,7 @@ class Engine:
         if len(self.scheduler):
             raise RuntimeError("switch policies only while no request is in flight")
         policy = policy_from_name(name, self.cfg.block, **self.cfg.dcut_options(name))
-        if policy.drafts and not self.drafters:
+        if policy.drafts and not self.can_draft:
             raise ValueError("this engine was built without drafters (policy ar)")
         self.policy = policy
         self._profile_drafter()
@@ -115,6 +119,11 @@ class Engine:
     @property
     def replicas(self) -> list:
         return self.drafters.replicas
+
+    @property
+    def can_draft(self) -> bool:
+        """Some kind can draft: a replica hosts one, or the coordinator drafts n-gram itself."""
+        return bool(self.drafters) or self.lookahead is not None
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -179,6 +188,7 @@ class Engine:
             context = sum(s.cached for s in batch)
             curve = self.cost.verify_curve(len(batch), context) if self.cost else FLAT_CURVE
             st = Step(batch, feeding, time.perf_counter(), context, curve)
+            st.lookahead = self.look(st)
             st.plan = self.plan(st)
             st.drafts = self.propose(st)
             st.pruned = self.prune(st)
@@ -225,6 +235,8 @@ class Engine:
             s.status, s.finish_reason = Status.FINISHED, "error"
             self.gate.forget(s.rid)
         self.drafters.release([s.rid for s in failed])
+        if self.lookahead is not None:
+            self.lookahead.release([s.rid for s in failed])
         self.recover_target(exc)
         return failed
 
@@ -241,33 +253,46 @@ class Engine:
                               self.cfg.prefill_budget)
         return [s for s in running if s.prefilled], feeding
 
+    def look(self, st: Step) -> Lookahead | None:
+        """The n-gram kind's drafts for every request that may use it, up to its cap (None: the
+        engine does not draft n-gram, or nothing to draft for)."""
+        if self.lookahead is None or not st.batch or not self.policy.drafts:
+            return None
+        caps = self._caps(st.batch)
+        mine = [not s.params.drafters or LOCAL_KIND in s.params.drafters for s in st.batch]
+        return self.lookahead.look(st.batch, np.where(mine, caps, 0))
+
     def plan(self, st: Step) -> Plan:
         """Which drafter kind drafts for each request and how far: the gate decides (`dcut`),
-        or every request drafts to its cap with the kind the gate would choose."""
+        or every request drafts to its cap with the kind the gate would choose. What the n-gram
+        kind can draft for each request is known (its look-ahead)."""
         batch = st.batch
-        if not batch or not self.drafters or not self.policy.drafts:
+        if not batch or not self.can_draft or not self.policy.drafts:
             return Plan.plain(len(batch))
-        cap = np.array([max(0, min(self.cfg.block - 1, s.remaining - 1)) if self.drafters.drafting(s.rid) else 0
-                        for s in batch])
         allowed = None
         if any(s.params.drafters for s in batch):
             allowed = np.array([[k in (s.params.drafters or self.kinds) for k in self.kinds] for s in batch])
         learner, extra = self.draft_cost, self.overhead.extra
-        g = GateInput.capture([s.rid for s in batch], cap, [s.remaining for s in batch], self.drafters.lag(batch),
-                              st.verify_cost, learner.costs, allowed, learner.shared + extra)
+        available = st.lookahead.available(len(self.kinds)) if st.lookahead is not None else None
+        g = GateInput.capture([s.rid for s in batch], self._caps(batch), [s.remaining for s in batch],
+                              self.drafters.lag(batch), st.verify_cost, learner.costs, allowed, learner.shared + extra,
+                              available)
         gated = self.policy.gated and self.cfg.drafting_gate
         return self.gate.decide(g) if gated else self.gate.choose(g)
 
     def propose(self, st: Step) -> Drafts:
         """Every replica drafts for its shard in parallel (each request with its planned kind, or
-        the fallback if that makes none); gathered into one ragged batch. Each kind's cost learns
-        from its own time."""
+        the fallback if that makes none), the n-gram kind's requests take their look-ahead;
+        gathered into one ragged batch. Each replica kind's cost learns from its own time."""
         t0 = time.perf_counter()
         outs = self.drafters.draft(st.batch, st.plan) if st.plan.drafting else {}
-        if not outs:
+        local = st.lookahead.take(st.plan) if st.lookahead is not None and st.plan.drafting else None
+        if not outs and local is None:
             return empty_drafts(len(st.batch), st.plan.kinds)
-        drafts = merge_drafts(len(st.batch), outs, st.plan.kinds, time.perf_counter() - t0)
-        learn_kind_costs(self.draft_cost, outs, drafts)
+        parts = [*outs.values(), *((local,) if local is not None else ())]
+        drafts = merge_drafts(len(st.batch), parts, st.plan.kinds, time.perf_counter() - t0)
+        if outs:
+            learn_kind_costs(self.draft_cost, outs, drafts)
         return drafts
 
     def prune(self, st: Step) -> Pruned:
@@ -363,13 +388,23 @@ class Engine:
             self.cost = online(startup_cost_model(self.target, c))
 
     def _profile_drafter(self) -> None:
-        """Seed the drafting gate's cost learner from a start-up profile of the drafter (once)."""
+        """Seed the drafting gate's cost learner from a start-up profile of the drafter replicas'
+        kinds (once)."""
         if self._profiled_drafter or not self.policy.gated or not self.drafters:
             return
-        m = self.model_cfg
-        self.draft_cost = startup_draft_cost(self.replicas, m.hidden_size, self.drafters.layers, m.vocab_size,
-                                             self.cfg.max_running, self.cfg.block, len(self.kinds))
+        self.draft_cost = startup_draft_cost(self.drafters, self.model_cfg, self.cfg.max_running, self.cfg.block,
+                                             self._new_cost_learner())
         self._profiled_drafter = True
+
+    def _new_cost_learner(self) -> DraftCostLearner:
+        """One drafting-cost fit per kind; the look-ahead's kind costs nothing more to use."""
+        return DraftCostLearner(len(self.kinds), free=() if self.lookahead is None else (self.lookahead.kind,))
+
+    def _caps(self, batch: list[Sequence]) -> np.ndarray:
+        """[R] the most drafts each request may verify this step (none for one without a drafter)."""
+        block = self.cfg.block
+        return np.array([max(0, min(block - 1, s.remaining - 1)) if self.drafters.drafting(s.rid) else 0
+                         for s in batch], dtype=np.int64)
 
     def _new_target(self) -> EPGroup:
         """The EP group: driven from this process (`in_process`, with the drafters as the ranks'
@@ -385,6 +420,8 @@ class Engine:
         rids = [s.rid for s in seqs]
         self.target.release(rids)
         self.drafters.release(rids)
+        if self.lookahead is not None:
+            self.lookahead.release(rids)
         for rid in rids:
             self.gate.forget(rid)
 
@@ -392,7 +429,8 @@ class Engine:
         """Request state each owner keeps, the ranks' and replicas' too (all 0 when nothing is in
         flight: a leak shows here). Between steps only."""
         return {"scheduler": len(self.scheduler) + len(self.scheduler.finished), **self.gate.held(),
-                **self.drafters.held(), **self.target.held()}
+                **self.drafters.held(), **self.target.held(),
+                "lookahead": self.lookahead.held() if self.lookahead is not None else 0}
 
     def placement(self) -> dict:
         """Where the unit's parts run (node and placement group of each): operators and tests."""

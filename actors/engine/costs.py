@@ -108,18 +108,18 @@ def profile_drafter(replica, hidden_size: int, layers: tuple[int, ...], vocab_si
     return samples
 
 
-def startup_draft_cost(replicas, hidden_size: int, layers: tuple[int, ...], vocab_size: int, max_requests: int,
-                       block: int, kinds: int = 1) -> DraftCostLearner:
-    """A drafting-cost learner seeded by profiling the first replica (about a second a kind), so
-    the drafting gate starts from measured costs instead of a guess."""
-    learner = DraftCostLearner(kinds)
-    for kind in range(kinds):
-        warm = CatchUp([-1], [[0] * 8], [{k: np.zeros((8, hidden_size), np.float16) for k in layers}])
-        resolve(replicas[0].draft.remote([-1], [0], [1], warm, [kind]))  # lazy set-up
-        resolve(replicas[0].release.remote([-1]))
-        for r, p, c, n, wall, own in profile_drafter(replicas[0], hidden_size, layers, vocab_size, max_requests,
+def startup_draft_cost(pool, model, max_requests: int, block: int, learner: DraftCostLearner) -> DraftCostLearner:
+    """`learner` (one fit per engine kind) seeded by profiling the first replica of `pool` (a
+    `DrafterPool`), about a second for each kind it hosts, so the drafting gate starts from
+    measured costs instead of a guess. `model`: the target's `MoEConfig`."""
+    replica, layers, hidden = pool.replicas[0], pool.layers, model.hidden_size
+    for kind, engine_kind in enumerate(pool.from_replica.tolist()):
+        warm = CatchUp([-1], [[0] * 8], [{k: np.zeros((8, hidden), np.float16) for k in layers}])
+        resolve(replica.draft.remote([-1], [0], [1], warm, [kind]))  # lazy set-up
+        resolve(replica.release.remote([-1]))
+        for r, p, c, n, wall, own in profile_drafter(replica, hidden, layers, model.vocab_size, max_requests,
                                                      block, kind=kind):
-            learner.observe_kind(kind, r, p, own, c, n)
+            learner.observe_kind(engine_kind, r, p, own, c, n)
             learner.observe_call(wall - own)
     learner.refit()
     log.info("profiled the drafter at start-up: %s", learner.costs)

@@ -6,6 +6,10 @@ from that rank's store, and no features travel (DESIGN.md, "Where the step runs"
 (`in_process=False`) `drafters` Ray actors hold them, requests are sharded by id, and features
 are fetched from the ranks by reference.
 
+Replicas host every kind but n-gram, which the coordinator drafts itself
+(actors/engine/lookahead.py); kinds are indexed as the engine indexes them (`EngineConfig.kinds`)
+everywhere outside the replica, which numbers its own (`replica_kinds`): the pool translates.
+
 The pool also keeps what context each request's drafter has not been sent (`Backlog`), and what
 happens when a drafter cannot draft: a replica actor that dies is replaced and its requests
 continue as plain decoding (orphans, still exact); so do requests whose context could not be
@@ -40,7 +44,8 @@ ONE_WAY = frozenset({"commit", "release"})  # replica calls nobody waits for
 
 def hosted_drafter(cfg: EngineConfig) -> tuple:
     """The guest each target rank builds beside it when drafters are hosted (`in_process`)."""
-    return (("drafter", Drafter, (cfg.drafter_spec(),)),) if cfg.in_process and cfg.drafts else ()
+    return (("drafter", Drafter, (cfg.drafter_spec(),)),) if cfg.in_process and cfg.drafts and cfg.replica_kinds \
+        else ()
 
 
 class DrafterPool:
@@ -52,16 +57,20 @@ class DrafterPool:
         self.spec = cfg.drafter_spec()
         self.hosted = cfg.in_process  # one replica in each target rank's process
         self.target = target
+        self.kinds = cfg.kinds
+        theirs = cfg.replica_kinds
+        self.to_replica = np.array([theirs.index(k) if k in theirs else -1 for k in cfg.kinds], dtype=np.int64)
+        self.from_replica = np.array([cfg.kinds.index(k) for k in theirs], dtype=np.int64)
         self.replicas = self._hosted() if self.hosted else \
-            [self._new_replica(r) for r in range(cfg.drafters)] if cfg.drafts else []
+            [self._new_replica(r) for r in range(cfg.drafters)] if cfg.drafts and theirs else []
         self.layers: tuple[int, ...] = resolve(self.replicas[0].target_layers.remote()) if self.replicas else ()
         self.owner: dict[int, int] = {}  # request -> replica index, or ORPHAN
         self.backlog = Backlog(cfg.drafter_backlog_tokens, features=bool(self.layers))
         self.lost = {"drafter_replica_lost": 0, "drafter_context_lost": 0}
         # A replica of one kind hands context straight to it, so what that kind lacks is the
         # backlog; a replica of several holds each kind's until it drafts (`PendingContext`), so
-        # what kind k lacks is the context since it last drafted.
-        self.direct = len(cfg.kinds) == 1
+        # what kind k lacks is the context since it last drafted. The n-gram kind lacks nothing.
+        self.direct = len(theirs) == 1
         self._seen: dict[int, np.ndarray] = {}  # request -> the context length each kind has seen
 
     def __bool__(self) -> bool:
@@ -78,12 +87,17 @@ class DrafterPool:
 
     def lag(self, batch: list[Sequence]) -> np.ndarray:
         """[R, kinds]: context tokens of each request that each kind has not seen (what it would
-        catch up on before drafting)."""
+        catch up on before drafting; 0 for the kind the coordinator drafts)."""
+        lag = np.zeros((len(batch), len(self.kinds)))
+        if not self.replicas or not batch:
+            return lag
         if self.direct:
-            return np.array([[self.backlog.size(s.rid)] for s in batch], dtype=np.float64).reshape(len(batch), 1)
-        none = np.zeros(len(self.cfg.kinds), dtype=np.int64)
-        return np.array([s.cached - self._seen.get(s.rid, none) for s in batch],
-                        dtype=np.float64).reshape(len(batch), len(none))
+            lag[:, self.from_replica[0]] = [self.backlog.size(s.rid) for s in batch]
+            return lag
+        none = np.zeros(len(self.kinds), dtype=np.int64)
+        lag[:] = [s.cached - self._seen.get(s.rid, none) for s in batch]
+        lag[:, self.to_replica < 0] = 0.0
+        return lag
 
     def drafting(self, rid: int) -> bool:
         """Whether request rid has a drafter (not orphaned)."""
@@ -95,9 +109,13 @@ class DrafterPool:
         with kind plan.kinds[i], or plan.fallback[i] if that makes none. Returns {replica: (batch
         indices, drafts)} of the replicas that answered."""
         calls = {}
-        lengths, kinds, fallback = plan.lengths.tolist(), plan.kinds.tolist(), plan.fallback.tolist()
+        lengths = plan.lengths.tolist()
+        # In the replica's numbering: a kind it does not host is none of its business (-1), and
+        # cannot stand in as a fallback there.
+        kinds = self.to_replica[plan.kinds].tolist()
+        fallback = np.where(plan.fallback >= 0, self.to_replica[np.maximum(plan.fallback, 0)], -1).tolist()
         for r in reversed(range(len(self.replicas))):  # replica 0 may be in this process: it runs last
-            idx = [i for i, s in enumerate(batch) if lengths[i] > 0 and self.owner[s.rid] == r]
+            idx = [i for i, s in enumerate(batch) if lengths[i] > 0 and kinds[i] >= 0 and self.owner[s.rid] == r]
             if idx:
                 rids = [batch[i].rid for i in idx]
                 catchup = self._sourced(self.backlog.take(rids), self.target)
@@ -107,7 +125,7 @@ class DrafterPool:
         outs = {}
         for r, (idx, ref) in calls.items():
             try:
-                outs[r] = (idx, resolve(ref))
+                outs[r] = (idx, self._engine_kinds(resolve(ref)))
             except ray.exceptions.RayActorError as exc:  # its requests go on without drafts
                 self._replace(r, exc)  # (a hosted replica fails with its rank: EPGroupError)
         self._orphan_lost([rid for _, out in outs.values() for rid in out.lost])
@@ -117,14 +135,22 @@ class DrafterPool:
                 for j, (i, kind) in enumerate(zip(idx, out.kinds.tolist(), strict=True)):
                     if drafted[j]:
                         s = batch[i]
-                        self._seen.setdefault(s.rid, np.zeros(len(self.cfg.kinds), dtype=np.int64))[kind] = s.cached
+                        self._seen.setdefault(s.rid, np.zeros(len(self.kinds), dtype=np.int64))[kind] = s.cached
         return outs
+
+    def _engine_kinds(self, out: DraftOutput) -> DraftOutput:
+        """A replica's output with its kinds in the engine's numbering."""
+        back = self.from_replica
+        return dataclasses.replace(out, kinds=back[out.kinds], kind_s={int(back[k]): v for k, v in out.kind_s.items()},
+                                   kind_context={int(back[k]): v for k, v in (out.kind_context or {}).items()})
 
     def commit(self, seqs: list[Sequence], tokens: list[list[int]], held: list[int], hidden: list[dict | None],
                target) -> None:
         """Queue committed context: tokens, and features that exist up to `held` (on the ranks,
         or in `hidden` when they came back with the step's result). It travels with the
         request's next draft call, or now if its backlog grew past the limit."""
+        if not self.replicas:  # the n-gram kind alone: the coordinator holds all it needs
+            return
         over = [s for s, t, end, h in zip(seqs, tokens, held, hidden, strict=True)
                 if self.drafting(s.rid) and self.backlog.add(s.rid, t, end, h)]
         if not over:
@@ -187,7 +213,7 @@ class DrafterPool:
         return dataclasses.replace(catchup, sources=LOCAL if self.hosted else target.features(catchup.spans))
 
     def _hosted(self) -> list:
-        if not self.cfg.drafts:
+        if not self.cfg.drafts or not self.cfg.replica_kinds:
             return []
         return [self.target.part(r, "drafter", one_way=ONE_WAY) for r in range(self.cfg.ep)]
 

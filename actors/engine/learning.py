@@ -48,12 +48,26 @@ def learn(st: Step, calibrators: list[Calibrator], gate: DraftingGate, cost, log
     empty = [(st.batch[i].rid, int(kinds[i])) for i in np.flatnonzero((st.plan.lengths > 0) & (counts == 0)).tolist()]
     for rid, kind in empty:
         gate.empty(rid, kind)
-    observed_now = observed(st, empty) if log else None  # for `dcut_core.gate.replay`
+    shadow = hindsight(st)
+    for rid, kind, n, a in shadow:
+        gate.observe(rid, kind, n, a)
+    observed_now = observed(st, empty, shadow) if log else None  # for `dcut_core.gate.replay`
     if cost is None:
         return Learnt(float("nan"), observed_now)
     if st.feeding:  # the correction learns verification steps only (pruning's curve)
         return Learnt(cost.predict(shape(st)), observed_now)
     return Learnt(cost.observe(shape(st), st.out.wall_s), observed_now)
+
+
+def hindsight(st: Step) -> list[tuple[int, int, int, int]]:
+    """(request, kind, judged, accepted) of the n-gram look-ahead the step did not draft with,
+    judged against the tokens each request emitted: the kind learns from every step."""
+    la = st.lookahead
+    if la is None:
+        return []
+    idx, judged, accepted = la.hindsight(st.drafts.counts, st.drafts.kinds, st.accepted.emitted)
+    rids = [st.batch[i].rid for i in idx.tolist()]
+    return [(rid, la.kind, n, a) for rid, n, a in zip(rids, judged.tolist(), accepted.tolist(), strict=True)]
 
 
 def shape(st: Step) -> StepShape:
@@ -69,7 +83,8 @@ def record(st: Step, learnt: Learnt, history: StepHistory, overhead: StepOverhea
                      st.verify_tokens, learnt.predicted_s, out.wall_s, drafts.seconds, pruned.seconds,
                      pruned.probe_seconds, step_s=time.perf_counter() - st.started,
                      target_compute_s=max((r.total_s for r in out.rank_stats), default=0.0),
-                     draft_compute_s=drafts.compute_seconds, prefill_tokens=st.prefill_tokens,
+                     draft_compute_s=drafts.compute_seconds + (st.lookahead.seconds if st.lookahead else 0.0),
+                     prefill_tokens=st.prefill_tokens,
                      rank_compute_s=tuple(r.total_s for r in out.rank_stats))
     history.append(rec)
     if not st.feeding:  # what drafting adds outside the passes (prefill chunks would blur it)

@@ -9,6 +9,7 @@ import numpy as np
 
 from actors.drafter.base import DraftOutput, merge_outputs
 from actors.engine.logprobs import entries
+from actors.engine.lookahead import Lookahead
 from actors.engine.sequence import Scheduler, Sequence
 from actors.target.group import TargetOutput
 from dcut_core import rules
@@ -64,6 +65,7 @@ class Step:
     started: float  # perf_counter at plan
     context: int = 0  # tokens in the decoding requests' KV caches when the step began
     verify_cost: StepCost | None = None  # the target's verify time by token count for this batch and context
+    lookahead: Lookahead | None = None
     plan: Plan | None = None
     drafts: Drafts | None = None
     pruned: Pruned | None = None
@@ -187,15 +189,15 @@ def empty_drafts(r: int, kinds: np.ndarray) -> Drafts:
     return Drafts(np.zeros(0, dtype=np.int64), np.zeros(r + 1, dtype=np.int64), z, z, kinds)
 
 
-def merge_drafts(r: int, outs: dict[int, tuple[list[int], DraftOutput]], kinds: np.ndarray, seconds: float) -> Drafts:
-    """Scatter each replica's ragged output back into batch order; `kinds` the kinds asked,
-    replaced by the one that really drafted (a fallback may have)."""
-    d = merge_outputs(r, outs.values())
+def merge_drafts(r: int, parts: list[tuple[list[int], DraftOutput]], kinds: np.ndarray, seconds: float) -> Drafts:
+    """Scatter each part's ragged output (batch indices, drafts: a replica's, the look-ahead's)
+    back into batch order; `kinds` the kinds asked, replaced by the one that really drafted (a
+    fallback may have)."""
+    d = merge_outputs(r, parts)
     kinds = np.asarray(kinds, dtype=np.int64).copy()
-    for idx, out in outs.values():
+    for idx, out in parts:
         kinds[idx] = out.kinds
-    return Drafts(d.tokens, d.cu, d.confidence, d.margin, kinds, seconds,
-                  max(out.compute_s for _, out in outs.values()))
+    return Drafts(d.tokens, d.cu, d.confidence, d.margin, kinds, seconds, max(out.compute_s for _, out in parts))
 
 
 def first_tokens(seqs: list[Sequence], last_out: dict) -> list[int]:

@@ -15,7 +15,7 @@ from actors.engine.steplog import read_steps
 from actors.target.checkpoint import load_model
 from actors.target.decode import greedy_decode
 from actors.target.local import LocalTarget
-from dcut_core.drafting import AcceptanceTracker, Exploration
+from dcut_core.drafting import AcceptanceTracker, DraftCost, Exploration
 from dcut_core.gate import DraftingGate, replay
 from tests.actors.test_engine import POLICIES, PROMPTS
 
@@ -61,7 +61,7 @@ def test_mixed_drafters_in_one_batch_are_lossless_for_every_policy(tiny_bundle, 
             eng.step()
         mid = eng.held()
         assert all(mid[k] > 0 for k in ("scheduler", "trackers", "drafter_owner", "drafter_replicas",
-                                         "target_owner", "rank_requests")), mid
+                                         "target_owner", "rank_requests", "lookahead")), mid
         while len(eng.scheduler):
             eng.step()
         for rid in rids:
@@ -111,6 +111,33 @@ def test_a_mixed_pool_step_log_replays_every_plan(tiny_bundle, tmp_path):
     fresh = DraftingGate([AcceptanceTracker(block=cfg.block) for _ in eng.kinds],
                          Exploration(cfg.explore_every, cfg.explore_requests, cfg.explore_warmup),
                          cfg.max_budget, cfg.draft_slack, cfg.draft_extend)
-    plans = replay(fresh, read_steps(log))
+    steps = list(read_steps(log))
+    plans = replay(fresh, steps)
     assert plans and all(np.array_equal(logged, got) for logged, got in plans)
     assert len({int(k) for logged, _ in plans for k, n in zip(*logged, strict=True) if n}) >= 2
+    # The n-gram kind is asked for no more than its look-ahead found, and learns from the steps
+    # it did not draft (its look-ahead judged against what they emitted).
+    ng = eng.kinds.index("ngram")
+    for rec in steps:
+        gate = rec.get("gate")
+        if gate:
+            available = np.asarray(gate["input"]["available"])
+            for i, (k, n) in enumerate(zip(gate["kinds"], gate["lengths"], strict=True)):
+                assert k != ng or n <= available[i, ng]
+    shadow = [x for rec in steps if rec.get("observed") for x in rec["observed"]["shadow"]]
+    assert shadow and all(k == ng and 0 <= a <= n for _, k, n, a in shadow)
+
+
+def test_an_ngram_engine_drafts_in_the_coordinator_with_no_drafter_replica(tiny_bundle, reference, tmp_path):
+    """n-gram alone (the serving default): no replica is started, no context is sent anywhere;
+    the coordinator's look-ahead drafts, losslessly, and holds nothing once requests finish."""
+    eng = engine(tiny_bundle, tmp_path, drafter="ngram", policy="full")
+    try:
+        assert eng.replicas == [] and eng.cfg.layout().drafters == 0 and eng.can_draft
+        out = eng.generate(PROMPTS[:8], [SamplingParams(max_tokens=MAX_TOKENS)] * 8)
+        assert [s.output for s in out] == reference[:8]
+        assert eng.drafted_by_kind["ngram"]["drafted"] > 0 and sum(sum(s.accepted) for s in out) > 0
+        assert eng.draft_cost.costs[0] == DraftCost()  # drafted for every request anyway: its use is free
+        assert set(eng.held().values()) == {0}
+    finally:
+        eng.shutdown()

@@ -147,7 +147,7 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_bundle, tmp_path):
 
 def test_a_dead_drafter_replica_loses_no_request(tiny_bundle, reference, tmp_path, with_fault):
     # Drafters as actors (at EP 1 they live in the coordinator's process and cannot die alone).
-    eng = engine(tiny_bundle, tmp_path, drafter="ngram", policy="full", drafters=2, in_process=False)
+    eng = engine(tiny_bundle, tmp_path, drafter="block", policy="full", drafters=2, in_process=False)
     try:
         out = with_fault(eng, PROMPTS[:8], MAX_TOKENS, lambda: ray.kill(eng.replicas[0]))
         assert out == reference[:8]

@@ -41,7 +41,8 @@ def remove(cluster: Cluster, node_id: str) -> None:
 
 
 def engine(bundle: str, tmp_path, **kw) -> Engine:
-    cfg = dict(target_dir=f"{bundle}/target", drafter="ngram", policy="full", block=6, cpus_per_rank=1.0,
+    cfg = dict(target_dir=f"{bundle}/target", drafter="block", drafter_dir=f"{bundle}/drafter", policy="full",
+               block=6, cpus_per_rank=1.0,
                cpus_per_drafter=0.5, threads_per_rank=1, cost_model_cache=str(tmp_path))
     return Engine(EngineConfig(**(cfg | kw)))
 

@@ -12,6 +12,7 @@ from dcut_core.acceptance import (
     Calibrator,
     brier_score,
     expected_calibration_error,
+    hindsight_outcomes,
     survival,
     verify_outcomes,
 )
@@ -20,6 +21,28 @@ from dcut_core.acceptance import (
 def test_survival_is_the_running_product_per_request():
     flat, cu = ragged.flatten([[0.5, 0.5, 0.0], [], [0.9, 1.0]])
     np.testing.assert_allclose(survival(flat, cu), [0.5, 0.25, 0.0, 0.9, 0.9])
+
+
+def test_hindsight_outcomes_judge_unverified_drafts_against_what_the_step_emitted():
+    tokens, cu = ragged.flatten([[5, 6, 7], [5, 9], [], [1, 2, 3, 4]], dtype=np.int64)
+    emitted, cu_e = ragged.flatten([[5, 6], [5, 6, 7], [3], [1, 2, 3, 4, 5]], dtype=np.int64)
+    judged, accepted = hindsight_outcomes(tokens, cu, emitted, cu_e)
+    assert judged.tolist() == [2, 2, 0, 4]  # at most what was emitted: later tokens are unknown
+    assert accepted.tolist() == [2, 1, 0, 4]
+
+
+@given(st.lists(st.tuples(st.lists(st.integers(0, 3), max_size=6), st.lists(st.integers(0, 3), min_size=1,
+                                                                              max_size=6)), min_size=1, max_size=8))
+def test_hindsight_outcomes_equal_a_request_by_request_comparison(rows):
+    tokens, cu = ragged.flatten([d for d, _ in rows], dtype=np.int64)
+    emitted, cu_e = ragged.flatten([e for _, e in rows], dtype=np.int64)
+    judged, accepted = hindsight_outcomes(tokens, cu, emitted, cu_e)
+    for (d, e), n, a in zip(rows, judged, accepted, strict=True):
+        assert n == min(len(d), len(e))
+        run = 0
+        while run < n and d[run] == e[run]:
+            run += 1
+        assert a == run
 
 
 def test_verify_outcomes_censor_pruned_and_post_rejection_drafts():

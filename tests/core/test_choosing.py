@@ -164,6 +164,64 @@ def test_a_multi_kind_history_replays_exactly():
     assert any(not np.array_equal(a, b) for a, b in replay(fresh(bonus=0.0), log))
 
 
+def test_a_kind_is_predicted_and_asked_only_as_far_as_it_can_draft_now():
+    """Kind 1 (an n-gram kind) accepts far more than kind 0, but its look-ahead found nothing
+    for request 0 and three drafts for request 1: request 0 drafts with kind 0, request 1 with
+    kind 1 and at most three drafts — exploring or not, gated or not."""
+    for bonus in (0.0, 5.0):
+        gate = DraftingGate([AcceptanceTracker(block=8), AcceptanceTracker(block=8)],
+                            Exploration(every=50, requests=2, warmup=0), bonus=bonus)
+        for _ in range(40):
+            gate.trackers[0].observe(9, 7, 2)
+            gate.trackers[1].observe(9, 7, 7)
+        costs = [DraftCost(1e-4, 1e-4, 1e-5), DraftCost(1e-5, 1e-5, 1e-6)]
+        g = GateInput.capture([0, 1], [7, 7], [40, 40], np.zeros((2, 2)), linear(0.01, 1e-5), costs,
+                              available=np.array([[-1, 0], [-1, 3]]))
+        assert g.room().tolist() == [[7, 0], [7, 3]]
+        for plan in (gate.decide(g), gate.choose(g)):
+            assert plan.kinds.tolist() == [0, 1]
+            assert plan.lengths[0] > 0 and 0 < plan.lengths[1] <= 3
+        back = GateInput.from_dict(g.as_dict())
+        assert np.array_equal(back.available, g.available) and np.array_equal(back.room(), g.room())
+    # a kind a request may not use has no room, whatever it could draft
+    g = GateInput.capture([0], [5], [40], np.zeros((1, 2)), linear(0.01, 1e-5), costs,
+                          allowed=np.array([[True, False]]), available=np.array([[2, 4]]))
+    assert g.room().tolist() == [[2, 0]]
+
+
+def test_what_a_look_ahead_would_have_had_accepted_replays_as_it_was_learnt():
+    """The engine teaches the n-gram kind's tracker from its look-ahead on steps it did not
+    draft (`hindsight_outcomes`), logged as `shadow`: a replay learns the same and plans the same."""
+    rng = np.random.default_rng(5)
+
+    def fresh():
+        return DraftingGate([AcceptanceTracker(block=8), AcceptanceTracker(block=8)],
+                            Exploration(every=50, requests=2, warmup=0))
+
+    live, log, rids = fresh(), [], [0, 1, 2]
+    costs = [DraftCost(2e-3, 1e-4, 1e-5), DraftCost(1e-5, 1e-5, 1e-6)]
+    for _ in range(80):
+        available = np.stack([np.full(3, -1), rng.integers(0, 8, 3)], axis=1)
+        plan = live.decide(GateInput.capture(rids, [7, 7, 7], [40, 40, 40], np.zeros((3, 2)), linear(0.01, 2e-4),
+                                             costs, available=available))
+        kinds, lengths = plan.kinds, plan.lengths
+        kept = lengths.copy()
+        accepted = [int(rng.integers(0, k + 1)) for k in kept]
+        for rid, k, n, a in zip(rids, kinds.tolist(), kept.tolist(), accepted, strict=True):
+            live.observe(rid, k, n, a)
+        shadow = [[rid, 1, int(min(available[i, 1], accepted[i] + 1)), 0] for i, rid in enumerate(rids)
+                  if (kinds[i] != 1 or lengths[i] == 0) and available[i, 1] > 0]
+        for rid, k, n, a in shadow:
+            live.observe(rid, k, n, a)
+        log.append({"gate": {"input": plan.seen.as_dict(), "lengths": lengths.tolist(), "kinds": kinds.tolist()},
+                    "observed": {"rids": rids, "kinds": kinds.tolist(), "kept": kept.tolist(), "accepted": accepted,
+                                 "beyond": [], "beyond_cu": None, "shadow": shadow}})
+    plans = replay(fresh(), log)
+    assert all(np.array_equal(a, b) for a, b in plans)
+    unshadowed = [{**r, "observed": {**r["observed"], "shadow": []}} for r in log]
+    assert any(not np.array_equal(a, b) for a, b in replay(fresh(), unshadowed))
+
+
 def test_a_kind_whose_pass_costs_more_than_its_few_requests_gain_is_left_out_of_the_batch():
     """Kind 1 is a little better for request 2 alone; worth it when its pass is cheap, not when
     the pass costs more than that request gains over kind 0 (the pass is paid once per step)."""

@@ -1,0 +1,100 @@
+"""The n-gram kind, drafted in the coordinator before the gate decides (`NgramLookahead`).
+
+Prompt lookup needs nothing but a request's token ids, which the coordinator holds, and costs
+microseconds: so instead of a drafter replica drafting it on request, the coordinator looks it
+up for every request of the step, up to its cap, before planning. Three things follow:
+- the gate knows what the n-gram kind can draft for each request now (`GateInput.available`):
+  where the context does not repeat it has nothing to offer, and no other kind is displaced
+  to find that out (it used to be asked, draft nothing, and fall back);
+- the kind learns from every step, not only those it drafts: its look-ahead is judged against
+  the tokens the step emitted (`dcut_core.acceptance.hindsight_outcomes`), for free;
+- an engine drafting only n-gram (the serving default) has no drafter replica at all: no
+  drafting call, no context sent anywhere.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from actors.drafter.base import DraftOutput
+from actors.drafter.ngram import NgramDrafter
+from actors.engine.sequence import Sequence
+from dcut_core import ragged
+from dcut_core.acceptance import hindsight_outcomes
+from dcut_core.gate import Plan
+
+LOCAL_KIND = "ngram"  # the drafter kind the coordinator drafts itself
+
+
+@dataclass(frozen=True)
+class Lookahead:
+    """The look-ahead stage's output: the n-gram kind's drafts for every request of the step
+    (ragged, batch order, up to each request's cap), made before the plan."""
+
+    kind: int  # the n-gram kind's index among the engine's kinds
+    drafts: DraftOutput
+    seconds: float = 0.0
+
+    @cached_property
+    def counts(self) -> np.ndarray:
+        """[R] drafts it can make for each request now."""
+        return np.diff(self.drafts.cu)
+
+    def available(self, kinds: int) -> np.ndarray:
+        """[R, kinds] for the gate: its counts in its own column, -1 (not known) in the others."""
+        out = np.full((len(self.counts), kinds), -1, dtype=np.int64)
+        out[:, self.kind] = self.counts
+        return out
+
+    def take(self, plan: Plan) -> tuple[list[int], DraftOutput] | None:
+        """(batch indices, drafts) of the requests the plan gives this kind: the first
+        plan.lengths[i] of each one's look-ahead (a shorter lookup is its prefix)."""
+        idx = np.flatnonzero((plan.kinds == self.kind) & (plan.lengths > 0))
+        if not len(idx):
+            return None
+        d = self.drafts
+        flat, cu = ragged.gather(d.cu, idx, plan.lengths[idx])
+        return idx.tolist(), DraftOutput(d.tokens[flat], cu, d.confidence[flat], d.margin[flat], kind_s={},
+                                         kinds=np.full(len(idx), self.kind, dtype=np.int64), kind_context={})
+
+    def hindsight(self, counts: np.ndarray, kinds: np.ndarray,
+                  emitted: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(batch indices, judged, accepted): what the look-ahead of the requests this kind did not
+        draft for (counts [R] drafted, kinds [R] the kind that drafted) would have had accepted,
+        judged against the tokens each emitted; only requests with something judged."""
+        idx = np.flatnonzero((self.counts > 0) & ~((counts > 0) & (kinds == self.kind)))
+        if not len(idx):
+            empty = np.zeros(0, dtype=np.int64)
+            return empty, empty, empty
+        flat, cu = ragged.gather(self.drafts.cu, idx)
+        em, cu_e = ragged.flatten([emitted[i] for i in idx.tolist()], dtype=np.int64)
+        judged, accepted = hindsight_outcomes(self.drafts.tokens[flat], cu, em, cu_e)
+        keep = judged > 0
+        return idx[keep], judged[keep], accepted[keep]
+
+
+class NgramLookahead:
+    """Owns the n-gram histories of the running requests (an `NgramDrafter` that follows the
+    sequences) and makes each step's `Lookahead`."""
+
+    def __init__(self, kind: int, block: int) -> None:
+        self.kind = kind
+        self.drafter = NgramDrafter(block_size=block)
+
+    def look(self, batch: list[Sequence], caps: np.ndarray) -> Lookahead:
+        """Up to caps[i] drafts for request i, its history brought up to date first."""
+        t0 = time.perf_counter()
+        rids = [s.rid for s in batch]
+        self.drafter.follow(rids, [s.prompt for s in batch], [s.output for s in batch])
+        out = self.drafter.draft(rids, [s.last for s in batch], np.asarray(caps, dtype=np.int64).tolist())
+        return Lookahead(self.kind, out, time.perf_counter() - t0)
+
+    def release(self, rids: list[int]) -> None:
+        self.drafter.release(rids)
+
+    def held(self) -> int:
+        return len(self.drafter.held_requests())
