@@ -166,6 +166,7 @@ class AcceptanceTracker:
     block: int
     halflife_steps: float = 20.0
     prior: float = 0.5
+    shrink: float = 4.0  # tokens of evidence at the global rate behind every request's factor
     accepted: np.ndarray = field(init=False)
     judged: np.ndarray = field(init=False)
     factor: dict[int, float] = field(default_factory=dict)
@@ -250,8 +251,14 @@ class AcceptanceTracker:
                 self._set_factor(rid)
 
     def _set_factor(self, rid: int) -> None:
+        """Accepted over expected, each with `shrink` tokens more at the global rate: a factor
+        learnt from a verification or two stays near 1. The chooser picks a request's kind by
+        the largest estimate, so a kind's lucky first steps would otherwise win it steps its
+        acceptance does not earn: on the training traces, with 0.5, the block drafter's
+        predictions ran 0.3–0.7 tokens above what it then accepted wherever it was chosen (with
+        4: 0.1–0.5), and every kind choice was a little better (docs/benchmarks.md)."""
         a, e = self._sums[rid]
-        self.factor[rid] = min(3.0, max(0.05, (a + 0.5) / (e + 0.5)))
+        self.factor[rid] = min(3.0, max(0.05, (a + self.shrink) / (e + self.shrink)))
 
     def forget(self, rid: int) -> None:
         self._sums.pop(rid, None)
