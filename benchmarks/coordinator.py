@@ -37,7 +37,7 @@ from actors.ray_env import set_local_env
 
 set_local_env()
 
-STAGES = ("schedule", "plan", "propose", "prune", "verify", "accept", "commit")
+STAGES = ("schedule", "look", "plan", "propose", "prune", "verify", "accept", "commit")
 POLICIES = "ar:8,full:5,full:16,tetris:8,dcut-buckets:8,dcut:8"  # policy:block (block − 1 drafts at most)
 
 

@@ -51,6 +51,7 @@ class SimSettings:
     backlog_tokens: int = 512  # one kind: context held back per request before it is sent anyway
     bonus: float = 1.0  # the kind chooser's optimism (UCB bonus, tokens)
     lookahead: bool = True  # the n-gram kind looked up for every request before the gate, and taught by it
+    shrink: float = 4.0  # the trackers' pull of a request's factor toward 1 (`AcceptanceTracker.shrink`)
 
 
 @dataclass
@@ -120,7 +121,7 @@ class _Run:
         # sends it at commit time); a replica of several holds it until the kind drafts.
         self.direct = k == 1
         self.calibrators = [Calibrator(block=self.block) for _ in range(k)]
-        self.gate = DraftingGate([AcceptanceTracker(block=self.block) for _ in range(k)],
+        self.gate = DraftingGate([AcceptanceTracker(block=self.block, shrink=s.shrink) for _ in range(k)],
                                  Exploration(s.explore_every, s.explore_requests, s.explore_warmup), s.max_budget,
                                  s.draft_slack, s.draft_extend, bonus=s.bonus, teach_empty=k > 1)
         self.costs = costs = trace.costs.for_kinds(k)  # the own time of an engine hosting k kinds

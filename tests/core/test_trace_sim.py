@@ -224,3 +224,47 @@ def test_a_one_kind_setting_pays_the_one_kind_engines_own_time():
     assert runs["cheap"][1].seconds == runs["dear"][1].seconds  # several kinds: the unit's, either way
     again = type(trace.costs).from_dict(msgpack.unpackb(msgpack.packb(cheap.as_dict())))
     assert again.own_one == cheap.own_one and type(trace.costs).from_dict(dear.as_dict()).own_one is None
+
+
+@pytest.mark.parametrize("ngram_better", [True, False])
+def test_the_ngram_look_ahead_is_asked_only_where_it_drafts_and_teaches_every_step(ngram_better):
+    """Two kinds: block, and n-gram, which finds a match only at every third position. With the
+    look-ahead (the engine's way) n-gram is never asked where it finds nothing, and its tracker
+    learns from the steps block drafted too. Without it, a better n-gram is asked where it has
+    nothing (then drafts nothing and falls back), and a worse one is never heard of again."""
+    block = 5
+    r = request(6, [[1] * 23, [3] * 23] if ngram_better else [[3] * 23, [1] * 23], block)
+    count = r.count.copy()
+    count[1, 1:] = np.where(np.arange(1, 24) % 3 == 0, block - 1, 0)  # kind 1 is n-gram
+    accepted = np.minimum(r.accepted, count)
+    trace = Trace(("block", "ngram"), block, 24, tuple(RequestTrace(6, r.output, count, accepted, r.confidence,
+                                                                    r.margin, r.tokens) for _ in range(3)),
+                  costs(kinds=2, draft=DraftCost(1e-4, 0.0, 1e-5)))
+    from dcut_core.trace_sim import _Run
+
+    for lookahead in (True, False):
+        run = _Run(trace, SimSettings(kinds=("block", "ngram"), lookahead=lookahead), 1)
+        asked, taught = [], []
+        plan, observe = run._plan, run.gate.observe
+
+        def spy_plan(batch, plan=plan, asked=asked):
+            lengths, kinds, fallback = plan(batch)
+            asked += [int(trace.requests[x.q].count[1, x.t]) for x, n, k in zip(batch, lengths, kinds, strict=True)
+                      if n and k == 1]
+            return lengths, kinds, fallback
+
+        def spy_observe(rid, kind, kept, acc, beyond=None, observe=observe, taught=taught):
+            taught.append(kind)
+            observe(rid, kind, kept, acc, beyond)
+
+        run._plan, run.gate.observe = spy_plan, spy_observe
+        out = run.run()
+        assert out.tokens == 3 * 24
+        if lookahead:
+            assert all(n > 0 for n in asked) and bool(asked) == ngram_better
+            if not ngram_better:  # it learnt from steps it did not draft
+                assert taught.count(1) > 0
+        elif ngram_better:
+            assert 0 in asked
+        else:
+            assert taught.count(1) == 0
