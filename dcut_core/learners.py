@@ -49,9 +49,10 @@ class DraftCostLearner:
     ambiguous, and the choices it drove got steadily worse (docs/benchmarks.md)."""
 
     def __init__(self, kinds: int, initial: DraftCost = PRIOR_DRAFT_COST, free: tuple[int, ...] = ()) -> None:
+        # `free`: kinds that start from no cost instead of `initial` (the coordinator's n-gram
+        # kind: no call, no model; its look-ahead is made for every request anyway)
         self.fits = [RateFit(FREE if k in free else initial) for k in range(kinds)]
-        self.free = frozenset(free)  # kinds whose drafts cost nothing more to use (the coordinator's n-gram
-        self.shared = 0.0  # look-ahead, made for every request before the plan): never learnt or restored
+        self.shared = 0.0
         self._calls = 0
 
     @property
@@ -60,8 +61,7 @@ class DraftCostLearner:
 
     def observe_kind(self, kind: int, requests: int, positions: int, seconds: float, context: int = 0,
                      passes: int = 0) -> None:
-        if kind not in self.free:
-            self.fits[kind].observe(requests, positions, seconds, context, passes)
+        self.fits[kind].observe(requests, positions, seconds, context, passes)
 
     def observe_call(self, seconds: float) -> None:
         """A call's time beyond its kinds' own (messages, catch-up bookkeeping)."""
@@ -71,8 +71,8 @@ class DraftCostLearner:
     def restore(self, costs: list[DraftCost | None], shared: float) -> None:
         """Start from learnt costs (a kind's None: keep its own); `shared` counts as a mean of
         many calls."""
-        for k, (fit, cost) in enumerate(zip(self.fits, costs, strict=True)):
-            if cost is not None and k not in self.free:
+        for fit, cost in zip(self.fits, costs, strict=True):
+            if cost is not None:
                 fit.cost = cost
         self.shared, self._calls = shared, max(self._calls, 50)
 

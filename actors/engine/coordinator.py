@@ -286,13 +286,18 @@ class Engine:
         gathered into one ragged batch. Each replica kind's cost learns from its own time."""
         t0 = time.perf_counter()
         outs = self.drafters.draft(st.batch, st.plan) if st.plan.drafting else {}
-        local = st.lookahead.take(st.plan) if st.lookahead is not None and st.plan.drafting else None
+        local = self.lookahead.draft(st.batch, st.plan) if st.lookahead is not None and st.plan.drafting else None
         if not outs and local is None:
             return empty_drafts(len(st.batch), st.plan.kinds)
         parts = [*outs.values(), *((local,) if local is not None else ())]
         drafts = merge_drafts(len(st.batch), parts, st.plan.kinds, time.perf_counter() - t0)
         if outs:
             learn_kind_costs(self.draft_cost, outs, drafts)
+        if local is not None:  # the n-gram kind's own time: its drafts' confidences, here
+            idx, out = local
+            counts = np.diff(out.cu)
+            self.draft_cost.observe_kind(st.lookahead.kind, len(idx), int(out.cu[-1]), out.compute_s, 0,
+                                         int(counts.max(initial=0)))
         return drafts
 
     def prune(self, st: Step) -> Pruned:
@@ -397,7 +402,8 @@ class Engine:
         self._profiled_drafter = True
 
     def _new_cost_learner(self) -> DraftCostLearner:
-        """One drafting-cost fit per kind; the look-ahead's kind costs nothing more to use."""
+        """One drafting-cost fit per kind; the look-ahead's kind starts from nothing (its drafts
+        are made already; their confidences cost microseconds) and learns its own time."""
         return DraftCostLearner(len(self.kinds), free=() if self.lookahead is None else (self.lookahead.kind,))
 
     def _caps(self, batch: list[Sequence]) -> np.ndarray:

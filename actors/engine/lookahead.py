@@ -8,12 +8,16 @@ up for every request of the step, up to its cap, before planning. Three things f
   to find that out (it used to be asked, draft nothing, and fall back);
 - the kind learns from every step, not only those it drafts: its look-ahead is judged against
   the tokens the step emitted (`dcut_core.acceptance.hindsight_outcomes`), for free;
+- the look-ahead is the drafts alone (a dict access or two a request); their confidences, which
+  cost tens of µs for an n-gram repeated many times, are computed only for the requests the
+  plan gives the kind;
 - an engine drafting only n-gram (the serving default) has no drafter replica at all: no
   drafting call, no context sent anywhere.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from functools import cached_property
@@ -32,34 +36,25 @@ LOCAL_KIND = "ngram"  # the drafter kind the coordinator drafts itself
 
 @dataclass(frozen=True)
 class Lookahead:
-    """The look-ahead stage's output: the n-gram kind's drafts for every request of the step
-    (ragged, batch order, up to each request's cap), made before the plan."""
+    """The look stage's output: the drafts the n-gram kind would make for every request of the
+    step (ragged, batch order, up to each request's cap), without their confidences — those are
+    computed only for the requests the plan gives it (`NgramLookahead.draft`)."""
 
     kind: int  # the n-gram kind's index among the engine's kinds
-    drafts: DraftOutput
+    tokens: np.ndarray  # [N]
+    cu: np.ndarray  # [R + 1]
     seconds: float = 0.0
 
     @cached_property
     def counts(self) -> np.ndarray:
         """[R] drafts it can make for each request now."""
-        return np.diff(self.drafts.cu)
+        return np.diff(self.cu)
 
     def available(self, kinds: int) -> np.ndarray:
         """[R, kinds] for the gate: its counts in its own column, -1 (not known) in the others."""
         out = np.full((len(self.counts), kinds), -1, dtype=np.int64)
         out[:, self.kind] = self.counts
         return out
-
-    def take(self, plan: Plan) -> tuple[list[int], DraftOutput] | None:
-        """(batch indices, drafts) of the requests the plan gives this kind: the first
-        plan.lengths[i] of each one's look-ahead (a shorter lookup is its prefix)."""
-        idx = np.flatnonzero((plan.kinds == self.kind) & (plan.lengths > 0))
-        if not len(idx):
-            return None
-        d = self.drafts
-        flat, cu = ragged.gather(d.cu, idx, plan.lengths[idx])
-        return idx.tolist(), DraftOutput(d.tokens[flat], cu, d.confidence[flat], d.margin[flat], kind_s={},
-                                         kinds=np.full(len(idx), self.kind, dtype=np.int64), kind_context={})
 
     def hindsight(self, counts: np.ndarray, kinds: np.ndarray,
                   emitted: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -70,28 +65,42 @@ class Lookahead:
         if not len(idx):
             empty = np.zeros(0, dtype=np.int64)
             return empty, empty, empty
-        flat, cu = ragged.gather(self.drafts.cu, idx)
+        flat, cu = ragged.gather(self.cu, idx)
         em, cu_e = ragged.flatten([emitted[i] for i in idx.tolist()], dtype=np.int64)
-        judged, accepted = hindsight_outcomes(self.drafts.tokens[flat], cu, em, cu_e)
+        judged, accepted = hindsight_outcomes(self.tokens[flat], cu, em, cu_e)
         keep = judged > 0
         return idx[keep], judged[keep], accepted[keep]
 
 
 class NgramLookahead:
     """Owns the n-gram histories of the running requests (an `NgramDrafter` that follows the
-    sequences) and makes each step's `Lookahead`."""
+    sequences), makes each step's `Lookahead`, and drafts for the requests the plan gives it."""
 
     def __init__(self, kind: int, block: int) -> None:
         self.kind = kind
         self.drafter = NgramDrafter(block_size=block)
 
     def look(self, batch: list[Sequence], caps: np.ndarray) -> Lookahead:
-        """Up to caps[i] drafts for request i, its history brought up to date first."""
+        """What it would draft for each request, up to caps[i], its history brought up to date
+        first."""
         t0 = time.perf_counter()
         rids = [s.rid for s in batch]
         self.drafter.follow(rids, [s.prompt for s in batch], [s.output for s in batch])
-        out = self.drafter.draft(rids, [s.last for s in batch], np.asarray(caps, dtype=np.int64).tolist())
-        return Lookahead(self.kind, out, time.perf_counter() - t0)
+        tokens, cu = self.drafter.peek(rids, np.asarray(caps, dtype=np.int64).tolist())
+        return Lookahead(self.kind, tokens, cu, time.perf_counter() - t0)
+
+    def draft(self, batch: list[Sequence], plan: Plan) -> tuple[list[int], DraftOutput] | None:
+        """(batch indices, drafts with their confidences) of the requests the plan gives this
+        kind — the first plan.lengths[i] of each one's look-ahead; None if it gives it none."""
+        idx = np.flatnonzero((plan.kinds == self.kind) & (plan.lengths > 0)).tolist()
+        if not idx:
+            return None
+        t0 = time.perf_counter()
+        out = self.drafter.draft([batch[i].rid for i in idx], [batch[i].last for i in idx],
+                                 plan.lengths[idx].tolist())
+        spent = time.perf_counter() - t0
+        return idx, dataclasses.replace(out, compute_s=spent, kinds=np.full(len(idx), self.kind),
+                                        kind_s={self.kind: spent}, kind_context={})
 
     def release(self, rids: list[int]) -> None:
         self.drafter.release(rids)

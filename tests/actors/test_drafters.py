@@ -210,6 +210,26 @@ def test_the_ngram_index_finds_what_a_scan_of_the_history_finds(chunks, cuts, wa
         np.testing.assert_allclose(out.margin, margins, rtol=1e-12)
 
 
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=12), min_size=1, max_size=6),
+       st.lists(st.integers(0, 9), min_size=1, max_size=4))
+def test_a_following_history_peeks_what_a_committed_one_drafts(chunks, wants):
+    """The coordinator's n-gram look-ahead (`follow` a request's prompt and output, `peek` its
+    drafts) sees what a drafter fed by commits drafts, for any number of drafts asked."""
+    committed, follower = NgramDrafter(max_n=3, block_size=8), NgramDrafter(max_n=3, block_size=8)
+    prompt, output = chunks[0], []
+    committed.commit([0], [prompt])
+    for chunk in [*chunks[1:], []]:
+        follower.follow([0], [prompt], [output])
+        last = (prompt + output)[-1]
+        for want in wants:
+            tokens, cu = follower.peek([0], [want])
+            assert tokens.tolist() == committed.draft([0], [last], [want]).tokens.tolist()
+            assert cu.tolist() == [0, len(tokens)]
+        committed.commit([0], [chunk])
+        output = output + chunk
+
+
 def test_every_drafter_kind_computes_where_its_weights_are(tiny_bundle):
     """#29: a drafter hosted by a GPU rank runs on that rank's device with its features. On this
     CPU the check is a trap: torch's default device is set to `meta` while a replica of every kind

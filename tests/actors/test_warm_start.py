@@ -73,7 +73,7 @@ def test_a_new_deployment_starts_from_the_bundles_prior_and_a_bad_file_is_skippe
         assert fresh.started_from == "prior"
         for name, k in snapshot(fresh).kinds.items():
             assert k.accepted == state.kinds[name].accepted and k.weights == state.kinds[name].weights
-            # costs are this machine's own profile, not the prior's (the n-gram look-ahead's use is free)
+            # costs are this machine's own profile, not the prior's (n-gram: none yet, it drafts in the coordinator)
             assert (k.draft == DraftCost()) == (name == "ngram")
         warming = sum(t.observations for t in fresh.gate.trackers) < fresh.gate.exploration.warmup
         assert not warming  # no exploring every step while it would learn what the prior knows

@@ -1,0 +1,42 @@
+"""The coordinator's n-gram look-ahead (actors/engine/lookahead.py) on hand-made steps."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from actors.engine.lookahead import NgramLookahead
+from actors.engine.sequence import SamplingParams, Sequence
+from dcut_core.gate import Plan
+
+
+def seq(rid: int, prompt: list[int], output: list[int]) -> Sequence:
+    return Sequence(rid, prompt, SamplingParams(max_tokens=32), output=output)
+
+
+def test_the_look_ahead_peeks_drafts_for_every_request_and_drafts_for_those_it_is_given():
+    la = NgramLookahead(kind=1, block=6)
+    batch = [seq(0, [1, 2, 3, 1, 2], [3]), seq(1, [5, 6, 7], [8]), seq(2, [4, 4, 4], [4])]
+    look = la.look(batch, np.array([5, 5, 2]))
+    # "1 2 3" occurred before, followed by "1 2 3" (to the history's end); nothing; "4 4 4" by "4"
+    assert look.counts.tolist() == [3, 0, 1]
+    assert look.tokens.tolist() == [1, 2, 3, 4]
+    assert look.available(2).tolist() == [[-1, 3], [-1, 0], [-1, 1]]
+    plan = Plan(np.array([1, 0, 1]), np.array([2, 3, 0]), np.full(3, -1))
+    idx, out = la.draft(batch, plan)
+    assert idx == [0] and out.tokens.tolist() == [1, 2] and out.kinds.tolist() == [1]
+    assert len(out.confidence) == 2 and out.kind_s[1] >= 0.0
+
+
+def test_what_the_look_ahead_would_have_had_accepted_is_judged_by_what_each_request_emitted():
+    la = NgramLookahead(kind=1, block=6)
+    batch = [seq(0, [1, 2, 3, 1, 2], [3]), seq(1, [9, 8, 9, 8], [9]), seq(2, [4, 4, 4], [4])]
+    look = la.look(batch, np.array([5, 5, 5]))  # drafts: [1 2 3], [8 9], [4]
+    drafted = np.array([0, 3, 0])  # request 1 drafted with kind 1 itself: nothing to judge in hindsight
+    kinds = np.array([0, 1, 0])
+    idx, judged, accepted = look.hindsight(drafted, kinds, [[1, 2, 7], [8, 9, 8, 9], [4]])
+    assert idx.tolist() == [0, 2] and judged.tolist() == [3, 1] and accepted.tolist() == [2, 1]
+    # later steps follow the sequences' new tokens, with no commit call
+    batch[0].output += [1, 2, 7]
+    assert la.look(batch[:1], np.array([5])).counts.tolist() == [0]  # "2 7" never occurred before
+    la.release([0, 1, 2])
+    assert la.held() == 0
