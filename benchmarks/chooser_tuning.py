@@ -9,11 +9,12 @@ the geometric mean over the cells and its minimum. The held-out trace (the repor
 scored last with the settings as they are, never to choose between them.
 
 Variants (each relative to its own single kinds):
-- before: the engine of session 14 (no n-gram look-ahead; a request's factor shrunk with 0.5
-  tokens of evidence);
+- before: the engine of session 14 (no n-gram look-ahead; a request's factor shrunk toward 1
+  with 0.5 tokens of evidence at the global rate);
 - look-ahead: the n-gram kind drafted for every request before the gate (it knows what n-gram
   can draft, and n-gram learns from every step);
-- now: the look-ahead and a factor shrunk with 4 tokens (the engine's settings).
+- now: the look-ahead, and 4 more tokens of shrinkage that fade with the request's own
+  verifications (0.5 + 4 / (1 + n): the engine's settings, `AcceptanceTracker.shrink`).
 
     .venv/bin/python benchmarks/chooser_tuning.py --train runs/train-s14.trace,runs/train29.trace,\\
         runs/train31.trace,runs/train.trace --heldout runs/trace-validate-s15/heldout.trace \\
@@ -37,7 +38,7 @@ from dcut_core.trace_sim import SimSettings, simulate_trace
 
 LEVELS = (1, 4, 16)
 ORDERS = 3
-VARIANTS = {"before": {"lookahead": False, "shrink": 0.5}, "look-ahead": {"lookahead": True, "shrink": 0.5},
+VARIANTS = {"before": {"lookahead": False, "shrink": 0.0}, "look-ahead": {"lookahead": True, "shrink": 0.0},
             "now": {"lookahead": True, "shrink": 4.0}}
 
 

@@ -166,12 +166,13 @@ class AcceptanceTracker:
     block: int
     halflife_steps: float = 20.0
     prior: float = 0.5
-    shrink: float = 4.0  # tokens of evidence at the global rate behind every request's factor
+    shrink: float = 4.0  # tokens of evidence at the global rate behind a request's first factor (fading)
     accepted: np.ndarray = field(init=False)
     judged: np.ndarray = field(init=False)
     factor: dict[int, float] = field(default_factory=dict)
     observations: int = 0  # verifications seen (requests × steps with kept drafts)
-    _sums: dict[int, tuple[float, float]] = field(default_factory=dict, repr=False)  # decayed accepted, expected
+    # per request: decayed accepted, decayed expected, verifications seen
+    _sums: dict[int, tuple[float, float, int]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.accepted = np.full(self.block, self.prior)  # one pseudo-observation at the prior
@@ -233,8 +234,8 @@ class AcceptanceTracker:
         expected = float(np.cumprod(self.global_rate[:kept]).sum())
         # Decayed sums, then their ratio: an average of per-step ratios would be pulled to 1
         # by the smoothing every single step needs.
-        a, e = self._sums.get(rid, (0.0, 0.0))
-        self._sums[rid] = (0.7 * a + accepted, 0.7 * e + expected)
+        a, e, n = self._sums.get(rid, (0.0, 0.0, 0))
+        self._sums[rid] = (0.7 * a + accepted, 0.7 * e + expected, n + 1)
         self._set_factor(rid)
 
     def skipped(self, rids, halflife_steps: float = 4.0) -> None:
@@ -246,19 +247,22 @@ class AcceptanceTracker:
         sums = self._sums
         for rid in rids:
             if rid in sums:
-                a, e = sums[rid]
-                sums[rid] = (e + (a - e) * keep, e)
+                a, e, n = sums[rid]
+                sums[rid] = (e + (a - e) * keep, e, n)
                 self._set_factor(rid)
 
     def _set_factor(self, rid: int) -> None:
-        """Accepted over expected, each with `shrink` tokens more at the global rate: a factor
-        learnt from a verification or two stays near 1. The chooser picks a request's kind by
+        """Accepted over expected, each with c tokens more at the global rate, c = 0.5 +
+        shrink / (1 + verifications seen): a factor learnt from a verification or two stays near
+        1, and one learnt from many is the request's own. The chooser picks a request's kind by
         the largest estimate, so a kind's lucky first steps would otherwise win it steps its
-        acceptance does not earn: on the training traces, with 0.5, the block drafter's
-        predictions ran 0.3–0.7 tokens above what it then accepted wherever it was chosen (with
-        4: 0.1–0.5), and every kind choice was a little better (docs/benchmarks.md)."""
-        a, e = self._sums[rid]
-        self.factor[rid] = min(3.0, max(0.05, (a + self.shrink) / (e + self.shrink)))
+        acceptance does not earn: on the training traces, with c = 0.5 throughout, the block
+        drafter's predictions ran 0.3–0.7 tokens above what it then accepted wherever it was
+        chosen (docs/benchmarks.md). (A c that does not fade would hold every factor near 1 for
+        good: the sums forget at 0.7 a verification, so they never hold more than ~3 of them.)"""
+        a, e, n = self._sums[rid]
+        c = 0.5 + self.shrink / (1.0 + n)
+        self.factor[rid] = min(3.0, max(0.05, (a + c) / (e + c)))
 
     def forget(self, rid: int) -> None:
         self._sums.pop(rid, None)

@@ -14,6 +14,12 @@ from dcut_core.choosing import KindChooser
 from dcut_core.drafting import AcceptanceTracker, DraftCost, Exploration, plan_drafts, survival_matrix
 from dcut_core.pruning import StepCost
 
+# The engine looks the n-gram kind up ahead of the gate (actors/engine/lookahead.py) for batches
+# of at most this many decoding requests. Its Python costs ~15 µs a request a step (following the
+# sequences' n-gram indexes, then a lookup), 15 ms at 1,024 requests — a GPU step's share — while
+# at that load the gate rarely drafts; above it the kind drafts on demand, as the other kinds do.
+LOOKAHEAD_REQUESTS = 64
+
 
 @dataclass(frozen=True)
 class GateInput:

@@ -26,7 +26,7 @@ from dcut_core.acceptance import Calibrator, survival, verify_outcomes
 from dcut_core.cost_model import StepShape
 from dcut_core.counterfactual import Trace
 from dcut_core.drafting import AcceptanceTracker, DraftCost, Exploration
-from dcut_core.gate import DraftingGate, GateInput, Plan
+from dcut_core.gate import LOOKAHEAD_REQUESTS, DraftingGate, GateInput, Plan
 from dcut_core.learned import KindState, LearnedState
 from dcut_core.pruning import DraftBatch, policy_from_name
 
@@ -189,7 +189,7 @@ class _Run:
         a, b = costs.own_drafting
         extra = max(0.0, a + b * r)  # what a drafting step costs outside the passes (the engine's `extra`)
         available = None
-        if self.ngram is not None:  # the look-ahead: what the n-gram kind can draft now
+        if self.ngram is not None and r <= LOOKAHEAD_REQUESTS:  # the look-ahead: what n-gram can draft now
             available = np.full((r, len(self.kidx)), -1, dtype=np.int64)
             available[:, self.ngram] = np.minimum(cap, [self.trace.requests[x.q].count[self.kidx[self.ngram], x.t]
                                                         for x in batch])

@@ -48,7 +48,7 @@ from actors.target.group import EPGroup, EPGroupError, InProcessGroup
 from dcut_core import ragged
 from dcut_core.acceptance import Calibrator, survival
 from dcut_core.drafting import AcceptanceTracker, Exploration
-from dcut_core.gate import DraftingGate, GateInput, Plan
+from dcut_core.gate import LOOKAHEAD_REQUESTS, DraftingGate, GateInput, Plan
 from dcut_core.learners import DraftCostLearner, StepOverhead
 from dcut_core.pruning import DraftBatch, StepCost, policy_from_name
 
@@ -255,8 +255,9 @@ class Engine:
 
     def look(self, st: Step) -> Lookahead | None:
         """The n-gram kind's drafts for every request that may use it, up to its cap (None: the
-        engine does not draft n-gram, or nothing to draft for)."""
-        if self.lookahead is None or not st.batch or not self.policy.drafts:
+        engine does not draft n-gram, nothing to draft for, or a batch above LOOKAHEAD_REQUESTS,
+        where the kind drafts on demand)."""
+        if self.lookahead is None or not st.batch or not self.policy.drafts or len(st.batch) > LOOKAHEAD_REQUESTS:
             return None
         caps = self._caps(st.batch)
         mine = [not s.params.drafters or LOCAL_KIND in s.params.drafters for s in st.batch]
@@ -286,7 +287,7 @@ class Engine:
         gathered into one ragged batch. Each replica kind's cost learns from its own time."""
         t0 = time.perf_counter()
         outs = self.drafters.draft(st.batch, st.plan) if st.plan.drafting else {}
-        local = self.lookahead.draft(st.batch, st.plan) if st.lookahead is not None and st.plan.drafting else None
+        local = self.lookahead.draft(st.batch, st.plan) if self.lookahead is not None and st.plan.drafting else None
         if not outs and local is None:
             return empty_drafts(len(st.batch), st.plan.kinds)
         parts = [*outs.values(), *((local,) if local is not None else ())]
@@ -296,7 +297,7 @@ class Engine:
         if local is not None:  # the n-gram kind's own time: its drafts' confidences, here
             idx, out = local
             counts = np.diff(out.cu)
-            self.draft_cost.observe_kind(st.lookahead.kind, len(idx), int(out.cu[-1]), out.compute_s, 0,
+            self.draft_cost.observe_kind(self.lookahead.kind, len(idx), int(out.cu[-1]), out.compute_s, 0,
                                          int(counts.max(initial=0)))
         return drafts
 

@@ -13,6 +13,10 @@ up for every request of the step, up to its cap, before planning. Three things f
   plan gives the kind;
 - an engine drafting only n-gram (the serving default) has no drafter replica at all: no
   drafting call, no context sent anywhere.
+
+Above `LOOKAHEAD_REQUESTS` decoding requests there is no look-ahead (its Python would cost a
+GPU step's share): the kind drafts on demand for the requests the plan gives it, its histories
+brought up to date then.
 """
 
 from __future__ import annotations
@@ -96,8 +100,10 @@ class NgramLookahead:
         if not idx:
             return None
         t0 = time.perf_counter()
-        out = self.drafter.draft([batch[i].rid for i in idx], [batch[i].last for i in idx],
-                                 plan.lengths[idx].tolist())
+        mine = [batch[i] for i in idx]
+        rids = [s.rid for s in mine]
+        self.drafter.follow(rids, [s.prompt for s in mine], [s.output for s in mine])  # no look this step
+        out = self.drafter.draft(rids, [s.last for s in mine], plan.lengths[idx].tolist())
         spent = time.perf_counter() - t0
         return idx, dataclasses.replace(out, compute_s=spent, kinds=np.full(len(idx), self.kind),
                                         kind_s={self.kind: spent}, kind_context={})
