@@ -212,26 +212,30 @@ class AcceptanceTracker:
         kept draft passed, those positions were reached and count softly (reached with the
         product of the estimates before them, accepted with that times their own), so the
         rates describe all drafts. A step whose drafts were all pruned still teaches."""
-        beyond = np.zeros(0) if beyond is None or accepted < kept else np.asarray(beyond, dtype=np.float64)
-        beyond = beyond[: max(0, self.block - kept)]
-        if kept <= 0 and not len(beyond):
+        soft = beyond is not None and accepted >= kept and len(beyond) and kept < self.block
+        if kept <= 0 and not soft:
             return
         self.observations += 1
         decay = 0.5 ** (1.0 / self.halflife_steps)
+        acc, jud = self.accepted, self.judged
         if kept > 0:
-            judged = np.arange(self.block) <= min(accepted, kept - 1)  # censoring as in acceptance.py
-            judged &= np.arange(self.block) < kept
-            hits = np.arange(self.block) < accepted
-            self.accepted[judged] = decay * self.accepted[judged] + hits[judged]
-            self.judged[judged] = decay * self.judged[judged] + 1.0
-        if len(beyond):
-            pos = np.arange(kept, kept + len(beyond))
-            reach = np.concatenate([[1.0], np.cumprod(beyond)[:-1]])
-            self.accepted[pos] = decay * self.accepted[pos] + reach * beyond
-            self.judged[pos] = decay * self.judged[pos] + reach
+            # Judged: positions up to the first rejection (censoring as in acceptance.py), a
+            # prefix; of those, the first `accepted` passed. (Slices: this runs for every
+            # request a step, so a step of 64 costs 64 calls.)
+            m = min(accepted + 1, kept)
+            acc[:m] *= decay
+            acc[:accepted] += 1.0
+            jud[:m] *= decay
+            jud[:m] += 1.0
+        if soft:
+            b = np.asarray(beyond, dtype=np.float64)[: self.block - kept]
+            pos = slice(kept, kept + len(b))
+            reach = np.concatenate([[1.0], np.cumprod(b)[:-1]])
+            acc[pos] = decay * acc[pos] + reach * b
+            jud[pos] = decay * jud[pos] + reach
         if kept <= 0:
             return
-        expected = float(np.cumprod(self.global_rate[:kept]).sum())
+        expected = float(np.cumprod(acc[:kept] / jud[:kept]).sum())
         # Decayed sums, then their ratio: an average of per-step ratios would be pulled to 1
         # by the smoothing every single step needs.
         a, e, n = self._sums.get(rid, (0.0, 0.0, 0))
