@@ -32,8 +32,9 @@ def server(tiny_bundle, tmp_path_factory):
     serve.run(build_app(ServeSettings(**common, drafter="auto")), name="main", route_prefix="/")
     serve.run(build_app(ServeSettings(**common, api_key="sekret", max_running=1, max_waiting=1, drafter="ngram")),
               name="guarded", route_prefix="/guarded")
-    serve.run(build_app(ServeSettings(**common, ep=2, threads_per_rank=1, cpus_per_rank=1, policy="full")), name="ep2",
-              route_prefix="/ep2")
+    # ep2: the block drafter, hosted by each rank (an n-gram-only unit has no drafter replica)
+    serve.run(build_app(ServeSettings(**common, ep=2, threads_per_rank=1, cpus_per_rank=1, policy="full",
+                                      drafter="block")), name="ep2", route_prefix="/ep2")
     # The bundled demo model: a byte-level BPE tokenizer that can spell JSON (structured output).
     demo = common | {"model_root": str(BUNDLED), "max_tokens_limit": 64}
     serve.run(build_app(ServeSettings(**demo, drafter="ngram", policy="full")), name="demo", route_prefix="/demo")

@@ -319,12 +319,13 @@ def test_engine_unit_death_mid_stream_is_invisible_to_the_client(server, tiny_bu
 
 def test_each_engine_unit_is_one_placement_group(server):
     """Coordinator (the engine replica), EP rank and drafter of an app share one placement group,
-    each app its own."""
+    each app its own. An n-gram-only unit ("guarded") has no drafter replica: the coordinator
+    drafts n-gram itself."""
     groups = []
-    for app in ("main", "guarded"):
+    for app, drafters in (("main", 1), ("guarded", 0)):
         where = serve.get_deployment_handle("engine", app_name=app).placement.remote().result()
         parts = [where["coordinator"], *where["ranks"], *where["drafters"]]
-        assert len(parts) == 3
+        assert len(where["drafters"]) == drafters and len(parts) == 2 + drafters
         pgs = {p["placement_group"] for p in parts}
         assert len(pgs) == 1 and None not in pgs
         groups.append(pgs.pop())
