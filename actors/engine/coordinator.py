@@ -283,8 +283,9 @@ class Engine:
 
     def propose(self, st: Step) -> Drafts:
         """Every replica drafts for its shard in parallel (each request with its planned kind, or
-        the fallback if that makes none), the n-gram kind's requests take their look-ahead;
-        gathered into one ragged batch. Each replica kind's cost learns from its own time."""
+        the fallback if that makes none), the coordinator drafts the n-gram kind's requests
+        (their look-ahead, with confidences); gathered into one ragged batch. Each kind's cost
+        learns from its own time."""
         t0 = time.perf_counter()
         outs = self.drafters.draft(st.batch, st.plan) if st.plan.drafting else {}
         local = self.lookahead.draft(st.batch, st.plan) if self.lookahead is not None and st.plan.drafting else None
