@@ -129,3 +129,15 @@ def test_groups_cover_every_item_once_under_its_own_label(labels):
         seen[mine] += 1
         found.append(k)
     assert (seen == 1).all() and sorted(found) == sorted(set(labels.tolist()))
+
+
+@given(st.lists(st.lists(st.integers(0, 9), max_size=5), min_size=1, max_size=6), st.data())
+def test_gather_takes_the_first_entries_of_the_chosen_rows_in_their_order(rows, data):
+    flat, cu = ragged.flatten(rows, dtype=np.int64)
+    pick = data.draw(st.lists(st.integers(0, len(rows) - 1), max_size=6))
+    lengths = data.draw(st.lists(st.integers(0, 6), min_size=len(pick), max_size=len(pick)))
+    idx, out = ragged.gather(cu, np.array(pick, dtype=np.int64), np.array(lengths, dtype=np.int64))
+    assert [flat[idx[out[j]:out[j + 1]]].tolist() for j in range(len(pick))] == \
+        [rows[r][:n] for r, n in zip(pick, lengths, strict=True)]
+    whole, _ = ragged.gather(cu, np.array(pick, dtype=np.int64))
+    assert flat[whole].tolist() == [t for r in pick for t in rows[r]]
