@@ -67,7 +67,7 @@ class EngineConfig:
     @property
     def replica_kinds(self) -> tuple[str, ...]:
         """The kinds the drafter replicas host: all but n-gram, which the coordinator drafts itself
-        (actors/engine/lookahead.py). None: the engine has no drafter replica."""
+        (actors/engine/lookahead.py). Empty: the engine has no drafter replica."""
         return tuple(k for k in self.kinds if k != "ngram")
 
     @property

@@ -2,7 +2,7 @@
 
 Prompt lookup needs nothing but a request's token ids, which the coordinator holds, and costs
 microseconds: so instead of a drafter replica drafting it on request, the coordinator looks it
-up for every request of the step, up to its cap, before planning. Three things follow:
+up for every request of the step, up to its cap, before planning. What follows:
 - the gate knows what the n-gram kind can draft for each request now (`GateInput.available`):
   where the context does not repeat it has nothing to offer, and no other kind is displaced
   to find that out (it used to be asked, draft nothing, and fall back);
