@@ -187,7 +187,8 @@ class Engine:
                 return None
             context = sum(s.cached for s in batch)
             curve = self.cost.verify_curve(len(batch), context) if self.cost else FLAT_CURVE
-            st = Step(batch, feeding, time.perf_counter(), context, curve)
+            drafting = bool(batch) and self.can_draft and self.policy.drafts
+            st = Step(batch, feeding, time.perf_counter(), context, curve, self._caps(batch) if drafting else None)
             st.lookahead = self.look(st)
             st.plan = self.plan(st)
             st.drafts = self.propose(st)
@@ -257,25 +258,24 @@ class Engine:
         """The n-gram kind's drafts for every request that may use it, up to its cap (None: the
         engine does not draft n-gram, nothing to draft for, or a batch above LOOKAHEAD_REQUESTS,
         where the kind drafts on demand)."""
-        if self.lookahead is None or not st.batch or not self.policy.drafts or len(st.batch) > LOOKAHEAD_REQUESTS:
+        if self.lookahead is None or st.caps is None or len(st.batch) > LOOKAHEAD_REQUESTS:
             return None
-        caps = self._caps(st.batch)
         mine = [not s.params.drafters or LOCAL_KIND in s.params.drafters for s in st.batch]
-        return self.lookahead.look(st.batch, np.where(mine, caps, 0))
+        return self.lookahead.look(st.batch, np.where(mine, st.caps, 0))
 
     def plan(self, st: Step) -> Plan:
         """Which drafter kind drafts for each request and how far: the gate decides (`dcut`),
         or every request drafts to its cap with the kind the gate would choose. What the n-gram
         kind can draft for each request is known (its look-ahead)."""
         batch = st.batch
-        if not batch or not self.can_draft or not self.policy.drafts:
+        if st.caps is None:
             return Plan.plain(len(batch))
         allowed = None
         if any(s.params.drafters for s in batch):
             allowed = np.array([[k in (s.params.drafters or self.kinds) for k in self.kinds] for s in batch])
         learner, extra = self.draft_cost, self.overhead.extra
         available = st.lookahead.available(len(self.kinds)) if st.lookahead is not None else None
-        g = GateInput.capture([s.rid for s in batch], self._caps(batch), [s.remaining for s in batch],
+        g = GateInput.capture([s.rid for s in batch], st.caps, [s.remaining for s in batch],
                               self.drafters.lag(batch), st.verify_cost, learner.costs, allowed, learner.shared + extra,
                               available)
         gated = self.policy.gated and self.cfg.drafting_gate

@@ -65,6 +65,7 @@ class Step:
     started: float  # perf_counter at plan
     context: int = 0  # tokens in the decoding requests' KV caches when the step began
     verify_cost: StepCost | None = None  # the target's verify time by token count for this batch and context
+    caps: np.ndarray | None = None  # [R] the most drafts each request may verify (None: the step drafts nothing)
     lookahead: Lookahead | None = None
     plan: Plan | None = None
     drafts: Drafts | None = None
