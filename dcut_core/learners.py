@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from dcut_core.drafting import DraftCost
@@ -14,31 +16,54 @@ FREE = DraftCost(0.0, 0.0, 0.0, 0.0)
 
 class RateFit:
     """One drafter kind's cost fitted to its measured drafting time: per call, per request, per
-    position, per context token caught up, per chained pass."""
+    position, per context token caught up, per chained pass — the rates refitted every
+    `refit_every` passes, and between refits a level correction (a running mean of
+    log(measured / fitted) since the last one), as the target's verify cost has
+    (`cost_model.OnlineCorrection`). A start-up profile taken on a quiet machine prices the
+    passes of a busy one too low (0.6 × at 16 requests here, docs/benchmarks.md); with the
+    verify cost corrected and the drafting cost not, the gate would draft too much."""
 
     def __init__(self, initial: DraftCost, refit_every: int = 16, keep: int = 512) -> None:
-        self.cost = initial
+        self.fitted = initial
         self.refit_every, self.keep = refit_every, keep
+        self.log_ratio = 0.0  # the level correction: cost = fitted × exp(log_ratio)
+        self._since = 0  # passes observed since the last refit (the correction's running mean)
         self._x: list[tuple[float, ...]] = []
         self._y: list[float] = []
+
+    @property
+    def cost(self) -> DraftCost:
+        s = math.exp(self.log_ratio)
+        f = self.fitted
+        return DraftCost(f.fixed * s, f.per_request * s, f.per_position * s, f.per_context * s, f.per_pass * s)
+
+    def restore(self, cost: DraftCost) -> None:
+        """Start from a learnt cost (its level included)."""
+        self.fitted, self.log_ratio, self._since = cost, 0.0, 0
 
     def observe(self, requests: int, positions: int, seconds: float, catchup: int = 0, passes: int = 0) -> None:
         """One pass: `requests` drafted `positions` in all, the longest `passes` drafts (a chained
         drafter's sequential passes), after catching up on `catchup` context tokens."""
         if positions <= 0:
             return
-        self._x.append((1.0, float(requests), float(positions), float(catchup), float(passes)))
+        x = (1.0, float(requests), float(positions), float(catchup), float(passes))
+        fitted = float(self.fitted.seconds(requests, positions, catchup, passes))
+        if fitted > 0 and seconds > 0:
+            self._since += 1
+            self.log_ratio += (math.log(seconds / fitted) - self.log_ratio) / self._since
+        self._x.append(x)
         self._y.append(seconds)
         del self._x[: -self.keep], self._y[: -self.keep]
         if len(self._y) % self.refit_every == 0:
             self.refit()
 
     def refit(self) -> None:
+        """The rates refitted to the kept passes; the level correction starts again from them."""
         if len(set(self._x)) < 4:  # too few distinct shapes to tell the rates apart
             return
         # Relative errors (rows scaled by 1 / measured): small calls count as much as large ones.
         c = nnls(np.array(self._x) / np.array(self._y)[:, None], np.ones(len(self._y))).astype(float)
-        self.cost = DraftCost(*c)
+        self.fitted, self.log_ratio, self._since = DraftCost(*c), 0.0, 0
 
 
 class DraftCostLearner:
@@ -73,7 +98,7 @@ class DraftCostLearner:
         many calls."""
         for fit, cost in zip(self.fits, costs, strict=True):
             if cost is not None:
-                fit.cost = cost
+                fit.restore(cost)
         self.shared, self._calls = shared, max(self._calls, 50)
 
     def refit(self) -> None:
