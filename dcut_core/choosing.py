@@ -12,9 +12,14 @@ kind k for request i is its best expected net gain in tokens,
 where ρ is a rate (tokens a second) and τ the verify cost of one more token: a draft is worth
 its survival minus the tokens the step would have made in the time it costs (ρ starts at plain
 decoding's rate and is refined to the choice's own, see `choose`).
-The choice is a bandit (UCB): v_ik plus `bonus` · sqrt(ln(2 + N_i) / (1 + n_ik)), n_ik being
-request i's verifications drafted by kind k, so every kind gets tried on a request whose values
-are close, and a kind a request has not used in a long while is tried again. An optional prior
+The choice explores only where the estimates are unsure (UCB over the unit, not the request):
+v_ik plus `bonus` · sqrt(ln(2 + N) / (1 + n_k)), n_k the verifications kind k's tracker has
+learnt from (a warm start's included), N their sum. A kind the unit has seldom verified is
+tried; once every kind's global rates are known, each request takes the kind its estimates
+favour — its own factor per kind comes from its own verifications, the n-gram kind's from
+every step (the look-ahead judged in hindsight). A bonus per request and kind (UCB over each
+request's tries) made every request try every kind within its ~20 steps, and `auto` 2–4 %
+slower on the training traces (docs/benchmarks.md, session 16). An optional prior
 (tokens, per request and kind) adds what the prompt says, before any verification has. A kind's
 pass has a cost of its own whatever it drafts (`fixed`), paid once for all its requests: the set
 of kinds in use is chosen for the batch as a whole (`choose`).
@@ -25,7 +30,7 @@ D-Cut prunes every request's drafts in one decision, whatever made them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cache
 
 import numpy as np
@@ -36,11 +41,10 @@ from dcut_core.pruning import StepCost
 @dataclass
 class KindChooser:
     kinds: int
-    bonus: float = 1.0  # tokens of optimism for the kind a request has tried least
+    bonus: float = 1.0  # tokens of optimism for a kind the unit has seldom verified
     refine: int = 3  # rounds choosing at the choice's own rate (1: at plain decoding's rate)
     switch: bool = True  # charge the context a kind has not seen (`held`) when given
     fallback: bool = True  # name a kind to stand in when a request's kind drafts nothing
-    tried: dict[int, np.ndarray] = field(default_factory=dict)  # request -> verifications by kind
 
     def values(self, table: GainTable, verify: StepCost, costs, rate: float | None = None,
                held: np.ndarray | None = None, remaining: np.ndarray | None = None,
@@ -78,7 +82,8 @@ class KindChooser:
 
     def choose(self, rids: list[int], predicted: list[list[np.ndarray]], verify: StepCost, costs,
                allowed: np.ndarray | None = None, prior: np.ndarray | None = None, held: np.ndarray | None = None,
-               remaining: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+               remaining: np.ndarray | None = None,
+               observed: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(kind [R], exploring [R], fallback [R]): the kind (index) each request drafts with this
         step; whether that choice is the bonus's rather than the estimates' — an exploring request
         must draft to teach anything, even where the estimates alone would not draft (the gate
@@ -86,7 +91,7 @@ class KindChooser:
         none). predicted[k][i]: request i's conditional acceptance by position under kind k (up
         to its cap). allowed [R, K]: the kinds each request may use (its own choice); prior
         [R, K]: tokens added to the values; held, remaining: what a switch of kind costs
-        (`values`).
+        (`values`); observed [K]: the verifications each kind's estimates rest on (None: none).
 
         A kind's pass costs its `fixed` seconds once for all the requests it drafts for, so the
         kinds in use are chosen together: of every set of kinds, the one whose requests' best
@@ -94,18 +99,19 @@ class KindChooser:
         highest; each request takes its best kind within it. Time spent drafting is worth the
         tokens the step would otherwise make in it — at the speculative rate, not the plain one
         — so ρ is refined (Dinkelbach): the choice's own predicted tokens per second, then choose
-        again, a few times."""
+        again, a few times; the round whose choice is predicted fastest stands."""
         r = len(rids)
         if r == 0 or self.kinds == 1:  # nothing to choose: every request drafts with the one kind
             return np.zeros(r, dtype=np.int64), np.zeros(r, dtype=bool), np.full(r, -1, dtype=np.int64)
-        counts = np.array([self.tried.get(rid, np.zeros(self.kinds)) for rid in rids])
-        bonus = self.bonus * np.sqrt(np.log(2.0 + counts.sum(axis=1))[:, None] / (1.0 + counts))
+        obs = np.zeros(self.kinds) if observed is None else np.asarray(observed, dtype=np.float64)
+        bonus = self.bonus * np.sqrt(np.log(2.0 + obs.sum()) / (1.0 + obs))[None, :]  # [1, K]: the same for all
         table = GainTable.of(predicted)  # once for every round
         ch = Choice.of(table, verify, costs, held if self.switch else None, remaining)
         c = ch.costs
         fixed_s = c[0]
         rate, sharing = None, np.full(self.kinds, r)  # first as if every request drafted with each kind
         rows = np.arange(r)
+        best = None  # (predicted rate, kind, use, value, score, rate charged) of the best round so far
         for _ in range(self.refine):
             value, gain, n, rate = self._values(ch, rate, sharing)
             if prior is not None:
@@ -115,21 +121,29 @@ class KindChooser:
                 value, score = np.where(allowed, value, -np.inf), np.where(allowed, score, -np.inf)
             kind, use = self._assign(score, rate * fixed_s)
             drafts = value[rows, kind] > 0  # the requests whose drafts are predicted to pay
-            if rate == 0.0 or not drafts.any():
+            achieved = r / ch.base if ch.base > 0 else 0.0  # plain decoding's, when nobody's drafts pay
+            if rate > 0.0 and drafts.any():
+                k = kind[drafts]
+                sharing = np.bincount(k, minlength=self.kinds)  # the next round charges each its share of a chain
+                tokens = r + gain[rows, kind][drafts].sum()
+                m = n[rows, kind][drafts]
+                longest = np.zeros(self.kinds)
+                np.maximum.at(longest, k, m)
+                seconds = (float(verify.seconds(np.array([r + int(m.sum())]))[0])
+                           + float(((fixed_s + c[4] * longest) * (sharing > 0)).sum())
+                           + float((c[1][k] + c[2][k] * m).sum()))
+                achieved = tokens / seconds
+            # A round at a higher rate may pick, by the bonus, a kind whose drafts do not pay where
+            # an earlier round's did: the best round's choice stands, not the last one's.
+            if best is None or achieved > best[0] * (1 + 1e-6):
+                best = (achieved, kind, use, value, score, rate)
+            if not drafts.any() or achieved <= rate * (1 + 1e-6):
                 break
-            k = kind[drafts]
-            sharing = np.bincount(k, minlength=self.kinds)  # the next round charges each its share of a chain
-            tokens = r + gain[rows, kind][drafts].sum()
-            m = n[rows, kind][drafts]
-            longest = np.zeros(self.kinds)
-            np.maximum.at(longest, k, m)
-            seconds = (float(verify.seconds(np.array([r + int(m.sum())]))[0])
-                       + float(((fixed_s + c[4] * longest) * (sharing > 0)).sum())
-                       + float((c[1][k] + c[2][k] * m).sum()))
-            if tokens / seconds <= rate * (1 + 1e-6):
-                break
-            rate = tokens / seconds
-        exploring = (kind != np.where(use, value, -np.inf).argmax(axis=1)) & (score[rows, kind] > 0)
+            rate = achieved
+        _, kind, use, value, score, rate = best
+        # Exploring: chosen by the bonus, not by the estimates (the choice without it).
+        plain = kind if not self.bonus else self._assign(value, rate * fixed_s)[0]
+        exploring = (kind != plain) & (score[rows, kind] > 0)
         if not self.fallback:
             return kind, exploring, np.full(r, -1, dtype=np.int64)
         return kind, exploring, self._fallback(value - np.where(use, 0.0, rate * fixed_s)[None, :], kind)
@@ -157,14 +171,6 @@ class KindChooser:
         within = np.where(use, score, -np.inf)
         kind = np.where(np.isfinite(within.max(axis=1)), within.argmax(axis=1), score.argmax(axis=1))
         return kind.astype(np.int64), use
-
-    def observe(self, rid: int, kind: int, kept: int) -> None:
-        """Request rid's drafts by `kind` were verified (kept > 0) this step."""
-        if kept > 0:
-            self.tried.setdefault(rid, np.zeros(self.kinds))[kind] += 1
-
-    def forget(self, rid: int) -> None:
-        self.tried.pop(rid, None)
 
 
 def padded(rows: list[np.ndarray]) -> np.ndarray:

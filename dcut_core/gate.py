@@ -131,7 +131,7 @@ class DraftingGate:
     max_budget: int | None = None
     slack: int = 2
     extend: bool = True
-    bonus: float = 1.0  # the kind chooser's optimism (tokens)
+    bonus: float = 1.0  # the kind chooser's optimism for a kind the unit has seldom verified (tokens)
     teach_empty: bool = True  # `empty` teaches the trackers
     chooser: KindChooser = field(init=False)
 
@@ -150,7 +150,8 @@ class DraftingGate:
         per_kind = [t.predict_batch(rids, room[:, k]) for k, t in enumerate(self.trackers)]
         kinds, exploring, fallback = self.chooser.choose(rids, per_kind, verify, g.draft,
                                                          g.usable(), held=g.lag,
-                                                         remaining=g.remaining)
+                                                         remaining=g.remaining,
+                                                         observed=self.observed())
         mine = room[np.arange(len(rids)), kinds]
         predicted = [per_kind[k][i] for i, k in enumerate(kinds.tolist())]
         survival = survival_matrix(predicted)
@@ -173,13 +174,18 @@ class DraftingGate:
         drafts without gating (its requests still teach the trackers)."""
         room = g.room()
         per_kind = [t.predict_batch(g.rids, room[:, k]) for k, t in enumerate(self.trackers)]
-        kinds, _, fallback = self.chooser.choose(g.rids, per_kind, g.verify(), g.draft, g.usable())
+        kinds, _, fallback = self.chooser.choose(g.rids, per_kind, g.verify(), g.draft, g.usable(),
+                                                 observed=self.observed())
         return Plan(kinds, room[np.arange(len(g.rids)), kinds], fallback, g)
+
+    def observed(self) -> np.ndarray:
+        """[kinds] verifications each kind's tracker has learnt from (a warm start's included):
+        the kind chooser's measure of how sure its estimates are."""
+        return np.array([t.observations for t in self.trackers], dtype=np.float64)
 
     def observe(self, rid: int, kind: int, kept: int, accepted: int, beyond: np.ndarray | None = None) -> None:
         """One verification of request rid's drafts by drafter `kind` (`AcceptanceTracker.observe`)."""
         self.trackers[kind].observe(rid, kept, accepted, beyond)
-        self.chooser.observe(rid, kind, kept)
 
     def empty(self, rid: int, kind: int) -> None:
         """Drafter `kind` was asked for drafts for request rid and made none (an n-gram drafter
@@ -192,11 +198,10 @@ class DraftingGate:
     def forget(self, rid: int) -> None:
         for t in self.trackers:
             t.forget(rid)
-        self.chooser.forget(rid)
 
     def held(self) -> dict[str, int]:
         """Request records it keeps, by owner (all 0 once every request is forgotten)."""
-        return {"trackers": sum(t.held() for t in self.trackers), "chooser": len(self.chooser.tried)}
+        return {"trackers": sum(t.held() for t in self.trackers)}
 
     @staticmethod
     def catch_up_charge(survival: np.ndarray, backlog: np.ndarray, remaining: np.ndarray) -> np.ndarray:

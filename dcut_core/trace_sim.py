@@ -49,7 +49,7 @@ class SimSettings:
     prefill_chunk: int = 512
     prefill_budget: int = 2048
     backlog_tokens: int = 512  # one kind: context held back per request before it is sent anyway
-    bonus: float = 1.0  # the kind chooser's optimism (UCB bonus, tokens)
+    bonus: float = 1.0  # the kind chooser's optimism (UCB bonus, tokens; `DraftingGate.bonus`)
     lookahead: bool = True  # the n-gram kind looked up for every request before the gate, and taught by it
     shrink: float = 4.0  # the trackers' pull of a request's factor toward 1 (`AcceptanceTracker.shrink`)
 

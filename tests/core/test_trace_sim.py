@@ -231,7 +231,8 @@ def test_the_ngram_look_ahead_is_asked_only_where_it_drafts_and_teaches_every_st
     """Two kinds: block, and n-gram, which finds a match only at every third position. With the
     look-ahead (the engine's way) n-gram is never asked where it finds nothing, and its tracker
     learns from the steps block drafted too. Without it, a better n-gram is asked where it has
-    nothing (then drafts nothing and falls back), and a worse one is never heard of again."""
+    nothing (then drafts nothing and falls back), and a worse one is heard of only while the
+    unit has verified too little of it to be sure (the chooser's bonus): a few times."""
     block = 5
     r = request(6, [[1] * 23, [3] * 23] if ngram_better else [[3] * 23, [1] * 23], block)
     count = r.count.copy()
@@ -267,4 +268,4 @@ def test_the_ngram_look_ahead_is_asked_only_where_it_drafts_and_teaches_every_st
         elif ngram_better:
             assert 0 in asked
         else:
-            assert taught.count(1) == 0
+            assert 0 < taught.count(1) <= 3
