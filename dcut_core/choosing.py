@@ -19,8 +19,7 @@ tried; once every kind's global rates are known, each request takes the kind its
 favour — its own factor per kind comes from its own verifications, the n-gram kind's from
 every step (the look-ahead judged in hindsight). A bonus per request and kind (UCB over each
 request's tries) made every request try every kind within its ~20 steps, and `auto` 2–4 %
-slower on the training traces (docs/benchmarks.md, session 16). An optional prior
-(tokens, per request and kind) adds what the prompt says, before any verification has. A kind's
+slower on the training traces (docs/benchmarks.md, session 16). A kind's
 pass has a cost of its own whatever it drafts (`fixed`), paid once for all its requests: the set
 of kinds in use is chosen for the batch as a whole (`choose`).
 
@@ -80,17 +79,16 @@ class KindChooser:
         v = np.where(drafts, net[rows, kinds, best], 0.0)
         return v, np.where(drafts, table.gain[rows, kinds, best], 0.0), np.where(drafts, best + 1.0, 0.0), rate
 
-    def choose(self, rids: list[int], predicted: list[list[np.ndarray]], verify: StepCost, costs,
-               allowed: np.ndarray | None = None, prior: np.ndarray | None = None, held: np.ndarray | None = None,
-               remaining: np.ndarray | None = None,
+    def choose(self, predicted: list[list[np.ndarray]], verify: StepCost, costs, allowed: np.ndarray | None = None,
+               held: np.ndarray | None = None, remaining: np.ndarray | None = None,
                observed: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(kind [R], exploring [R], fallback [R]): the kind (index) each request drafts with this
         step; whether that choice is the bonus's rather than the estimates' — an exploring request
         must draft to teach anything, even where the estimates alone would not draft (the gate
         sees to it); and the kind to draft with instead if the chosen one makes no drafts (-1:
         none). predicted[k][i]: request i's conditional acceptance by position under kind k (up
-        to its cap). allowed [R, K]: the kinds each request may use (its own choice); prior
-        [R, K]: tokens added to the values; held, remaining: what a switch of kind costs
+        to its cap). allowed [R, K]: the kinds each request may use (its own choice); held,
+        remaining: what a switch of kind costs
         (`values`); observed [K]: the verifications each kind's estimates rest on (None: none).
 
         A kind's pass costs its `fixed` seconds once for all the requests it drafts for, so the
@@ -100,7 +98,7 @@ class KindChooser:
         tokens the step would otherwise make in it — at the speculative rate, not the plain one
         — so ρ is refined (Dinkelbach): the choice's own predicted tokens per second, then choose
         again, a few times; the round whose choice is predicted fastest stands."""
-        r = len(rids)
+        r = len(predicted[0]) if predicted else 0
         if r == 0 or self.kinds == 1:  # nothing to choose: every request drafts with the one kind
             return np.zeros(r, dtype=np.int64), np.zeros(r, dtype=bool), np.full(r, -1, dtype=np.int64)
         obs = np.zeros(self.kinds) if observed is None else np.asarray(observed, dtype=np.float64)
@@ -114,8 +112,6 @@ class KindChooser:
         best = None  # (predicted rate, kind, use, value, score, rate charged) of the best round so far
         for _ in range(self.refine):
             value, gain, n, rate = self._values(ch, rate, sharing)
-            if prior is not None:
-                value = value + prior
             score = value + bonus
             if allowed is not None:
                 value, score = np.where(allowed, value, -np.inf), np.where(allowed, score, -np.inf)

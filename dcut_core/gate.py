@@ -22,14 +22,36 @@ LOOKAHEAD_REQUESTS = 64
 
 
 @dataclass(frozen=True)
+class KindReach:
+    """[R, kinds]: what each drafter kind can do for each request this step — the context it has
+    not seen (`lag`: catching up on it comes before drafting), whether the request may use it
+    (`allowed`; None: every kind), and the drafts it is known to be able to make now
+    (`available`: the n-gram kind's look-ahead; -1: as many as asked; None: not known)."""
+
+    lag: np.ndarray
+    allowed: np.ndarray | None = None
+    available: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class DraftingCosts:
+    """What drafting costs this step: each kind's pass (`DraftCost`, one per kind), and what any
+    drafting step costs beyond the passes (the drafting call's shared cost, and the step's own
+    time a drafting step adds)."""
+
+    draft: list[DraftCost]
+    shared_fixed: float = 0.0
+
+
+@dataclass(frozen=True)
 class GateInput:
     """Everything one gate decision sees, in plain numbers: the step's requests, their caps,
     remaining output and lag (per drafter kind, the context it has not seen: catching up on it
     comes before drafting), each kind's drafting cost, the kinds each request may use, the
     drafts a kind is known to be able to make now (the n-gram kind's look-ahead), what any
     drafting step costs beyond the kinds' passes, and the verify cost sampled at every token
-    count the decision can ask about (R .. R + Σ caps). The engine builds it every step; a step
-    log keeps it (`as_dict`), and `replay` feeds it back to a fresh gate."""
+    count the decision can ask about (R .. R + Σ caps). The engine builds it every step
+    (`capture`); a step log keeps it (`as_dict`), and `replay` feeds it back to a fresh gate."""
 
     rids: list[int]
     caps: np.ndarray  # [R]
@@ -42,14 +64,17 @@ class GateInput:
     available: np.ndarray | None = None  # [R, kinds] drafts each kind can make now (-1: as many as asked)
 
     @classmethod
-    def capture(cls, rids: list[int], caps, remaining, lag, verify: StepCost, draft: list[DraftCost],
-                allowed=None, shared_fixed: float = 0.0, available=None) -> GateInput:
+    def capture(cls, rids: list[int], caps, remaining, reach: KindReach, verify: StepCost,
+                costs: DraftingCosts) -> GateInput:
         caps = np.asarray(caps, dtype=np.int64)
+        shape = (len(rids), len(costs.draft))
         tokens = len(rids) + np.arange(int(caps.sum()) + 1)
-        lag = np.asarray(lag, dtype=np.float64).reshape(len(rids), len(draft))
-        return cls(list(rids), caps, np.asarray(remaining, dtype=np.int64), lag, verify.seconds(tokens), list(draft),
-                   None if allowed is None else np.asarray(allowed, dtype=bool), float(shared_fixed),
-                   None if available is None else np.asarray(available, dtype=np.int64).reshape(len(rids), len(draft)))
+        lag = np.asarray(reach.lag, dtype=np.float64).reshape(shape)
+        allowed, available = reach.allowed, reach.available
+        return cls(list(rids), caps, np.asarray(remaining, dtype=np.int64), lag, verify.seconds(tokens),
+                   list(costs.draft), None if allowed is None else np.asarray(allowed, dtype=bool),
+                   float(costs.shared_fixed),
+                   None if available is None else np.asarray(available, dtype=np.int64).reshape(shape))
 
     def room(self) -> np.ndarray:
         """[R, kinds]: the most drafts each kind may make for each request this step: the cap,
@@ -148,7 +173,7 @@ class DraftingGate:
         rids, room = g.rids, g.room()
         verify = g.verify()
         per_kind = [t.predict_batch(rids, room[:, k]) for k, t in enumerate(self.trackers)]
-        kinds, exploring, fallback = self.chooser.choose(rids, per_kind, verify, g.draft,
+        kinds, exploring, fallback = self.chooser.choose(per_kind, verify, g.draft,
                                                          g.usable(), held=g.lag,
                                                          remaining=g.remaining,
                                                          observed=self.observed())
@@ -174,7 +199,7 @@ class DraftingGate:
         drafts without gating (its requests still teach the trackers)."""
         room = g.room()
         per_kind = [t.predict_batch(g.rids, room[:, k]) for k, t in enumerate(self.trackers)]
-        kinds, _, fallback = self.chooser.choose(g.rids, per_kind, g.verify(), g.draft, g.usable(),
+        kinds, _, fallback = self.chooser.choose(per_kind, g.verify(), g.draft, g.usable(),
                                                  observed=self.observed())
         return Plan(kinds, room[np.arange(len(g.rids)), kinds], fallback, g)
 

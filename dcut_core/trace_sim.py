@@ -26,7 +26,7 @@ from dcut_core.acceptance import Calibrator, survival, verify_outcomes
 from dcut_core.cost_model import StepShape
 from dcut_core.counterfactual import Trace
 from dcut_core.drafting import AcceptanceTracker, DraftCost, Exploration
-from dcut_core.gate import LOOKAHEAD_REQUESTS, DraftingGate, GateInput, Plan
+from dcut_core.gate import LOOKAHEAD_REQUESTS, DraftingCosts, DraftingGate, GateInput, KindReach, Plan
 from dcut_core.learned import KindState, LearnedState
 from dcut_core.pruning import DraftBatch, policy_from_name
 
@@ -194,8 +194,8 @@ class _Run:
             available[:, self.ngram] = np.minimum(cap, [self.trace.requests[x.q].count[self.kidx[self.ngram], x.t]
                                                         for x in batch])
         self._available = available
-        g = GateInput.capture([x.rid for x in batch], cap, remaining, held, self._curve(batch), self.draft, None,
-                              costs.shared + extra, available)
+        g = GateInput.capture([x.rid for x in batch], cap, remaining, KindReach(held, None, available),
+                              self._curve(batch), DraftingCosts(self.draft, costs.shared + extra))
         gated = self.policy.gated and self.s.drafting_gate
         plan = self.gate.decide(g) if gated else self.gate.choose(g)
         return plan.lengths, plan.kinds, plan.fallback

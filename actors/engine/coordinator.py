@@ -48,7 +48,7 @@ from actors.target.group import EPGroup, EPGroupError, InProcessGroup
 from dcut_core import ragged
 from dcut_core.acceptance import Calibrator, survival
 from dcut_core.drafting import AcceptanceTracker, Exploration
-from dcut_core.gate import LOOKAHEAD_REQUESTS, DraftingGate, GateInput, Plan
+from dcut_core.gate import LOOKAHEAD_REQUESTS, DraftingCosts, DraftingGate, GateInput, KindReach, Plan
 from dcut_core.learners import DraftCostLearner, StepOverhead
 from dcut_core.pruning import DraftBatch, StepCost, policy_from_name
 
@@ -273,11 +273,10 @@ class Engine:
         allowed = None
         if any(s.params.drafters for s in batch):
             allowed = np.array([[k in (s.params.drafters or self.kinds) for k in self.kinds] for s in batch])
-        learner, extra = self.draft_cost, self.overhead.extra
         available = st.lookahead.available(len(self.kinds)) if st.lookahead is not None else None
+        costs = DraftingCosts(self.draft_cost.costs, self.draft_cost.shared + self.overhead.extra)
         g = GateInput.capture([s.rid for s in batch], st.caps, [s.remaining for s in batch],
-                              self.drafters.lag(batch), st.verify_cost, learner.costs, allowed, learner.shared + extra,
-                              available)
+                              KindReach(self.drafters.lag(batch), allowed, available), st.verify_cost, costs)
         gated = self.policy.gated and self.cfg.drafting_gate
         return self.gate.decide(g) if gated else self.gate.choose(g)
 

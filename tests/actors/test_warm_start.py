@@ -15,7 +15,7 @@ from actors.engine.coordinator import Engine
 from actors.engine.sequence import SamplingParams
 from actors.engine.warm import PRIOR, snapshot
 from dcut_core.drafting import DraftCost
-from dcut_core.gate import GateInput
+from dcut_core.gate import DraftingCosts, GateInput, KindReach
 from dcut_core.pruning import StepCost
 
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5], [9, 10, 11, 9, 10], [3, 4, 3, 4, 3, 4], [20, 21, 22, 23, 20, 21]]
@@ -34,8 +34,9 @@ def decisions(eng: Engine) -> tuple[np.ndarray, np.ndarray]:
     rids = [10_000 + i for i in range(4)]
     curve = StepCost(lambda n: 0.004 + 0.0004 * np.asarray(n, dtype=np.float64), 0.0)
     costs = eng.draft_cost.costs
-    plan = eng.gate.decide(GateInput.capture(rids, np.full(4, 4), np.full(4, 20), np.zeros((4, len(eng.kinds))),
-                                             curve, costs, None, eng.draft_cost.shared))
+    plan = eng.gate.decide(GateInput.capture(rids, np.full(4, 4), np.full(4, 20),
+                                             KindReach(np.zeros((4, len(eng.kinds)))), curve,
+                                             DraftingCosts(costs, eng.draft_cost.shared)))
     return plan.kinds, plan.lengths
 
 

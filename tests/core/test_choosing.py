@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from dcut_core.choosing import GainTable, KindChooser
 from dcut_core.drafting import AcceptanceTracker, DraftCost, Exploration, plan_drafts
-from dcut_core.gate import DraftingGate, GateInput, replay
+from dcut_core.gate import DraftingCosts, DraftingGate, GateInput, KindReach, replay
 from dcut_core.pruning import StepCost
 
 
@@ -76,12 +76,12 @@ def test_chooser_picks_the_kind_with_the_larger_net_gain_and_respects_what_a_req
     verify, cost = linear(0.01, 1e-3), DraftCost(0.0, 1e-4, 1e-5)
     predicted = [[np.full(6, 0.9), np.full(6, 0.2)],  # kind 0: request 0 good, request 1 poor
                  [np.full(6, 0.3), np.full(6, 0.8)]]  # kind 1: the reverse
-    assert ch.choose([0, 1], predicted, verify, [cost, cost])[0].tolist() == [0, 1]
+    assert ch.choose(predicted, verify, [cost, cost])[0].tolist() == [0, 1]
     # the same acceptance, but kind 0 costs more per position than the drafts are worth
-    assert ch.choose([0, 1], [predicted[0], predicted[0]], verify,
+    assert ch.choose([predicted[0], predicted[0]], verify,
                      [DraftCost(0.0, 1e-4, 5e-3), cost])[0].tolist() == [1, 1]
     allowed = np.array([[False, True], [True, True]])
-    assert ch.choose([0, 1], predicted, verify, [cost, cost], allowed)[0].tolist() == [1, 1]
+    assert ch.choose(predicted, verify, [cost, cost], allowed)[0].tolist() == [1, 1]
 
 
 def test_chooser_tries_a_kind_the_unit_has_seldom_verified_when_values_are_close_and_not_when_far():
@@ -89,10 +89,10 @@ def test_chooser_tries_a_kind_the_unit_has_seldom_verified_when_values_are_close
     close = [[np.full(4, 0.60)], [np.full(4, 0.55)]]
     far = [[np.full(4, 0.9)], [np.full(4, 0.1)]]
     ch = KindChooser(kinds=2, bonus=1.0)
-    assert ch.choose([7], close, verify, [cost, cost])[0].tolist() == [0]  # equally unsure: the better estimate
-    assert ch.choose([7], close, verify, [cost, cost], observed=[1, 0])[0].tolist() == [1]  # 1 never verified
-    assert ch.choose([7], far, verify, [cost, cost], observed=[1, 0])[0].tolist() == [0]
-    assert ch.choose([7], close, verify, [cost, cost], observed=[500, 400])[0].tolist() == [0]  # both known
+    assert ch.choose(close, verify, [cost, cost])[0].tolist() == [0]  # equally unsure: the better estimate
+    assert ch.choose(close, verify, [cost, cost], observed=[1, 0])[0].tolist() == [1]  # 1 never verified
+    assert ch.choose(far, verify, [cost, cost], observed=[1, 0])[0].tolist() == [0]
+    assert ch.choose(close, verify, [cost, cost], observed=[500, 400])[0].tolist() == [0]  # both known
 
 
 @settings(max_examples=300, deadline=None)
@@ -110,7 +110,7 @@ def test_where_some_kind_pays_the_choice_drafts_something(seed):
     costs = [DraftCost(*rng.uniform(0, [0.004, 2e-4, 2e-4, 0.0, 2e-3])) for _ in range(k)]
     verify = linear(rng.uniform(0.005, 0.02), rng.uniform(1e-4, 3e-3))
     ch = KindChooser(k, bonus=1.0)
-    kind, exploring, _ = ch.choose(list(range(r)), predicted, verify, costs, observed=rng.integers(0, 50, k))
+    kind, exploring, _ = ch.choose(predicted, verify, costs, observed=rng.integers(0, 50, k))
     value, *_ = ch.values(GainTable.of(predicted), verify, costs)
     plain = r / float(verify.seconds(np.array([r]))[0])
     pays = (value - plain * np.array([c.fixed for c in costs])[None, :] > 0).any()
@@ -126,8 +126,8 @@ def simulate(gate, types, truth, steps, rng, allowed=None):
     for _ in range(steps):
         caps = np.full(len(rids), 7)
         plan = gate.decide(GateInput.capture(rids, caps, np.full(len(rids), 500),
-                                             np.zeros((len(rids), len(gate.trackers))), verify,
-                                             [cost] * len(gate.trackers), allowed))
+                                             KindReach(np.zeros((len(rids), len(gate.trackers))), allowed),
+                                             verify, DraftingCosts([cost] * len(gate.trackers))))
         kinds, lengths = plan.kinds, plan.lengths
         used.append(kinds.copy())
         for rid, k, n in zip(rids, kinds, lengths, strict=True):
@@ -165,8 +165,9 @@ def test_a_multi_kind_history_replays_exactly():
     for _ in range(120):
         caps = rng.integers(0, 8, len(rids))
         costs = [DraftCost(rng.uniform(0, 0.01), 1e-4, 1e-5, 1e-6), DraftCost(rng.uniform(0, 0.01), 2e-4, 1e-5, 1e-6)]
-        plan = live.decide(GateInput.capture(rids, caps, np.full(4, 40), rng.integers(0, 20, (4, 2)),
-                                             linear(0.01, 2e-4), costs, allowed, 1e-3))
+        reach = KindReach(rng.integers(0, 20, (4, 2)), allowed)
+        plan = live.decide(GateInput.capture(rids, caps, np.full(4, 40), reach, linear(0.01, 2e-4),
+                                             DraftingCosts(costs, 1e-3)))
         g, kinds, lengths = plan.seen, plan.kinds, plan.lengths
         assert all(allowed[i, k] for i, k in enumerate(kinds))
         kept = np.minimum(lengths, rng.integers(0, 8, 4))
@@ -193,8 +194,9 @@ def test_a_kind_is_predicted_and_asked_only_as_far_as_it_can_draft_now():
             gate.trackers[0].observe(9, 7, 2)
             gate.trackers[1].observe(9, 7, 7)
         costs = [DraftCost(1e-4, 1e-4, 1e-5), DraftCost(1e-5, 1e-5, 1e-6)]
-        g = GateInput.capture([0, 1], [7, 7], [40, 40], np.zeros((2, 2)), linear(0.01, 1e-5), costs,
-                              available=np.array([[-1, 0], [-1, 3]]))
+        g = GateInput.capture([0, 1], [7, 7], [40, 40],
+                              KindReach(np.zeros((2, 2)), available=np.array([[-1, 0], [-1, 3]])),
+                              linear(0.01, 1e-5), DraftingCosts(costs))
         assert g.room().tolist() == [[7, 0], [7, 3]]
         for plan in (gate.decide(g), gate.choose(g)):
             assert plan.kinds.tolist() == [0, 1]
@@ -202,8 +204,8 @@ def test_a_kind_is_predicted_and_asked_only_as_far_as_it_can_draft_now():
         back = GateInput.from_dict(g.as_dict())
         assert np.array_equal(back.available, g.available) and np.array_equal(back.room(), g.room())
     # a kind a request may not use has no room, whatever it could draft
-    g = GateInput.capture([0], [5], [40], np.zeros((1, 2)), linear(0.01, 1e-5), costs,
-                          allowed=np.array([[True, False]]), available=np.array([[2, 4]]))
+    g = GateInput.capture([0], [5], [40], KindReach(np.zeros((1, 2)), np.array([[True, False]]), np.array([[2, 4]])),
+                          linear(0.01, 1e-5), DraftingCosts(costs))
     assert g.room().tolist() == [[2, 0]]
 
 
@@ -220,8 +222,9 @@ def test_what_a_look_ahead_would_have_had_accepted_replays_as_it_was_learnt():
     costs = [DraftCost(2e-3, 1e-4, 1e-5), DraftCost(1e-5, 1e-5, 1e-6)]
     for _ in range(80):
         available = np.stack([np.full(3, -1), rng.integers(0, 8, 3)], axis=1)
-        plan = live.decide(GateInput.capture(rids, [7, 7, 7], [40, 40, 40], np.zeros((3, 2)), linear(0.01, 2e-4),
-                                             costs, available=available))
+        reach = KindReach(np.zeros((3, 2)), available=available)
+        plan = live.decide(GateInput.capture(rids, [7, 7, 7], [40, 40, 40], reach, linear(0.01, 2e-4),
+                                             DraftingCosts(costs)))
         kinds, lengths = plan.kinds, plan.lengths
         kept = lengths.copy()
         accepted = [int(rng.integers(0, k + 1)) for k in kept]
@@ -248,12 +251,12 @@ def test_a_kind_whose_pass_costs_more_than_its_few_requests_gain_is_left_out_of_
                  [np.full(4, 0.3), np.full(4, 0.3), np.full(4, 0.7)]]
     ch = KindChooser(kinds=2, bonus=0.0)
     cheap = [DraftCost(1e-4, 1e-4, 1e-5), DraftCost(1e-4, 1e-4, 1e-5)]
-    assert ch.choose([0, 1, 2], predicted, verify, cheap)[0].tolist() == [0, 0, 1]
+    assert ch.choose(predicted, verify, cheap)[0].tolist() == [0, 0, 1]
     dear = [DraftCost(1e-4, 1e-4, 1e-5), DraftCost(5e-3, 1e-4, 1e-5)]
-    assert ch.choose([0, 1, 2], predicted, verify, dear)[0].tolist() == [0, 0, 0]
+    assert ch.choose(predicted, verify, dear)[0].tolist() == [0, 0, 0]
     # ... unless the request may use nothing else
     only = np.array([[True, True], [True, True], [False, True]])
-    assert ch.choose([0, 1, 2], predicted, verify, dear, only)[0].tolist() == [0, 0, 1]
+    assert ch.choose(predicted, verify, dear, only)[0].tolist() == [0, 0, 1]
 
 
 def test_switching_kinds_costs_the_context_the_new_kind_has_not_seen():
@@ -264,10 +267,10 @@ def test_switching_kinds_costs_the_context_the_new_kind_has_not_seen():
     predicted = [[np.full(4, 0.7)], [np.full(4, 0.72)]]
     costs = [DraftCost(0.0, 1e-4, 1e-5, 2e-5), DraftCost(0.0, 1e-4, 1e-5, 2e-5)]
     ch = KindChooser(kinds=2, bonus=0.0)
-    assert ch.choose([0], predicted, verify, costs)[0].tolist() == [1]
-    far = ch.choose([0], predicted, verify, costs, held=np.array([[0.0, 600.0]]), remaining=np.array([20]))
+    assert ch.choose(predicted, verify, costs)[0].tolist() == [1]
+    far = ch.choose(predicted, verify, costs, held=np.array([[0.0, 600.0]]), remaining=np.array([20]))
     assert far[0].tolist() == [0]
-    near = ch.choose([0], predicted, verify, costs, held=np.array([[0.0, 2.0]]), remaining=np.array([20]))
+    near = ch.choose(predicted, verify, costs, held=np.array([[0.0, 2.0]]), remaining=np.array([20]))
     assert near[0].tolist() == [1]
 
 
@@ -278,7 +281,7 @@ def test_a_chains_passes_are_shared_by_the_requests_that_draft_with_it():
     costs = [DraftCost(0.0, 1e-4, 1e-5), DraftCost(0.0, 1e-4, 1e-5, 0.0, 0.002)]  # cheap; chain
     for r, want in ((1, 0), (16, 1)):
         predicted = [[np.full(4, 0.5)] * r, [np.full(4, 0.7)] * r]
-        kind, _, _ = KindChooser(2, bonus=0.0).choose(list(range(r)), predicted, verify, costs)
+        kind, _, _ = KindChooser(2, bonus=0.0).choose(predicted, verify, costs)
         assert (kind == want).all(), (r, kind)
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dcut_core.drafting import AcceptanceTracker, DraftCost, plan_drafts, survival_matrix
-from dcut_core.gate import GateInput, replay
+from dcut_core.gate import DraftingCosts, GateInput, KindReach, replay
 from dcut_core.pruning import StepCost
 
 
@@ -222,7 +222,8 @@ def gate(**kw):
 
 def decide(g, rids, caps, remaining, lag, verify, draft):
     """The gate's drafts [R] for one kind."""
-    return g.decide(GateInput.capture(rids, caps, remaining, np.asarray(lag)[:, None], verify, [draft])).lengths
+    return g.decide(GateInput.capture(rids, caps, remaining, KindReach(np.asarray(lag)[:, None]), verify,
+                                      DraftingCosts([draft]))).lengths
 
 
 def test_gate_drafts_when_it_pays_and_not_when_it_does_not():
@@ -253,8 +254,8 @@ def test_gate_explores_on_its_own_schedule_and_charges_catch_up_by_remaining_sha
 
 def test_gate_input_holds_the_verify_cost_at_every_count_the_decision_can_ask():
     curve = StepCost(lambda n: 0.002 + 1e-4 * n + 3e-6 * np.sqrt(n), 0.001)
-    g = GateInput.capture([4, 9, 2], np.array([3, 0, 5]), np.array([10, 1, 7]), np.array([[0], [4], [2]]), curve,
-                          [DraftCost(1e-3, 2e-4, 1e-5, 1e-6)])
+    g = GateInput.capture([4, 9, 2], np.array([3, 0, 5]), np.array([10, 1, 7]), KindReach(np.array([[0], [4], [2]])),
+                          curve, DraftingCosts([DraftCost(1e-3, 2e-4, 1e-5, 1e-6)]))
     counts = np.arange(3, 3 + 8 + 1)
     assert np.array_equal(g.verify().seconds(counts), curve.seconds(counts))  # bit for bit
     back = GateInput.from_dict(g.as_dict())
@@ -290,7 +291,8 @@ def test_replay_of_a_logged_history_reproduces_every_plan():
         verify = StepCost(lambda n, a=fixed: a + 2e-4 * n, 0.0)
         draft = DraftCost(rng.uniform(0, 0.01), 1e-4, 1e-5, 1e-6)
         plan = live.decide(GateInput.capture(rids, caps, rng.integers(1, 50, len(rids)),
-                                             rng.integers(0, 30, (len(rids), 1)), verify, [draft]))
+                                             KindReach(rng.integers(0, 30, (len(rids), 1))), verify,
+                                             DraftingCosts([draft])))
         g, planned, lengths = plan.seen, plan.lengths, plan.lengths
         kept = np.minimum(lengths, rng.integers(0, 8, len(rids)))
         accepted = np.array([rng.integers(0, k + 1) for k in kept])
