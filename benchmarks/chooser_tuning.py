@@ -8,17 +8,23 @@ setting is judged over several training traces (the mixed workload's draws with 
 the geometric mean over the cells and its minimum. The held-out trace (the reported prompts) is
 scored last with the settings as they are, never to choose between them.
 
-Variants (each relative to its own single kinds):
-- before: the engine of session 14 (no n-gram look-ahead; a request's factor shrunk toward 1
-  with 0.5 tokens of evidence at the global rate);
+Variants (each relative to its own single kinds; the first two replay older engines' settings
+with today's chooser):
+- before: no n-gram look-ahead; a request's factor shrunk toward 1 with 0.5 tokens of evidence
+  at the global rate (session 14's engine);
 - look-ahead: the n-gram kind drafted for every request before the gate (it knows what n-gram
   can draft, and n-gram learns from every step);
-- now: the look-ahead, and 4 more tokens of shrinkage that fade with the request's own
-  verifications (0.5 + 4 / (1 + n): the engine's settings, `AcceptanceTracker.shrink`).
+- now: the look-ahead, 4 more tokens of shrinkage that fade with the request's own
+  verifications (0.5 + 4 / (1 + n): `AcceptanceTracker.shrink`), and the kind chooser's bonus
+  over the unit (1 token: `DraftingGate.bonus`; session 16);
+- no bonus: `now` without exploration (a kind the unit knows nothing of is never tried).
 
-    .venv/bin/python benchmarks/chooser_tuning.py --train runs/train-s14.trace,runs/train29.trace,\\
-        runs/train31.trace,runs/train.trace --heldout runs/trace-validate-s15/heldout.trace \\
-        --out runs/chooser-tuning    # about 6 minutes
+    .venv/bin/python benchmarks/chooser_tuning.py --train runs/train23.trace,runs/train29.trace,\\
+        runs/train31.trace --heldout runs/heldout.trace --out runs/chooser-tuning    # about 5 minutes
+
+(`dcut trace --workload mixed --seed S --num-prompts 32 --out runs/trainS.trace` records a
+training trace; `benchmarks/trace_validate.py` records the held-out one as
+runs/…/heldout.trace.)
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from dcut_core.trace_sim import SimSettings, simulate_trace
 LEVELS = (1, 4, 16)
 ORDERS = 3
 VARIANTS = {"before": {"lookahead": False, "shrink": 0.0}, "look-ahead": {"lookahead": True, "shrink": 0.0},
-            "now": {"lookahead": True, "shrink": 4.0}}
+            "now": {"lookahead": True, "shrink": 4.0}, "no bonus": {"bonus": 0.0}}
 
 
 def orders(trace, n: int) -> list:
