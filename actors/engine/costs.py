@@ -25,7 +25,12 @@ from dcut_core.learners import DraftCostLearner
 
 log = logging.getLogger(__name__)
 
-STARTUP_GRID = ProfileGrid(requests=(1, 8, 32), tokens_per_request=(1, 4, 8, 16), contexts=(64,), repeats=1)
+# Two contexts, so the KV-read term is told apart from what grows with the request count: with one
+# (64), context rose only with requests, the fit put 0.012 ms on every context token read, and at
+# 24-32 requests of 150+ tokens each the verify cost came out nearly flat in tokens — plain steps
+# predicted 1.25 x what they took, drafting ones 0.99 x: drafting looked cheap at high load
+# (docs/benchmarks.md, session 16).
+STARTUP_GRID = ProfileGrid(requests=(1, 8, 32), tokens_per_request=(1, 4, 8, 16), contexts=(64, 256), repeats=1)
 
 
 def device_identity(gpus_per_rank: float) -> str:
