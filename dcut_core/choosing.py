@@ -88,8 +88,8 @@ class KindChooser:
         sees to it); and the kind to draft with instead if the chosen one makes no drafts (-1:
         none). predicted[k][i]: request i's conditional acceptance by position under kind k (up
         to its cap). allowed [R, K]: the kinds each request may use (its own choice); held,
-        remaining: what a switch of kind costs
-        (`values`); observed [K]: the verifications each kind's estimates rest on (None: none).
+        remaining: what a switch of kind costs (`values`); observed [K]: the verifications each
+        kind's estimates rest on (None: none).
 
         A kind's pass costs its `fixed` seconds once for all the requests it drafts for, so the
         kinds in use are chosen together: of every set of kinds, the one whose requests' best
