@@ -96,8 +96,10 @@ class Workload:
     real: bool = False  # the real target (as `dcut serve` builds it: on the GPU with DCUT_GPUS_PER_RANK=1)
 
 
-def one_wave(policy: str, block: int, r: int, w: Workload) -> dict:
-    """R requests admitted together under `policy`; per-stage medians of the full decode steps."""
+def one_wave(policy: str, block: int, r: int, w: Workload, drafter: str = "ngram") -> dict:
+    """R requests admitted together under `policy`, drafting with `drafter` (the n-gram kind, or
+    `auto`: every kind the bundle holds, its neural drafters' own compute left out of the own
+    time as the forward's is); per-stage medians of the full decode steps."""
     from actors.engine.coordinator import Engine
     from actors.engine.replay import ReplayEngine
     from actors.engine.sequence import SamplingParams
@@ -105,7 +107,7 @@ def one_wave(policy: str, block: int, r: int, w: Workload) -> dict:
 
     # The real target's profile (copied into `cache`, where nothing learned is saved): the gate and
     # pruning decide as on the real unit, from a cold start every time.
-    cfg = ServeSettings(policy=policy, drafter="ngram", block=block, max_running=r,
+    cfg = ServeSettings(policy=policy, drafter=drafter, block=block, max_running=r,
                         cost_model_cache=w.cache).engine_config()
     # Every prompt prefilled in the first step, which takes no time here: the steps measured are
     # decode steps (a decode step verifies at most 17 tokens a request; a prefill step ~100).
@@ -133,13 +135,14 @@ def one_wave(policy: str, block: int, r: int, w: Workload) -> dict:
     finally:
         eng.shutdown()
     if any(o != w.table[tuple(p)] for o, p in zip(outputs, batch, strict=True)):
-        raise AssertionError(f"{policy} at R = {r}: an output differs from the target's greedy one")
+        raise AssertionError(f"{policy} ({drafter}) at R = {r}: an output differs from the target's greedy one")
     if not steps:
         raise AssertionError(f"{policy} at R = {r}: no step decoded 90 % of the requests without prefill")
     med = {k: 1e3 * statistics.median(s[k] for s in steps) for k in ("wall", "own", "forward", "draft", *STAGES)}
     med["verify"] -= med["forward"]  # the stage's own part: building the batch, the group's bookkeeping
-    return {"policy": policy, "block": block, "requests": r, "steps": len(steps), **{f"{k}_ms": v for k, v in
-                                                                                      med.items()},
+    name = policy if drafter == "ngram" else f"{policy} {drafter}"
+    return {"policy": name, "block": block, "requests": r, "steps": len(steps),
+            **{f"{k}_ms": v for k, v in med.items()},
             "drafted_per_request": statistics.fmean(s["drafted"] for s in steps),
             "accepted_per_request": statistics.fmean(s["accepted"] for s in steps)}
 
@@ -157,8 +160,13 @@ def main() -> int:
                    help="replay: the zero-cost target (--forward says how long a forward takes); real: the "
                         "bundled model's ranks as `dcut serve` builds them (tests/gpu/run.sh: on the GPU), "
                         "their measured forward left out of the own time")
+    p.add_argument("--drafters", default="ngram",
+                   help="drafter settings, comma-separated: ngram (the n-gram kind alone), auto (every kind; "
+                        "--target real only)")
     p.add_argument("--out", default="runs/coordinator")
     args = p.parse_args()
+    if args.target == "replay" and set(args.drafters.split(",")) - {"ngram"}:
+        p.error("the replay target makes no drafter features: the neural kinds (auto) need --target real")
 
     from tokenizers import Tokenizer
 
@@ -173,18 +181,19 @@ def main() -> int:
     table, model = greedy_outputs(prompts, args.max_tokens)
     forward = model.predict if args.forward == "model" else None if args.forward == "none" else \
         (lambda shape: float(args.forward) / 1e3)
-    rows = []
+    rows, drafters = [], args.drafters.split(",")
     cache = tempfile.mkdtemp(prefix="coordinator-")
     for f in pathlib.Path(ServeSettings().cost_model_cache).glob("cost_model_*.json"):
         shutil.copy(f, cache)
     for r in (int(x) for x in args.requests.split(",")):
         for spec in args.policies.split(","):
             policy, block = spec.split(":")
-            row = one_wave(policy, int(block), r, Workload(prompts, table, args.max_tokens, forward, cache,
-                                                           args.target == "real"))
-            row["forward"] = "real" if args.target == "real" else args.forward
-            rows.append(row)
-            print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+            for drafter in drafters[:1] if policy == "ar" else drafters:  # `ar` drafts nothing
+                row = one_wave(policy, int(block), r, Workload(prompts, table, args.max_tokens, forward, cache,
+                                                               args.target == "real"), drafter)
+                row["forward"] = "real" if args.target == "real" else args.forward
+                rows.append(row)
+                print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     shutil.rmtree(cache, ignore_errors=True)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -58,100 +58,131 @@ class DraftPlan:
         return bool(self.lengths.sum())
 
 
-def survival_matrix(predicted: list[np.ndarray] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(survival [R, w], lengths [R]) from conditional acceptance rows (ragged, or [R, n]):
-    running products clipped to [0, 1], zeros past each row's end (w: the longest row)."""
-    if isinstance(predicted, np.ndarray) and predicted.ndim == 2:
-        rates = np.clip(predicted, 0.0, 1.0)
-        return np.cumprod(rates, axis=1), np.full(len(rates), rates.shape[1], dtype=np.int64)
-    lens = np.fromiter((len(p) for p in predicted), dtype=np.int64, count=len(predicted))
-    rates = np.zeros((len(lens), int(lens.max(initial=0))))
-    if rates.size:
-        rates[np.arange(rates.shape[1]) < lens[:, None]] = np.clip(np.concatenate(predicted), 0.0, 1.0)
-    return np.cumprod(rates, axis=1), lens
+@dataclass(frozen=True)
+class DraftingCosts:
+    """What drafting costs this step: each kind's pass (`DraftCost`, one per kind: one kind is a
+    list of one), and what any drafting step costs beyond the passes (the drafting call's shared
+    cost, and the step's own time a drafting step adds)."""
+
+    draft: list[DraftCost]
+    shared_fixed: float = 0.0
+
+    def columns(self) -> np.ndarray:
+        """[K, 5]: each kind's fixed, per-request, per-position, per-context and per-pass seconds."""
+        return np.array([[c.fixed, c.per_request, c.per_position, c.per_context, c.per_pass] for c in self.draft])
 
 
-def plan_drafts(predicted: list[np.ndarray], verify: StepCost, draft: DraftCost | list[DraftCost],
-                max_budget: int | None = None, slack: int = 0, catchup: np.ndarray | None = None,
-                extend: bool = False, kinds: np.ndarray | None = None, shared_fixed: float = 0.0,
-                survival: tuple[np.ndarray, np.ndarray] | None = None) -> DraftPlan:
-    """predicted[i]: conditional acceptance of request i's draft positions 0 .. n_i − 1.
+@dataclass(frozen=True)
+class Survival:
+    """Each request's predicted survival by draft position: running products of its conditional
+    acceptance clipped to [0, 1], zeros past its row's end (`matrix` [R, w], w the longest row),
+    and its row's length (`lengths` [R])."""
 
-    Several drafter kinds (`kinds[i]`: the kind drafting request i; `draft[k]`: kind k's cost):
-    each kind's pass is charged once if any request drafts with it (its `fixed`), each request
-    and position at its own kind's rates, and `shared_fixed` once for any drafting at all (the
-    call that carries every kind's work). One DraftCost and no kinds is the one-kind case.
+    matrix: np.ndarray
+    lengths: np.ndarray
 
-    catchup[i]: context tokens request i's drafter must catch up on if it drafts this step.
-    A request whose whole expected gain cannot pay for its own catch-up and drafting at the
-    plain-decoding rate is left out before the scan (the scan orders by survival alone).
+    @classmethod
+    def of(cls, predicted: list[np.ndarray] | np.ndarray) -> Survival:
+        """From conditional acceptance rows (ragged, or [R, n])."""
+        if isinstance(predicted, np.ndarray) and predicted.ndim == 2:
+            rates = np.clip(predicted, 0.0, 1.0)
+            return cls(np.cumprod(rates, axis=1), np.full(len(rates), rates.shape[1], dtype=np.int64))
+        lens = np.fromiter((len(p) for p in predicted), dtype=np.int64, count=len(predicted))
+        rates = np.zeros((len(lens), int(lens.max(initial=0))))
+        if rates.size:
+            rates[np.arange(rates.shape[1]) < lens[:, None]] = np.clip(np.concatenate(predicted), 0.0, 1.0)
+        return cls(np.cumprod(rates, axis=1), lens)
+
+    def expected(self) -> np.ndarray:
+        """[R] drafts each request is expected to have accepted if it drafts its whole row."""
+        return self.matrix.sum(axis=1)
+
+
+@dataclass(frozen=True)
+class DraftPlanner:
+    """How far each request drafts this step (`plan`), and how the plan is widened past what
+    the predictions alone pay for.
 
     slack: extra positions drafted past the plan for each request that drafts at all (at most
-    n_i). The plan is made from predictions; pruning decides again from the drafts' own
+    its row). The plan is made from predictions; pruning decides again from the drafts' own
     confidences, and can only keep what was drafted — without slack the two cuts compound.
     extend: also draft, for each request that drafts at all, every further position whose
     predicted survival pays for drafting it alone (survival ≥ plan rate × per-position cost).
     The plan's verify budget is a guess from predictions; what is verified is pruning's call,
     and drafting a position costs far less than verifying it (one more row of the same pass).
+    max_budget: the most drafts the scan considers in all (None: every row in full)."""
 
-    Runs every step before drafting, so it is array code on the [R, n] survival matrix with one
-    call of the verify curve (measured in benchmarks/coordinator.py); `survival` is that matrix
-    when the caller has it already (`survival_matrix(predicted)`, left unchanged).
-    """
-    surv, lens = survival_matrix(predicted) if survival is None else (survival[0].copy(), survival[1])  # [R, w]
-    r, width = surv.shape
-    valid = np.arange(width) < lens[:, None]
-    n_flat = int(lens.sum())
-    seconds_at = verify.seconds(r + np.arange(n_flat + 1))  # the verify curve at every budget the scan can reach
-    costs = [draft] if isinstance(draft, DraftCost) else list(draft)
-    kind = np.zeros(r, dtype=np.int64) if kinds is None else np.asarray(kinds, dtype=np.int64)
-    table = np.array([[c.fixed, c.per_request, c.per_position, c.per_context, c.per_pass] for c in costs])
-    fixed, per_pass = table[:, 0], table[:, 4]  # [kinds]
-    per_request, per_position, per_context = table[kind, 1], table[kind, 2], table[kind, 3]  # [R]
-    backlog = np.zeros(r) if catchup is None else np.asarray(catchup, dtype=np.float64)
-    if catchup is not None and r:
-        ar_rate = r / float(seconds_at[0])
-        cost = per_request + per_context * backlog + per_position * lens
-        cost = cost + (seconds_at[n_flat] - seconds_at[0]) * lens / max(1, n_flat)
-        hopeless = surv.sum(axis=1) < ar_rate * cost
-        if hopeless.any():
-            surv[hopeless] = 0.0
-    flat = surv[valid]  # [N] request by request, position order within each
-    row_of, pos_of = np.nonzero(valid)
-    # Positions by survival per second of their own cost, high to low (by survival where every
-    # kind's position costs the same), position order on ties: prefix-closed within a request.
-    tau = float(seconds_at[1] - seconds_at[0]) if n_flat else 0.0
-    pp = per_position[row_of]
-    density = flat / np.maximum(tau + pp, 1e-12)
-    m_max = n_flat if max_budget is None else min(n_flat, max_budget)
-    order = np.argsort(-density, kind="stable")[:m_max]  # [m_max]
-    tokens = np.empty(m_max + 1)
-    tokens[0] = r
-    np.cumsum(flat[order], out=tokens[1:])
-    tokens[1:] += r
-    row = row_of[order]  # the request of each position in order
-    added = pp[order]
-    first = pos_of[order] == 0  # a request's first position: it starts drafting
-    added[first] += per_request[row[first]] + per_context[row[first]] * backlog[row[first]]
-    if m_max and (fixed.any() or per_pass.any()):
-        depth = pos_of[order] + 1
-        for k in np.unique(kind[row]):
-            mine = np.flatnonzero(kind[row] == k)
-            added[mine[0]] += fixed[k]  # a kind's first position in the order: its pass runs
-            if per_pass[k]:  # a position deeper than any of its kind's so far: one more chained pass
-                added[mine] += per_pass[k] * np.diff(np.maximum.accumulate(depth[mine]), prepend=0)
-    seconds = seconds_at[:m_max + 1].copy()
-    seconds[1:] += shared_fixed + np.cumsum(added)
-    best = int(np.argmax(tokens / seconds))
-    lengths = np.bincount(row[:best], minlength=r).astype(np.int64)
-    if slack:
-        lengths = np.where(lengths > 0, np.minimum(lengths + slack, lens), 0)
-    if extend and best > 0:
-        worth = np.zeros_like(valid)
-        worth[valid] = flat >= tokens[best] / seconds[best] * pp
-        pays = np.cumprod(worth, axis=1).sum(axis=1)
-        lengths = np.where(lengths > 0, np.maximum(lengths, pays), 0)
-    return DraftPlan(lengths, float(tokens[best]), float(seconds[best]), float(seconds[0]))
+    max_budget: int | None = None
+    slack: int = 0
+    extend: bool = False
+
+    def plan(self, survival: Survival, verify: StepCost, costs: DraftingCosts, kinds: np.ndarray | None = None,
+             catchup: np.ndarray | None = None) -> DraftPlan:
+        """Drafts per request from its predicted `survival`, kinds[i] the kind drafting request i
+        (None: every request kind 0): each kind's pass is charged once if any request drafts with
+        it (its `fixed`, and `per_pass` for each position of its chain's longest request), each
+        request and position at its own kind's rates, and `shared_fixed` once for any drafting at
+        all (the call that carries every kind's work).
+
+        catchup[i]: context tokens request i's drafter must catch up on if it drafts this step.
+        A request whose whole expected gain cannot pay for its own catch-up and drafting at the
+        plain-decoding rate is left out before the scan (the scan orders by survival alone).
+
+        Runs every step before drafting, so it is array code on the [R, w] survival matrix with
+        one call of the verify curve (measured in benchmarks/coordinator.py)."""
+        surv, lens = survival.matrix.copy(), survival.lengths
+        r, width = surv.shape
+        valid = np.arange(width) < lens[:, None]
+        n_flat = int(lens.sum())
+        seconds_at = verify.seconds(r + np.arange(n_flat + 1))  # the verify curve at every budget the scan can reach
+        kind = np.zeros(r, dtype=np.int64) if kinds is None else np.asarray(kinds, dtype=np.int64)
+        table = costs.columns()
+        fixed, per_pass = table[:, 0], table[:, 4]  # [kinds]
+        per_request, per_position, per_context = table[kind, 1], table[kind, 2], table[kind, 3]  # [R]
+        backlog = np.zeros(r) if catchup is None else np.asarray(catchup, dtype=np.float64)
+        if catchup is not None and r:
+            ar_rate = r / float(seconds_at[0])
+            cost = per_request + per_context * backlog + per_position * lens
+            cost = cost + (seconds_at[n_flat] - seconds_at[0]) * lens / max(1, n_flat)
+            hopeless = surv.sum(axis=1) < ar_rate * cost
+            if hopeless.any():
+                surv[hopeless] = 0.0
+        flat = surv[valid]  # [N] request by request, position order within each
+        row_of, pos_of = np.nonzero(valid)
+        # Positions by survival per second of their own cost, high to low (by survival where every
+        # kind's position costs the same), position order on ties: prefix-closed within a request.
+        tau = float(seconds_at[1] - seconds_at[0]) if n_flat else 0.0
+        pp = per_position[row_of]
+        density = flat / np.maximum(tau + pp, 1e-12)
+        m_max = n_flat if self.max_budget is None else min(n_flat, self.max_budget)
+        order = np.argsort(-density, kind="stable")[:m_max]  # [m_max]
+        tokens = np.empty(m_max + 1)
+        tokens[0] = r
+        np.cumsum(flat[order], out=tokens[1:])
+        tokens[1:] += r
+        row = row_of[order]  # the request of each position in order
+        added = pp[order]
+        first = pos_of[order] == 0  # a request's first position: it starts drafting
+        added[first] += per_request[row[first]] + per_context[row[first]] * backlog[row[first]]
+        if m_max and (fixed.any() or per_pass.any()):
+            depth = pos_of[order] + 1
+            for k in np.unique(kind[row]):
+                mine = np.flatnonzero(kind[row] == k)
+                added[mine[0]] += fixed[k]  # a kind's first position in the order: its pass runs
+                if per_pass[k]:  # a position deeper than any of its kind's so far: one more chained pass
+                    added[mine] += per_pass[k] * np.diff(np.maximum.accumulate(depth[mine]), prepend=0)
+        seconds = seconds_at[:m_max + 1].copy()
+        seconds[1:] += costs.shared_fixed + np.cumsum(added)
+        best = int(np.argmax(tokens / seconds))
+        lengths = np.bincount(row[:best], minlength=r).astype(np.int64)
+        if self.slack:
+            lengths = np.where(lengths > 0, np.minimum(lengths + self.slack, lens), 0)
+        if self.extend and best > 0:
+            worth = np.zeros_like(valid)
+            worth[valid] = flat >= tokens[best] / seconds[best] * pp
+            pays = np.cumprod(worth, axis=1).sum(axis=1)
+            lengths = np.where(lengths > 0, np.maximum(lengths, pays), 0)
+        return DraftPlan(lengths, float(tokens[best]), float(seconds[best]), float(seconds[0]))
 
 
 @dataclass

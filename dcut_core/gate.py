@@ -1,6 +1,6 @@
 """The drafting gate as one object (`DraftingGate`): each step, before the drafters run, which
 drafter kind drafts for each request and how far — from the acceptance trackers, the costs and
-`plan_drafts` (dcut_core/drafting.py) and the kind chooser (dcut_core/choosing.py), one path
+`DraftPlanner` (dcut_core/drafting.py) and the kind chooser (dcut_core/choosing.py), one path
 for any number of kinds. Everything one decision saw is kept as plain numbers (`GateInput`), so a
 step log replays the gate exactly (`replay`)."""
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dcut_core.choosing import KindChooser
-from dcut_core.drafting import AcceptanceTracker, DraftCost, Exploration, plan_drafts, survival_matrix
+from dcut_core.drafting import AcceptanceTracker, DraftCost, DraftingCosts, DraftPlanner, Exploration, Survival
 from dcut_core.pruning import StepCost
 
 # The engine looks the n-gram kind up ahead of the gate (actors/engine/lookahead.py) for batches
@@ -31,16 +31,6 @@ class KindReach:
     lag: np.ndarray
     allowed: np.ndarray | None = None
     available: np.ndarray | None = None
-
-
-@dataclass(frozen=True)
-class DraftingCosts:
-    """What drafting costs this step: each kind's pass (`DraftCost`, one per kind), and what any
-    drafting step costs beyond the passes (the drafting call's shared cost, and the step's own
-    time a drafting step adds)."""
-
-    draft: list[DraftCost]
-    shared_fixed: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -146,16 +136,14 @@ class Plan:
 class DraftingGate:
     """The drafting gate as one object: before the drafters run, which drafter kind drafts for
     each request of the step (`KindChooser`) and how many drafts it gets. It predicts acceptance
-    (one tracker per kind), charges each request's catch-up, plans with `plan_drafts`, and, when
+    (one tracker per kind), charges each request's catch-up, plans with its `planner`, and, when
     drafting does not pay, still explores on its own schedule (`exploration`). One path for any
     number of kinds: one kind is K = 1. Pure: the caller hands it the step's `GateInput`, so it
     is tested in microseconds and replayed from a step log."""
 
     trackers: list[AcceptanceTracker]  # one per drafter kind
     exploration: Exploration
-    max_budget: int | None = None
-    slack: int = 2
-    extend: bool = True
+    planner: DraftPlanner = field(default_factory=lambda: DraftPlanner(slack=2, extend=True))
     bonus: float = 1.0  # the kind chooser's optimism for a kind the unit has seldom verified (tokens)
     teach_empty: bool = True  # `empty` teaches the trackers
     chooser: KindChooser = field(init=False)
@@ -166,7 +154,7 @@ class DraftingGate:
 
     def decide(self, g: GateInput) -> Plan:
         """Which kind drafts for each request and how far: the chooser picks the kinds (an
-        exploring request drafts all its kind may), `plan_drafts` the lengths from the chosen
+        exploring request drafts all its kind may), the planner the lengths from the chosen
         kinds' predictions and costs, the catch-up charged by each request's lag. A kind is
         predicted only as far as it may draft (`GateInput.room`): an n-gram kind whose look-ahead
         found nothing is worth nothing to that request this step."""
@@ -179,10 +167,9 @@ class DraftingGate:
                                                          observed=self.observed())
         mine = room[np.arange(len(rids)), kinds]
         predicted = [per_kind[k][i] for i, k in enumerate(kinds.tolist())]
-        survival = survival_matrix(predicted)
-        charge = self.catch_up_charge(survival[0], g.lag[np.arange(len(rids)), kinds], g.remaining)
-        plan = plan_drafts(predicted, verify, g.draft, self.max_budget, self.slack, charge, extend=self.extend,
-                           kinds=kinds, shared_fixed=g.shared_fixed, survival=survival)
+        survival = Survival.of(predicted)
+        charge = self.catch_up_charge(survival, g.lag[np.arange(len(rids)), kinds], g.remaining)
+        plan = self.planner.plan(survival, verify, DraftingCosts(g.draft, g.shared_fixed), kinds, charge)
         lengths = np.where(exploring, mine, plan.lengths)
         if not plan.drafting and not exploring.any():
             warming = sum(t.observations for t in self.trackers) < self.exploration.warmup
@@ -229,13 +216,13 @@ class DraftingGate:
         return {"trackers": sum(t.held() for t in self.trackers)}
 
     @staticmethod
-    def catch_up_charge(survival: np.ndarray, backlog: np.ndarray, remaining: np.ndarray) -> np.ndarray:
+    def catch_up_charge(survival: Survival, backlog: np.ndarray, remaining: np.ndarray) -> np.ndarray:
         """Tokens of catch-up charged to this step: each request's backlog in proportion to the
         share of its remaining output the step may commit (1 + Σ predicted survival over
-        `remaining`; survival [R, n], `survival_matrix`). Catching up is paid once and serves
+        `remaining`). Catching up is paid once and serves
         every later drafting step; charged in full, it would grow each step a request does not
         draft and keep it from ever drafting."""
-        expected = 1.0 + survival.sum(axis=1)
+        expected = 1.0 + survival.expected()
         return backlog * np.minimum(1.0, expected / np.maximum(1.0, np.asarray(remaining, dtype=np.float64)))
 
 

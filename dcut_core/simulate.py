@@ -24,7 +24,7 @@ import numpy as np
 
 from dcut_core import ragged
 from dcut_core.acceptance import Calibrator, survival, verify_outcomes
-from dcut_core.drafting import AcceptanceTracker, DraftCost, plan_drafts
+from dcut_core.drafting import AcceptanceTracker, DraftCost, DraftingCosts, DraftPlanner, Survival
 from dcut_core.pruning import DraftBatch, Policy, StepCost
 from dcut_core.traces import RecordedTrace, SyntheticTrace
 
@@ -144,6 +144,7 @@ def simulate(policy: Policy, cfg: SimConfig, trace: SyntheticTrace | RecordedTra
     calibrated = policy.name == "dcut" if calibrated is None else calibrated
     gated = policy.name == "dcut" and (cfg.draft_cost.fixed + cfg.draft_cost.per_position) > 0
     cal, tracker = Calibrator(block=cfg.block), AcceptanceTracker(block=drafts)
+    planner = DraftPlanner(slack=cfg.draft_slack, extend=cfg.draft_extend)
     quality = trace.new_requests(request_rng, cfg.batch)
     left = np.full(cfg.batch, cfg.output_len)
     rid = np.arange(cfg.batch)
@@ -155,9 +156,8 @@ def simulate(policy: Policy, cfg: SimConfig, trace: SyntheticTrace | RecordedTra
         draw = trace.draw(rng, quality, drafts)  # drawn for every policy: same stream of drafts
         lengths = np.full(cfg.batch, drafts)
         if gated:
-            predicted = [tracker.predict(int(r), drafts) for r in rid]
-            lengths = plan_drafts(predicted, cost, cfg.draft_cost, slack=cfg.draft_slack,
-                                  extend=cfg.draft_extend).lengths
+            predicted = Survival.of([tracker.predict(int(r), drafts) for r in rid])
+            lengths = planner.plan(predicted, cost, DraftingCosts([cfg.draft_cost])).lengths
             tracker.skipped([int(rid[i]) for i in np.nonzero(lengths == 0)[0]])
         # [N] flat drafts of this step, ragged by cu
         cu = np.concatenate([[0], np.cumsum(lengths)])

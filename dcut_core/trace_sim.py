@@ -25,7 +25,7 @@ from dcut_core import ragged
 from dcut_core.acceptance import Calibrator, survival, verify_outcomes
 from dcut_core.cost_model import StepShape
 from dcut_core.counterfactual import Trace
-from dcut_core.drafting import AcceptanceTracker, DraftCost, Exploration
+from dcut_core.drafting import AcceptanceTracker, DraftCost, DraftPlanner, Exploration
 from dcut_core.gate import LOOKAHEAD_REQUESTS, DraftingCosts, DraftingGate, GateInput, KindReach, Plan
 from dcut_core.learned import KindState, LearnedState
 from dcut_core.pruning import DraftBatch, policy_from_name
@@ -122,8 +122,9 @@ class _Run:
         self.direct = k == 1
         self.calibrators = [Calibrator(block=self.block) for _ in range(k)]
         self.gate = DraftingGate([AcceptanceTracker(block=self.block, shrink=s.shrink) for _ in range(k)],
-                                 Exploration(s.explore_every, s.explore_requests, s.explore_warmup), s.max_budget,
-                                 s.draft_slack, s.draft_extend, bonus=s.bonus, teach_empty=k > 1)
+                                 Exploration(s.explore_every, s.explore_requests, s.explore_warmup),
+                                 DraftPlanner(s.max_budget, s.draft_slack, s.draft_extend), bonus=s.bonus,
+                                 teach_empty=k > 1)
         self.costs = costs = trace.costs.for_kinds(k)  # the own time of an engine hosting k kinds
         self.draft = [costs.draft[i] for i in self.kidx]
         # The engine looks the n-gram kind up for every request before its gate decides (it knows

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from actors.engine.placement import COORDINATOR_CPUS, UnitLayout
 from actors.engine.replica import DrafterSpec
 from actors.target.group import EPConfig
+from dcut_core.drafting import DraftPlanner
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,10 @@ class EngineConfig:
         """The drafter replicas' part (the kinds they host: `replica_kinds`)."""
         return DrafterSpec(",".join(self.replica_kinds), self.target_dir, self.drafter_dir, self.block,
                            self.threads_per_rank, dirs=self.drafter_dirs)
+
+    def planner(self) -> DraftPlanner:
+        """How the drafting gate shapes its plan (budget, slack, extension)."""
+        return DraftPlanner(self.max_budget, self.draft_slack, self.draft_extend)
 
     def dcut_options(self, policy: str) -> dict:
         """The options of `policy` that this config sets (only `dcut` takes any)."""

@@ -78,7 +78,7 @@ class Engine:
         # the same empty kind again and again.
         self.gate = DraftingGate([AcceptanceTracker(block=cfg.block) for _ in self.kinds],
                                  Exploration(cfg.explore_every, cfg.explore_requests, cfg.explore_warmup),
-                                 cfg.max_budget, cfg.draft_slack, cfg.draft_extend, teach_empty=len(self.kinds) > 1)
+                                 cfg.planner(), teach_empty=len(self.kinds) > 1)
         local = self.kinds.index(LOCAL_KIND) if cfg.drafts and LOCAL_KIND in self.kinds else None
         self.lookahead = NgramLookahead(local, cfg.block) if local is not None else None
         self.draft_cost = self._new_cost_learner()

@@ -110,7 +110,7 @@ def test_a_mixed_pool_step_log_replays_every_plan(tiny_bundle, tmp_path):
     cfg = eng.cfg
     fresh = DraftingGate([AcceptanceTracker(block=cfg.block) for _ in eng.kinds],
                          Exploration(cfg.explore_every, cfg.explore_requests, cfg.explore_warmup),
-                         cfg.max_budget, cfg.draft_slack, cfg.draft_extend)
+                         cfg.planner())
     steps = list(read_steps(log))
     plans = replay(fresh, steps)
     assert plans and all(np.array_equal(logged, got) for logged, got in plans)

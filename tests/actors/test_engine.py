@@ -92,7 +92,7 @@ def test_step_log_records_every_step(tiny_bundle, reference, tmp_path):
     cfg = eng.cfg
     fresh = DraftingGate([AcceptanceTracker(block=cfg.block)], Exploration(cfg.explore_every, cfg.explore_requests,
                                                                            cfg.explore_warmup),
-                         cfg.max_budget, cfg.draft_slack, cfg.draft_extend, teach_empty=False)
+                         cfg.planner(), teach_empty=False)
     plans = replay(fresh, steps)
     assert len(plans) == sum(s["gate"] is not None for s in steps) > 0
     assert {bool(p[1].sum()) for p, _ in plans} == {True, False}

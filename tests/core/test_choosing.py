@@ -9,29 +9,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dcut_core.choosing import GainTable, KindChooser
-from dcut_core.drafting import AcceptanceTracker, DraftCost, Exploration, plan_drafts
+from dcut_core.drafting import AcceptanceTracker, DraftCost, DraftPlanner, Exploration, Survival
 from dcut_core.gate import DraftingCosts, DraftingGate, GateInput, KindReach, replay
 from dcut_core.pruning import StepCost
 
 
 def linear(fixed, per_token):
     return StepCost(lambda n: fixed + per_token * np.asarray(n, dtype=np.float64), 0.0)
-
-
-rows_st = st.lists(st.lists(st.floats(0.0, 1.0), min_size=0, max_size=5), min_size=1, max_size=5)
-
-
-@settings(max_examples=200, deadline=None)
-@given(rows_st, st.floats(0.0, 0.05), st.floats(0.0, 0.01), st.floats(0.0, 0.01), st.integers(0, 2),
-       st.booleans())
-def test_one_kind_as_a_list_plans_exactly_as_one_cost(rows, fixed, per_request, per_position, slack, extend):
-    rows = [np.array(r) for r in rows]
-    cost = DraftCost(fixed, per_request, per_position, 1e-4)
-    backlog = np.arange(len(rows), dtype=np.float64) * 7
-    a = plan_drafts(rows, linear(0.01, 1e-3), cost, slack=slack, catchup=backlog, extend=extend)
-    b = plan_drafts(rows, linear(0.01, 1e-3), [cost], slack=slack, catchup=backlog, extend=extend,
-                    kinds=np.zeros(len(rows), dtype=np.int64))
-    assert np.array_equal(a.lengths, b.lengths) and a.predicted_seconds == pytest.approx(b.predicted_seconds)
 
 
 def explicit_seconds(lengths, kinds, verify, costs, backlog, shared):
@@ -57,7 +41,7 @@ def test_a_plan_over_several_kinds_charges_each_kind_its_own_cost_and_each_chain
         costs = [DraftCost(*rng.uniform(0, [0.01, 0.002, 0.001, 1e-5, 0.002])) for _ in range(3)]
         kinds, verify = rng.integers(0, 3, r), linear(rng.uniform(0.005, 0.02), rng.uniform(0, 2e-3))
         shared = float(rng.uniform(0, 0.005))
-        plan = plan_drafts(rows, verify, costs, kinds=kinds, shared_fixed=shared)
+        plan = DraftPlanner().plan(Survival.of(rows), verify, DraftingCosts(costs, shared), kinds)
         assert plan.predicted_seconds == pytest.approx(explicit_seconds(plan.lengths, kinds, verify, costs,
                                                                         np.zeros(r), shared))
         assert plan.expected_tokens == pytest.approx(r + sum(np.cumprod(p)[:n].sum() for p, n in
@@ -67,7 +51,7 @@ def test_a_plan_over_several_kinds_charges_each_kind_its_own_cost_and_each_chain
 def test_a_dear_kind_drafts_less_than_a_cheap_one_of_equal_acceptance():
     rows = [np.full(6, 0.8), np.full(6, 0.8)]
     cheap, dear = DraftCost(1e-4, 1e-4, 1e-5), DraftCost(1e-4, 1e-4, 4e-3)
-    plan = plan_drafts(rows, linear(0.01, 1e-4), [cheap, dear], kinds=np.array([0, 1]))
+    plan = DraftPlanner().plan(Survival.of(rows), linear(0.01, 1e-4), DraftingCosts([cheap, dear]), np.array([0, 1]))
     assert plan.lengths[0] == 6 and plan.lengths[1] < 6
 
 

@@ -7,8 +7,8 @@ import itertools
 import numpy as np
 import pytest
 
-from dcut_core.drafting import AcceptanceTracker, DraftCost, plan_drafts, survival_matrix
-from dcut_core.gate import DraftingCosts, GateInput, KindReach, replay
+from dcut_core.drafting import AcceptanceTracker, DraftCost, DraftingCosts, DraftPlanner, Survival
+from dcut_core.gate import GateInput, KindReach, replay
 from dcut_core.pruning import StepCost
 
 
@@ -16,29 +16,34 @@ def linear(fixed, per_token):
     return StepCost(lambda n: per_token * n.astype(np.float64), fixed)
 
 
+def one_kind_plan(rows, verify, cost, catchup=None, **shape):
+    """One kind's plan for ragged prediction rows."""
+    return DraftPlanner(**shape).plan(Survival.of(rows), verify, DraftingCosts([cost]), catchup=catchup)
+
+
 def test_free_drafting_and_flat_verification_draft_everything_worth_anything():
-    plan = plan_drafts([np.full(4, 0.8), np.full(4, 0.5)], linear(1.0, 0.0), DraftCost())
+    plan = one_kind_plan([np.full(4, 0.8), np.full(4, 0.5)], linear(1.0, 0.0), DraftCost())
     assert plan.lengths.tolist() == [4, 4] and plan.drafting
 
 
 def test_expensive_drafter_call_means_plain_decoding():
-    plan = plan_drafts([np.full(4, 0.6), np.full(4, 0.6)], linear(1.0, 0.01), DraftCost(fixed=5.0))
+    plan = one_kind_plan([np.full(4, 0.6), np.full(4, 0.6)], linear(1.0, 0.01), DraftCost(fixed=5.0))
     assert plan.lengths.tolist() == [0, 0] and not plan.drafting
     assert plan.predicted_seconds == plan.ar_seconds == pytest.approx(1.02)
 
 
 def test_per_request_cost_skips_weak_requests():
     # Drafting a request costs 0.3 s on top of a 1 s step; the 0.1-acceptance request is not worth it.
-    plan = plan_drafts([np.full(3, 0.95), np.full(3, 0.1)], linear(1.0, 0.0), DraftCost(per_request=0.3))
+    plan = one_kind_plan([np.full(3, 0.95), np.full(3, 0.1)], linear(1.0, 0.0), DraftCost(per_request=0.3))
     assert plan.lengths[0] == 3 and plan.lengths[1] == 0
 
 
 def test_slack_extends_only_drafting_requests_and_never_past_their_cap():
     rows = [np.array([0.9, 0.8, 0.1, 0.1, 0.1]), np.array([0.9, 0.1]), np.array([0.05, 0.05])]
     verify, cost = linear(1.0, 0.2), DraftCost(per_request=0.05)
-    base = plan_drafts(rows, verify, cost)
+    base = one_kind_plan(rows, verify, cost)
     assert base.lengths.tolist() == [2, 1, 0]
-    wide = plan_drafts(rows, verify, cost, slack=2)
+    wide = one_kind_plan(rows, verify, cost, slack=2)
     assert wide.lengths.tolist() == [4, 2, 0]
     assert wide.expected_tokens == base.expected_tokens  # the plan itself is unchanged
 
@@ -49,7 +54,7 @@ def test_plan_matches_brute_force_when_draft_cost_is_per_position():
         rows = [rng.uniform(0, 1, rng.integers(0, 4)) for _ in range(rng.integers(1, 4))]
         verify = linear(rng.uniform(0.5, 2), rng.uniform(0, 0.3))
         cost = DraftCost(fixed=rng.uniform(0, 1), per_position=rng.uniform(0, 0.2))
-        plan = plan_drafts(rows, verify, cost)
+        plan = one_kind_plan(rows, verify, cost)
 
         def rate(k, rows=rows, verify=verify, cost=cost):
             tok = len(rows) + sum(float(np.cumprod(r)[:n].sum()) for r, n in zip(rows, k, strict=True))
@@ -99,12 +104,12 @@ def test_context_to_catch_up_is_charged_to_the_request_that_drafts():
     # seen yet. At 5 ms per token that catch-up (5 s) outweighs the 3.1 tokens drafting gains.
     rows = [np.full(4, 0.9), np.full(4, 0.9)]
     cost = DraftCost(per_request=0.01, per_context=0.005)
-    plan = plan_drafts(rows, linear(1.0, 0.01), cost, catchup=np.array([0, 1000]))
+    plan = one_kind_plan(rows, linear(1.0, 0.01), cost, catchup=np.array([0, 1000]))
     assert plan.lengths.tolist() == [4, 0]
     # With nothing to catch up both draft; without the argument nothing changes.
-    both = plan_drafts(rows, linear(1.0, 0.01), cost, catchup=np.zeros(2))
+    both = one_kind_plan(rows, linear(1.0, 0.01), cost, catchup=np.zeros(2))
     assert both.lengths.tolist() == [4, 4]
-    assert plan_drafts(rows, linear(1.0, 0.01), cost).lengths.tolist() == [4, 4]
+    assert one_kind_plan(rows, linear(1.0, 0.01), cost).lengths.tolist() == [4, 4]
 
 
 def test_catch_up_plan_matches_brute_force_over_whole_requests():
@@ -118,7 +123,7 @@ def test_catch_up_plan_matches_brute_force_over_whole_requests():
         verify = linear(rng.uniform(0.5, 2), rng.uniform(0, 0.1))
         cost = DraftCost(fixed=rng.uniform(0, 0.3), per_request=rng.uniform(0, 0.05),
                          per_position=rng.uniform(0, 0.05), per_context=rng.uniform(0, 0.01))
-        plan = plan_drafts(rows, verify, cost, catchup=catchup)
+        plan = one_kind_plan(rows, verify, cost, catchup=catchup)
 
         def rate(k, rows=rows, verify=verify, cost=cost, catchup=catchup):
             on = np.array(k) > 0
@@ -141,12 +146,12 @@ def test_extend_drafts_every_position_that_pays_for_its_own_drafting():
     # survival pays for drafting it, at the plan's own rate.
     rows = [np.array([0.9, 0.8, 0.5, 0.5, 0.5]), np.array([0.9, 0.1]), np.array([0.05, 0.05])]
     verify = linear(1.0, 0.2)
-    cheap = plan_drafts(rows, verify, DraftCost(per_request=0.05, per_position=1e-4), extend=True)
+    cheap = one_kind_plan(rows, verify, DraftCost(per_request=0.05, per_position=1e-4), extend=True)
     assert cheap.lengths.tolist() == [5, 2, 0]  # request 2 still does not draft at all
-    base = plan_drafts(rows, verify, DraftCost(per_request=0.05, per_position=1e-4))
+    base = one_kind_plan(rows, verify, DraftCost(per_request=0.05, per_position=1e-4))
     assert base.lengths.tolist() == [2, 1, 0] and cheap.expected_tokens == base.expected_tokens
     # When a drafted position costs a lot, only those that pay are added (survival ≥ rate × cost).
-    dear = plan_drafts(rows, verify, DraftCost(per_request=0.05, per_position=0.1), extend=True)
+    dear = one_kind_plan(rows, verify, DraftCost(per_request=0.05, per_position=0.1), extend=True)
     rate = dear.expected_tokens / dear.predicted_seconds
     surv = np.cumprod(rows[0])
     assert dear.lengths[0] == max(2, int((surv >= rate * 0.1).sum()))
@@ -239,7 +244,7 @@ def test_gate_drafts_when_it_pays_and_not_when_it_does_not():
 
 
 def test_gate_explores_on_its_own_schedule_and_charges_catch_up_by_remaining_share():
-    g = gate(slack=0, extend=False)
+    g = gate(planner=DraftPlanner())
     dear = DraftCost(1.0, 0.0, 0.0)
     flat = StepCost(lambda n: np.full(len(n), 0.01), 0.0)
     caps = np.array([3, 3, 3])
@@ -248,7 +253,7 @@ def test_gate_explores_on_its_own_schedule_and_charges_catch_up_by_remaining_sha
     assert decide(g, [0, 1, 2], caps, np.full(3, 9), np.zeros(3), flat, dear).tolist() == [0, 0, 0]
     # The catch-up charge: backlog × min(1, (1 + Σ predicted survival) / remaining).
     predicted = [np.array([0.5, 0.5]), np.array([0.5, 0.5]), np.array([0.5])]
-    charge = g.catch_up_charge(survival_matrix(predicted)[0], np.array([10.0, 10.0, 10.0]), np.array([1, 3, 100]))
+    charge = g.catch_up_charge(Survival.of(predicted), np.array([10.0, 10.0, 10.0]), np.array([1, 3, 100]))
     assert np.allclose(charge, [10.0, 10.0 * 1.75 / 3, 10.0 * 1.5 / 100])
 
 
@@ -306,5 +311,5 @@ def test_replay_of_a_logged_history_reproduces_every_plan():
     plans = replay(gate(), log)
     assert len(plans) == 300 and sum(p[1].sum() > 0 for p, _ in plans) > 30
     assert all(np.array_equal(logged, got) for logged, got in plans)
-    other = replay(gate(slack=0, extend=False), log)
+    other = replay(gate(planner=DraftPlanner()), log)
     assert any(not np.array_equal(logged, got) for logged, got in other)
