@@ -43,7 +43,10 @@ def main() -> int:
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--out", default="runs/defaults")
+    p.add_argument("--settings", default=",".join(SETTINGS),
+                   help="comma-separated names from SETTINGS (ar is always run: the ratios' base)")
     args = p.parse_args()
+    chosen = {"ar": SETTINGS["ar"]} | {n: SETTINGS[n] for n in args.settings.split(",") if n and n != "ar"}
 
     from tokenizers import Tokenizer
 
@@ -62,11 +65,11 @@ def main() -> int:
     profiles = pathlib.Path("runs/cache")  # start-up profiles only: cost_model_*.json
     runs = []
     for rnd in range(args.rounds):
-        names = list(SETTINGS)
+        names = list(chosen)
         names = names[rnd % len(names):] + names[:rnd % len(names)]
         for c in levels:
             for name in names:
-                drafter, block, policy = SETTINGS[name]
+                drafter, block, policy = chosen[name]
                 with tempfile.TemporaryDirectory() as cache:
                     for f in profiles.glob("cost_model_*.json"):
                         shutil.copy(f, cache)
@@ -87,7 +90,7 @@ def main() -> int:
     rows = []
     for c in levels:
         for phase in ("cold", "warm"):
-            for name in SETTINGS:
+            for name in chosen:
                 ratios = []
                 for rnd in range(args.rounds):
                     mine = [r for r in runs if (r["round"], r["concurrency"], r["phase"]) == (rnd, c, phase)]
@@ -97,8 +100,8 @@ def main() -> int:
                                        (c, phase, "ar"))
                 rows.append({"concurrency": c, "phase": phase, "setting": name, "x_ar": statistics.median(ratios),
                              "min": min(ratios), "max": max(ratios), "ar_tok_s": ar})
-    md = ["| C | phase | `ar` tok/s | " + " | ".join(n for n in SETTINGS if n != "ar") + " |",
-          "|---" * (len(SETTINGS) + 2) + "|"]
+    md = ["| C | phase | `ar` tok/s | " + " | ".join(n for n in chosen if n != "ar") + " |",
+          "|---" * (len(chosen) + 2) + "|"]
     for c in levels:
         for phase in ("cold", "warm"):
             cells = [r for r in rows if (r["concurrency"], r["phase"]) == (c, phase)]
