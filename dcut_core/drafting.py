@@ -185,6 +185,77 @@ class DraftPlanner:
         return DraftPlan(lengths, float(tokens[best]), float(seconds[best]), float(seconds[0]))
 
 
+@dataclass(frozen=True)
+class Verified:
+    """Verification outcomes the acceptance trackers learn from, in the order they are learnt:
+    per entry the request, its drafter kind, the drafts kept and how many of them passed, and
+    (ragged by `beyond_cu`) the calibrated estimates of the drafts past the kept ones (None:
+    none known). One step's are learnt as one batch (`AcceptanceTracker.learn`)."""
+
+    rids: np.ndarray  # [J] int64
+    kinds: np.ndarray  # [J] int64
+    kept: np.ndarray  # [J] int64
+    accepted: np.ndarray  # [J] int64
+    beyond: np.ndarray | None = None  # [B] float64
+    beyond_cu: np.ndarray | None = None  # [J + 1] int64
+
+    @classmethod
+    def of(cls, rids, kinds, kept, accepted, beyond: list[np.ndarray] | None = None) -> Verified:
+        """From per-entry values; beyond[j] the estimates past entry j's kept drafts."""
+        ints = [np.asarray(x, dtype=np.int64).reshape(-1) for x in (rids, kinds, kept, accepted)]
+        if beyond is None:
+            return cls(*ints)
+        cu = np.zeros(len(beyond) + 1, dtype=np.int64)
+        np.cumsum([len(b) for b in beyond], out=cu[1:])
+        flat = np.concatenate([np.asarray(b, dtype=np.float64) for b in beyond]) if beyond else np.zeros(0)
+        return cls(*ints, flat, cu)
+
+    def __len__(self) -> int:
+        return len(self.rids)
+
+    def as_dict(self) -> dict:
+        return {"rids": self.rids.tolist(), "kinds": self.kinds.tolist(), "kept": self.kept.tolist(),
+                "accepted": self.accepted.tolist(), "beyond": None if self.beyond is None else self.beyond.tolist(),
+                "beyond_cu": None if self.beyond_cu is None else self.beyond_cu.tolist()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Verified:
+        """Also reads step logs of one kind (no `kinds`) and of requests that drafted nothing."""
+        n = len(d["rids"])
+        kinds = d.get("kinds") or [0] * n
+        cu = d.get("beyond_cu")
+        ints = [np.asarray(x, dtype=np.int64).reshape(-1) for x in (d["rids"], kinds, d["kept"], d["accepted"])]
+        if cu is None:
+            return cls(*ints)
+        return cls(*ints, np.asarray(d["beyond"], dtype=np.float64), np.asarray(cu, dtype=np.int64))
+
+    def then(self, other: Verified) -> Verified:
+        """These entries, then `other`'s (an entry without estimates has none past its kept)."""
+        if not len(other):
+            return self
+        if not len(self):
+            return other
+        cu = [x.beyond_cu if x.beyond is not None else np.zeros(len(x) + 1, dtype=np.int64) for x in (self, other)]
+        flat = [x.beyond if x.beyond is not None else np.zeros(0) for x in (self, other)]
+        beyond = None if self.beyond is None and other.beyond is None else np.concatenate(flat)
+        return Verified(*(np.concatenate([getattr(self, f), getattr(other, f)]) for f in ("rids", "kinds", "kept",
+                                                                                          "accepted")),
+                        beyond, None if beyond is None else np.concatenate([cu[0], cu[1][1:] + cu[0][-1]]))
+
+    def of_kind(self, kind: int) -> Verified:
+        """The entries of one drafter kind, in order."""
+        idx = np.flatnonzero(self.kinds == kind)
+        if len(idx) == len(self):
+            return self
+        if self.beyond is None:
+            return Verified(self.rids[idx], self.kinds[idx], self.kept[idx], self.accepted[idx])
+        starts, ends = self.beyond_cu[idx], self.beyond_cu[idx + 1]
+        cu = np.zeros(len(idx) + 1, dtype=np.int64)
+        np.cumsum(ends - starts, out=cu[1:])
+        flat = self.beyond[np.repeat(starts - cu[:-1], ends - starts) + np.arange(cu[-1])]
+        return Verified(self.rids[idx], self.kinds[idx], self.kept[idx], self.accepted[idx], flat, cu)
+
+
 @dataclass
 class AcceptanceTracker:
     """Predicts a request's conditional acceptance by draft position from past verifications.
@@ -208,6 +279,7 @@ class AcceptanceTracker:
     def __post_init__(self) -> None:
         self.accepted = np.full(self.block, self.prior)  # one pseudo-observation at the prior
         self.judged = np.ones(self.block)
+        self._decay = 0.5 ** (1.0 / self.halflife_steps)
 
     @property
     def global_rate(self) -> np.ndarray:
@@ -236,42 +308,64 @@ class AcceptanceTracker:
         return [rates[i, :n] for i, n in enumerate(np.asarray(lengths, dtype=np.int64))]
 
     def observe(self, rid: int, kept: int, accepted: int, beyond: np.ndarray | None = None) -> None:
-        """One verification of request rid: kept drafts, of which the first `accepted` passed.
+        """One verification of request rid (`learn` of one)."""
+        b = None if beyond is None else np.asarray(beyond, dtype=np.float64)
+        self.learn(Verified.of([rid], [0], [kept], [accepted], None if b is None else [b]))
 
-        beyond: calibrated conditional acceptance of the positions drafted past the kept ones.
-        Pruning keeps confident drafts, so outcomes alone overrate deep positions; when every
-        kept draft passed, those positions were reached and count softly (reached with the
-        product of the estimates before them, accepted with that times their own), so the
-        rates describe all drafts. A step whose drafts were all pruned still teaches."""
-        soft = beyond is not None and accepted >= kept and len(beyond) and kept < self.block
-        if kept <= 0 and not soft:
+    def learn(self, v: Verified) -> None:
+        """A step's verifications (every entry this tracker's kind), entry after entry: entry j's
+        kept drafts, of which the first `accepted` passed.
+
+        Global rates: each entry's judged positions — up to its first rejection (censoring as in
+        acceptance.py), a prefix; of those, the first `accepted` passed — decay their counts and
+        add the outcome. `beyond`: calibrated conditional acceptance of the positions drafted
+        past the kept ones. Pruning keeps confident drafts, so outcomes alone overrate deep
+        positions; when every kept draft passed, those positions were reached and count softly
+        (reached with the product of the estimates before them, accepted with that times their
+        own), so the rates describe all drafts. An entry whose drafts were all pruned still
+        teaches. Then each request's factor: its accepted drafts against what the step's updated
+        rates expected of its kept ones (`_set_factor`).
+
+        Plain Python on lists of at most `block` floats: a step of 64 requests touches a few
+        hundred positions, and numpy's per-call cost on arrays this small is what the sequential
+        per-request slices paid (1.7 ms a step at 64 requests; measured in docs/benchmarks.md)."""
+        d, block = self._decay, self.block
+        acc, jud = self.accepted.tolist(), self.judged.tolist()
+        kept, accepted = v.kept.tolist(), v.accepted.tolist()
+        cu = None if v.beyond is None else v.beyond_cu.tolist()
+        beyond = None if v.beyond is None else v.beyond.tolist()
+        seen = 0
+        for j, (k, a) in enumerate(zip(kept, accepted, strict=True)):
+            touched = k > 0
+            for p in range(min(a + 1, k)):
+                acc[p] = acc[p] * d + (1.0 if p < a else 0.0)
+                jud[p] = jud[p] * d + 1.0
+            if cu is not None and a >= k and k < block:
+                reach = 1.0
+                for q in range(cu[j], min(cu[j + 1], cu[j] + block - k)):
+                    x, p = beyond[q], k + q - cu[j]
+                    acc[p] = d * acc[p] + reach * x
+                    jud[p] = d * jud[p] + reach
+                    reach *= x
+                    touched = True
+            seen += touched
+        if not seen:
             return
-        self.observations += 1
-        decay = 0.5 ** (1.0 / self.halflife_steps)
-        acc, jud = self.accepted, self.judged
-        if kept > 0:
-            # Judged: positions up to the first rejection (censoring as in acceptance.py), a
-            # prefix; of those, the first `accepted` passed. (Slices: this runs for every
-            # request a step, so a step of 64 costs 64 calls.)
-            m = min(accepted + 1, kept)
-            acc[:m] *= decay
-            acc[:accepted] += 1.0
-            jud[:m] *= decay
-            jud[:m] += 1.0
-        if soft:
-            b = np.asarray(beyond, dtype=np.float64)[: self.block - kept]
-            pos = slice(kept, kept + len(b))
-            reach = np.concatenate([[1.0], np.cumprod(b)[:-1]])
-            acc[pos] = decay * acc[pos] + reach * b
-            jud[pos] = decay * jud[pos] + reach
-        if kept <= 0:
-            return
-        expected = float(np.cumprod(acc[:kept] / jud[:kept]).sum())
-        # Decayed sums, then their ratio: an average of per-step ratios would be pulled to 1
-        # by the smoothing every single step needs.
-        a, e, n = self._sums.get(rid, (0.0, 0.0, 0))
-        self._sums[rid] = (0.7 * a + accepted, 0.7 * e + expected, n + 1)
-        self._set_factor(rid)
+        self.observations += seen
+        self.accepted, self.judged = np.array(acc), np.array(jud)
+        # What the rates now expect of each entry's kept drafts; decayed sums, then their ratio
+        # (an average of per-step ratios would be pulled to 1 by the smoothing every step needs).
+        cum, survive, total = [0.0], 1.0, 0.0
+        for x, y in zip(acc, jud, strict=True):
+            survive *= x / y
+            total += survive
+            cum.append(total)
+        sums = self._sums
+        for rid, k, a in zip(v.rids.tolist(), kept, accepted, strict=True):
+            if k > 0:
+                s_a, s_e, n = sums.get(rid, (0.0, 0.0, 0))
+                sums[rid] = (0.7 * s_a + a, 0.7 * s_e + cum[k], n + 1)
+                self._set_factor(rid)
 
     def skipped(self, rids, halflife_steps: float = 4.0) -> None:
         """These requests drafted nothing this step: each one's factor drifts back toward 1

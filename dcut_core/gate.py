@@ -11,7 +11,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dcut_core.choosing import KindChooser
-from dcut_core.drafting import AcceptanceTracker, DraftCost, DraftingCosts, DraftPlanner, Exploration, Survival
+from dcut_core.drafting import (
+    AcceptanceTracker,
+    DraftCost,
+    DraftingCosts,
+    DraftPlanner,
+    Exploration,
+    Survival,
+    Verified,
+)
 from dcut_core.pruning import StepCost
 
 # The engine looks the n-gram kind up ahead of the gate (actors/engine/lookahead.py) for batches
@@ -195,17 +203,24 @@ class DraftingGate:
         the kind chooser's measure of how sure its estimates are."""
         return np.array([t.observations for t in self.trackers], dtype=np.float64)
 
-    def observe(self, rid: int, kind: int, kept: int, accepted: int, beyond: np.ndarray | None = None) -> None:
-        """One verification of request rid's drafts by drafter `kind` (`AcceptanceTracker.observe`)."""
-        self.trackers[kind].observe(rid, kept, accepted, beyond)
+    def learn(self, verified: Verified, empty: list[tuple[int, int]] = ()) -> None:
+        """A step's verifications, each kind's tracker learning its entries as one batch
+        (`AcceptanceTracker.learn`), then `empty`: (request, kind) pairs where the kind was asked
+        for drafts and made none (an n-gram drafter finds no match) — with `teach_empty`, a try
+        that yielded nothing, taught as a first draft rejected. Otherwise nothing would be
+        observed, and a kind whose estimates lead would be chosen for the request again and
+        again, drafting nothing."""
+        if empty and self.teach_empty:
+            rids, kinds = zip(*empty, strict=True)
+            verified = verified.then(Verified.of(rids, kinds, np.ones(len(rids)), np.zeros(len(rids))))
+        for k, tracker in enumerate(self.trackers):
+            mine = verified.of_kind(k)
+            if len(mine):
+                tracker.learn(mine)
 
-    def empty(self, rid: int, kind: int) -> None:
-        """Drafter `kind` was asked for drafts for request rid and made none (an n-gram drafter
-        finds no match): a try that yielded nothing, taught as a first draft rejected. Otherwise
-        nothing would be observed, and a kind whose estimates lead would be chosen for the request
-        again and again, drafting nothing."""
-        if self.teach_empty:
-            self.observe(rid, kind, 1, 0)
+    def observe(self, rid: int, kind: int, kept: int, accepted: int, beyond: np.ndarray | None = None) -> None:
+        """One verification of request rid's drafts by drafter `kind` (`learn` of one)."""
+        self.learn(Verified.of([rid], [kind], [kept], [accepted], None if beyond is None else [beyond]))
 
     def forget(self, rid: int) -> None:
         for t in self.trackers:
@@ -242,12 +257,9 @@ def replay(gate: DraftingGate, steps) -> list[tuple[np.ndarray, np.ndarray]]:
             plans.append((np.stack([logged_kinds, logged]), np.stack([plan.kinds, plan.lengths])))
         obs = rec.get("observed")
         if obs:
-            beyond, cu = obs["beyond"], obs["beyond_cu"]
-            for i, rid in enumerate(obs["rids"]):
-                b = None if cu is None else np.asarray(beyond[cu[i]:cu[i + 1]], dtype=np.float64)
-                gate.observe(rid, obs["kinds"][i] if obs.get("kinds") else 0, obs["kept"][i], obs["accepted"][i], b)
-            for rid, kind in obs.get("empty") or ():
-                gate.empty(rid, kind)
-            for rid, kind, kept, accepted in obs.get("shadow") or ():
-                gate.observe(rid, kind, kept, accepted)
+            verified = Verified.from_dict(obs)
+            shadow = obs.get("shadow")  # logs before one step was learnt as one batch
+            if shadow:
+                verified = verified.then(Verified.of(*zip(*shadow, strict=True)))
+            gate.learn(verified, [tuple(e) for e in obs.get("empty") or ()])
     return plans

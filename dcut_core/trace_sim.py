@@ -25,7 +25,7 @@ from dcut_core import ragged
 from dcut_core.acceptance import Calibrator, survival, verify_outcomes
 from dcut_core.cost_model import StepShape
 from dcut_core.counterfactual import Trace
-from dcut_core.drafting import AcceptanceTracker, DraftCost, DraftPlanner, Exploration
+from dcut_core.drafting import AcceptanceTracker, DraftCost, DraftPlanner, Exploration, Verified
 from dcut_core.gate import LOOKAHEAD_REQUESTS, DraftingCosts, DraftingGate, GateInput, KindReach, Plan
 from dcut_core.learned import KindState, LearnedState
 from dcut_core.pruning import DraftBatch, policy_from_name
@@ -248,20 +248,22 @@ class _Run:
             for k in np.unique(kind):
                 m = kind == k
                 self.calibrators[k].observe(drafts["confidence"][idx][m], drafts["margin"][idx][m], pos[m], ok[m])
-        for i, x in enumerate(batch):
-            beyond = estimate[cu[i] + kept[i]:cu[i + 1]] if estimate is not None else None
-            self.gate.observe(x.rid, int(used[i]), int(kept[i]), int(accepted[i]), beyond)
-        for i, x in enumerate(batch):
-            if lengths[i] > 0 and cu[i + 1] == cu[i]:
-                self.gate.empty(x.rid, int(used[i]))
-        if self._available is None:
-            return
-        ng = self.ngram  # the look-ahead of the requests it did not draft for, judged by what they emitted
-        for i, x in enumerate(batch):
-            n = min(int(self._available[i, ng]), int(accepted[i]) + 1)
-            if n > 0 and not (used[i] == ng and cu[i + 1] > cu[i]):
-                rt = self.trace.requests[x.q]
-                self.gate.observe(x.rid, ng, n, min(n, int(rt.accepted[self.kidx[ng], x.t])))
+        idx = np.flatnonzero(np.diff(cu))  # the requests that drafted
+        beyond = None if estimate is None else [estimate[cu[i] + kept[i]:cu[i + 1]] for i in idx.tolist()]
+        verified = Verified.of([batch[i].rid for i in idx.tolist()], np.asarray(used)[idx], np.asarray(kept)[idx],
+                               np.asarray(accepted)[idx], beyond)
+        empty = [(x.rid, int(used[i])) for i, x in enumerate(batch) if lengths[i] > 0 and cu[i + 1] == cu[i]]
+        if self._available is not None:
+            ng = self.ngram  # the look-ahead of the requests it did not draft for, judged by what they emitted
+            shadow = []
+            for i, x in enumerate(batch):
+                n = min(int(self._available[i, ng]), int(accepted[i]) + 1)
+                if n > 0 and not (used[i] == ng and cu[i + 1] > cu[i]):
+                    rt = self.trace.requests[x.q]
+                    shadow.append((x.rid, ng, n, min(n, int(rt.accepted[self.kidx[ng], x.t]))))
+            if shadow:
+                verified = verified.then(Verified.of(*zip(*shadow, strict=True)))
+        self.gate.learn(verified, empty)
 
     def _advance_time(self, batch, feeding, kept, drafts, used) -> None:
         trace, costs = self.trace, self.costs

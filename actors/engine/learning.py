@@ -10,10 +10,11 @@ import numpy as np
 
 from actors.engine.history import StepHistory
 from actors.engine.stages import Step, StepRecord
-from actors.engine.steplog import StepLog, observed
+from actors.engine.steplog import StepLog
 from dcut_core import ragged
 from dcut_core.acceptance import Calibrator, verify_outcomes
 from dcut_core.cost_model import StepShape
+from dcut_core.drafting import Verified
 from dcut_core.gate import DraftingGate
 from dcut_core.learners import StepOverhead
 
@@ -38,20 +39,13 @@ def learn(st: Step, calibrators: list[Calibrator], gate: DraftingGate, cost, log
         conf, margin = drafts.confidence[idx], drafts.margin[idx]
         for k, m in ragged.groups(np.repeat(kinds, counts)[idx]):
             calibrators[k].observe(conf[m], margin[m], pos[m], ok[m])
-    # A request that drafted nothing teaches nothing (no kept draft, nothing beyond): skipped
-    # without a call, so a step that drafts for few of 1,024 requests costs the few.
-    estimate, cu = st.pruned.estimate, drafts.cu
-    for i in np.flatnonzero(counts).tolist():
-        beyond = estimate[cu[i] + kept[i]:cu[i + 1]] if estimate is not None else None
-        gate.observe(st.batch[i].rid, int(kinds[i]), int(kept[i]), int(accepted[i]), beyond)
-    # A kind asked that drafted nothing is a failed try (the gate decides whether that teaches).
+    # The trackers learn the step as one batch: the requests that drafted (one that drafted
+    # nothing teaches nothing), then the look-ahead judged in hindsight, then the kinds asked
+    # that drafted nothing (failed tries: the gate decides whether they teach).
+    verified = drafted(st).then(hindsight(st))
     empty = [(st.batch[i].rid, int(kinds[i])) for i in np.flatnonzero((st.plan.lengths > 0) & (counts == 0)).tolist()]
-    for rid, kind in empty:
-        gate.empty(rid, kind)
-    shadow = hindsight(st)
-    for rid, kind, n, a in shadow:
-        gate.observe(rid, kind, n, a)
-    observed_now = observed(st, empty, shadow) if log else None  # for `dcut_core.gate.replay`
+    gate.learn(verified, empty)
+    observed_now = {**verified.as_dict(), "empty": empty} if log else None  # for `dcut_core.gate.replay`
     if cost is None:
         return Learnt(float("nan"), observed_now)
     if st.feeding:  # the correction learns verification steps only (pruning's curve)
@@ -59,15 +53,32 @@ def learn(st: Step, calibrators: list[Calibrator], gate: DraftingGate, cost, log
     return Learnt(cost.observe(shape(st), st.out.wall_s), observed_now)
 
 
-def hindsight(st: Step) -> list[tuple[int, int, int, int]]:
-    """(request, kind, judged, accepted) of the n-gram look-ahead the step did not draft with,
-    judged against the tokens each request emitted: the kind learns from every step."""
+def drafted(st: Step) -> Verified:
+    """The verifications of the requests that drafted this step, with the calibrated estimates
+    of their drafts past the kept ones (when pruning made them)."""
+    drafts, kept = st.drafts, st.pruned.kept
+    idx = np.flatnonzero(drafts.counts)
+    rids = np.fromiter((st.batch[i].rid for i in idx.tolist()), dtype=np.int64, count=len(idx))
+    accepted = np.asarray(st.accepted.counts, dtype=np.int64)[idx]
+    estimate = st.pruned.estimate
+    if estimate is None:
+        return Verified(rids, drafts.kinds[idx], np.asarray(kept, dtype=np.int64)[idx], accepted)
+    starts, ends = drafts.cu[idx] + kept[idx], drafts.cu[idx + 1]
+    cu = np.zeros(len(idx) + 1, dtype=np.int64)
+    np.cumsum(ends - starts, out=cu[1:])
+    beyond = np.asarray(estimate, dtype=np.float64)[np.repeat(starts - cu[:-1], ends - starts) + np.arange(cu[-1])]
+    return Verified(rids, drafts.kinds[idx], np.asarray(kept, dtype=np.int64)[idx], accepted, beyond, cu)
+
+
+def hindsight(st: Step) -> Verified:
+    """The n-gram look-ahead the step did not draft with, judged against the tokens each request
+    emitted (request, kind, judged, accepted): the kind learns from every step."""
     la = st.lookahead
     if la is None:
-        return []
+        return Verified.of([], [], [], [])
     idx, judged, accepted = la.hindsight(st.drafts.counts, st.drafts.kinds, st.accepted.emitted)
     rids = [st.batch[i].rid for i in idx.tolist()]
-    return [(rid, la.kind, n, a) for rid, n, a in zip(rids, judged.tolist(), accepted.tolist(), strict=True)]
+    return Verified.of(rids, np.full(len(rids), la.kind), judged, accepted)
 
 
 def shape(st: Step) -> StepShape:

@@ -53,19 +53,3 @@ def read_steps(path: str | pathlib.Path) -> Iterator[dict]:
     with open(path, "rb") as f:
         yield from msgpack.Unpacker(f, raw=False)
 
-
-def observed(st, empty: list[tuple[int, int]], shadow: list[tuple[int, int, int, int]] = ()) -> dict:
-    """What the acceptance trackers learnt from a step (`dcut_core.gate.replay` feeds it back):
-    per request its kind, kept and accepted counts, the calibrated estimates of the drafts past
-    the kept ones (ragged, `beyond_cu`; None when nothing was drafted), the kinds asked that
-    drafted nothing (`empty`), and the look-ahead judged in hindsight (`shadow`: request, kind,
-    judged, accepted)."""
-    drafts, kept, est = st.drafts, st.pruned.kept, st.pruned.estimate
-    beyond = [] if est is None else [est[drafts.cu[i] + kept[i]:drafts.cu[i + 1]] for i in range(len(st.batch))]
-    return {"rids": [s.rid for s in st.batch], "kept": np.asarray(kept).tolist(),
-            "kinds": np.asarray(drafts.kinds).tolist(),
-            "empty": [list(e) for e in empty],
-            "shadow": [list(x) for x in shadow],
-            "accepted": [int(a) for a in st.accepted.counts],
-            "beyond": np.concatenate(beyond).tolist() if beyond else [],
-            "beyond_cu": None if est is None else np.concatenate([[0], np.cumsum([len(b) for b in beyond])]).tolist()}

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dcut_core.choosing import GainTable, KindChooser
-from dcut_core.drafting import AcceptanceTracker, DraftCost, DraftPlanner, Exploration, Survival
+from dcut_core.drafting import AcceptanceTracker, DraftCost, DraftPlanner, Exploration, Survival, Verified
 from dcut_core.gate import DraftingCosts, DraftingGate, GateInput, KindReach, replay
 from dcut_core.pruning import StepCost
 
@@ -156,8 +156,7 @@ def test_a_multi_kind_history_replays_exactly():
         assert all(allowed[i, k] for i, k in enumerate(kinds))
         kept = np.minimum(lengths, rng.integers(0, 8, 4))
         accepted = [int(rng.integers(0, k + 1)) for k in kept]
-        for rid, k, n, a in zip(rids, kinds, kept, accepted, strict=True):
-            live.observe(rid, int(k), int(n), a)
+        live.learn(Verified.of(rids, kinds, kept, accepted))  # one step, one batch: as the engine learns
         log.append({"gate": {"input": g.as_dict(), "lengths": lengths.tolist(), "kinds": kinds.tolist()},
                     "observed": {"rids": rids, "kinds": kinds.tolist(), "kept": kept.tolist(), "accepted": accepted,
                                  "beyond": [], "beyond_cu": None}})
@@ -212,12 +211,10 @@ def test_what_a_look_ahead_would_have_had_accepted_replays_as_it_was_learnt():
         kinds, lengths = plan.kinds, plan.lengths
         kept = lengths.copy()
         accepted = [int(rng.integers(0, k + 1)) for k in kept]
-        for rid, k, n, a in zip(rids, kinds.tolist(), kept.tolist(), accepted, strict=True):
-            live.observe(rid, k, n, a)
         shadow = [[rid, 1, int(min(available[i, 1], accepted[i] + 1)), 0] for i, rid in enumerate(rids)
                   if (kinds[i] != 1 or lengths[i] == 0) and available[i, 1] > 0]
-        for rid, k, n, a in shadow:
-            live.observe(rid, k, n, a)
+        verified = Verified.of(rids, kinds, kept, accepted)
+        live.learn(verified.then(Verified.of(*zip(*shadow, strict=True))) if shadow else verified)
         log.append({"gate": {"input": plan.seen.as_dict(), "lengths": lengths.tolist(), "kinds": kinds.tolist()},
                     "observed": {"rids": rids, "kinds": kinds.tolist(), "kept": kept.tolist(), "accepted": accepted,
                                  "beyond": [], "beyond_cu": None, "shadow": shadow}})

@@ -6,8 +6,10 @@ import itertools
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from dcut_core.drafting import AcceptanceTracker, DraftCost, DraftingCosts, DraftPlanner, Survival
+from dcut_core.drafting import AcceptanceTracker, DraftCost, DraftingCosts, DraftPlanner, Survival, Verified
 from dcut_core.gate import GateInput, KindReach, replay
 from dcut_core.pruning import StepCost
 
@@ -303,8 +305,7 @@ def test_replay_of_a_logged_history_reproduces_every_plan():
         accepted = np.array([rng.integers(0, k + 1) for k in kept])
         beyond = [rng.uniform(0, 1, int(n - k)) for n, k in zip(lengths, kept, strict=True)]
         cu = np.concatenate([[0], np.cumsum([len(b) for b in beyond])]).tolist()
-        for rid, k, a, b in zip(rids, kept, accepted, beyond, strict=True):
-            live.trackers[0].observe(rid, int(k), int(a), b)
+        live.learn(Verified.of(rids, np.zeros(len(rids)), kept, accepted, beyond))  # one step, one batch
         log.append({"gate": {"input": g.as_dict(), "lengths": planned.tolist()},
                     "observed": {"rids": rids, "kept": kept.tolist(), "accepted": accepted.tolist(),
                                  "beyond": np.concatenate(beyond).tolist(), "beyond_cu": cu}})
@@ -313,3 +314,56 @@ def test_replay_of_a_logged_history_reproduces_every_plan():
     assert all(np.array_equal(logged, got) for logged, got in plans)
     other = replay(gate(planner=DraftPlanner()), log)
     assert any(not np.array_equal(logged, got) for logged, got in other)
+
+
+def sequential_learn(t: AcceptanceTracker, entries) -> tuple[np.ndarray, np.ndarray, dict, int]:
+    """The batch's meaning written out, one entry and one position at a time: each judged
+    position decays and adds its outcome, each position past the kept ones counts softly; then
+    each request's factor sums, against the rates after the whole batch."""
+    d = 0.5 ** (1.0 / t.halflife_steps)
+    acc, jud, sums, seen = t.accepted.tolist(), t.judged.tolist(), dict(t._sums), t.observations
+    for _, k, a, b in entries:
+        soft = b is not None and a >= k and k < t.block and len(b) > 0
+        seen += k > 0 or soft
+        for p in range(min(a + 1, k)):
+            acc[p], jud[p] = acc[p] * d + (p < a), jud[p] * d + 1.0
+        if soft:
+            reach = 1.0
+            for q, x in enumerate(b[:t.block - k]):
+                acc[k + q], jud[k + q] = d * acc[k + q] + reach * x, d * jud[k + q] + reach
+                reach *= x
+    expected = np.cumsum(np.cumprod(np.array(acc) / np.array(jud)))
+    for rid, k, a, _ in entries:
+        if k > 0:
+            s_a, s_e, n = sums.get(rid, (0.0, 0.0, 0))
+            sums[rid] = (0.7 * s_a + a, 0.7 * s_e + expected[k - 1], n + 1)
+    return np.array(acc), np.array(jud), sums, seen
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(2, 9), st.integers(0, 2**31 - 1), st.booleans())
+def test_a_batch_of_verifications_is_learnt_as_its_entries_one_by_one(block, seed, estimates):
+    rng = np.random.default_rng(seed)
+    t = AcceptanceTracker(block=block)
+    for _ in range(2):  # a history first, then the batch under test
+        entries = []
+        for _ in range(int(rng.integers(0, 12))):
+            k = int(rng.integers(0, block + 1))
+            b = rng.uniform(0, 1, int(rng.integers(0, block + 1))) if estimates else None
+            entries.append((int(rng.integers(0, 5)), k, int(rng.integers(0, k + 1)), b))
+        want = sequential_learn(t, entries)
+        t.learn(Verified.of([e[0] for e in entries], np.zeros(len(entries)), [e[1] for e in entries],
+                            [e[2] for e in entries], [e[3] for e in entries] if estimates else None))
+        assert np.allclose(t.accepted, want[0], rtol=1e-12) and np.allclose(t.judged, want[1], rtol=1e-12)
+        assert t._sums.keys() == want[2].keys() and t.observations == want[3]
+        assert all(np.allclose(t._sums[r], want[2][r], rtol=1e-12) for r in want[2])
+
+
+def test_verified_entries_keep_their_estimates_through_then_and_of_kind():
+    a = Verified.of([1, 2], [0, 1], [2, 1], [1, 1], [np.array([0.5]), np.array([0.25, 0.75])])
+    b = Verified.of([3], [1], [4], [0])
+    both = a.then(b)
+    assert both.rids.tolist() == [1, 2, 3] and both.beyond_cu.tolist() == [0, 1, 3, 3]
+    one = both.of_kind(1)
+    assert one.rids.tolist() == [2, 3] and one.beyond.tolist() == [0.25, 0.75] and one.beyond_cu.tolist() == [0, 2, 2]
+    assert Verified.from_dict(both.as_dict()).beyond.tolist() == both.beyond.tolist()

@@ -246,7 +246,7 @@ def test_the_ngram_look_ahead_is_asked_only_where_it_drafts_and_teaches_every_st
     for lookahead in (True, False):
         run = _Run(trace, SimSettings(kinds=("block", "ngram"), lookahead=lookahead), 1)
         asked, taught = [], []
-        plan, observe = run._plan, run.gate.observe
+        plan, learn = run._plan, run.gate.learn
 
         def spy_plan(batch, plan=plan, asked=asked):
             lengths, kinds, fallback = plan(batch)
@@ -254,11 +254,11 @@ def test_the_ngram_look_ahead_is_asked_only_where_it_drafts_and_teaches_every_st
                       if n and k == 1]
             return lengths, kinds, fallback
 
-        def spy_observe(rid, kind, kept, acc, beyond=None, observe=observe, taught=taught):
-            taught.append(kind)
-            observe(rid, kind, kept, acc, beyond)
+        def spy_learn(verified, empty=(), learn=learn, taught=taught):
+            taught.extend(verified.kinds.tolist() + [k for _, k in empty])
+            learn(verified, empty)
 
-        run._plan, run.gate.observe = spy_plan, spy_observe
+        run._plan, run.gate.learn = spy_plan, spy_learn
         out = run.run()
         assert out.tokens == 3 * 24
         if lookahead:
