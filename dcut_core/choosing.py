@@ -34,6 +34,7 @@ from functools import cache
 
 import numpy as np
 
+from dcut_core.drafting import Predicted
 from dcut_core.pruning import StepCost
 
 
@@ -79,14 +80,14 @@ class KindChooser:
         v = np.where(drafts, net[rows, kinds, best], 0.0)
         return v, np.where(drafts, table.gain[rows, kinds, best], 0.0), np.where(drafts, best + 1.0, 0.0), rate
 
-    def choose(self, predicted: list[list[np.ndarray]], verify: StepCost, costs, allowed: np.ndarray | None = None,
+    def choose(self, predicted: Predicted, verify: StepCost, costs, allowed: np.ndarray | None = None,
                held: np.ndarray | None = None, remaining: np.ndarray | None = None,
                observed: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(kind [R], exploring [R], fallback [R]): the kind (index) each request drafts with this
         step; whether that choice is the bonus's rather than the estimates' — an exploring request
         must draft to teach anything, even where the estimates alone would not draft (the gate
         sees to it); and the kind to draft with instead if the chosen one makes no drafts (-1:
-        none). predicted[k][i]: request i's conditional acceptance by position under kind k (up
+        none). predicted: each request's conditional acceptance by position under each kind (up
         to its cap). allowed [R, K]: the kinds each request may use (its own choice); held,
         remaining: what a switch of kind costs (`values`); observed [K]: the verifications each
         kind's estimates rest on (None: none).
@@ -98,7 +99,7 @@ class KindChooser:
         tokens the step would otherwise make in it — at the speculative rate, not the plain one
         — so ρ is refined (Dinkelbach): the choice's own predicted tokens per second, then choose
         again, a few times; the round whose choice is predicted fastest stands."""
-        r = len(predicted[0]) if predicted else 0
+        r = predicted.rates.shape[0]
         if r == 0 or self.kinds == 1:  # nothing to choose: every request drafts with the one kind
             return np.zeros(r, dtype=np.int64), np.zeros(r, dtype=bool), np.full(r, -1, dtype=np.int64)
         obs = np.zeros(self.kinds) if observed is None else np.asarray(observed, dtype=np.float64)
@@ -169,16 +170,6 @@ class KindChooser:
         return kind.astype(np.int64), use
 
 
-def padded(rows: list[np.ndarray]) -> np.ndarray:
-    """[R, n_max] of ragged rows clipped to [0, 1], zeros past each row's end (a zero rate adds
-    no gain, so no position past a row's end is ever the best)."""
-    lens = np.fromiter((len(p) for p in rows), dtype=np.int64, count=len(rows))
-    out = np.zeros((len(rows), int(lens.max(initial=0))))
-    if out.size:
-        out[np.arange(out.shape[1]) < lens[:, None]] = np.clip(np.concatenate(rows), 0.0, 1.0)
-    return out
-
-
 @dataclass(frozen=True)
 class GainTable:
     """Every request's expected accepted tokens at n = 1 .. width_k drafts under each kind k, as
@@ -192,13 +183,11 @@ class GainTable:
     grid: tuple[np.ndarray, np.ndarray]  # ([R, 1], [1, K]) indices: a [R, K] pick along n is gain[*grid, pick]
 
     @classmethod
-    def of(cls, predicted: list[list[np.ndarray]]) -> GainTable:
-        mats = [padded(rows) for rows in predicted]
-        width = np.array([m.shape[1] for m in mats], dtype=np.int64)
+    def of(cls, predicted: Predicted) -> GainTable:
+        """Zeros past each row's end add no gain, so no position past it is ever the best."""
+        width = predicted.lengths.max(axis=0, initial=0)
         n_max = int(width.max(initial=0))
-        rates = np.zeros((len(mats[0]), len(mats), n_max))
-        for k, m in enumerate(mats):
-            rates[:, k, :m.shape[1]] = m
+        rates = predicted.rates[:, :, :n_max]
         n = np.arange(1, n_max + 1, dtype=np.float64)
         grid = (np.arange(rates.shape[0])[:, None], np.arange(rates.shape[1])[None, :])
         return cls(np.cumsum(np.cumprod(rates, axis=2), axis=2), width, n[None, :] <= width[:, None], n, grid)

@@ -99,6 +99,32 @@ class Survival:
 
 
 @dataclass(frozen=True)
+class Predicted:
+    """Every request's predicted conditional acceptance by draft position under each drafter
+    kind, as far as the kind may draft for it: `rates` [R, K, w] in [0, 1], zeros past each
+    row's length (`lengths` [R, K])."""
+
+    rates: np.ndarray
+    lengths: np.ndarray
+
+    @classmethod
+    def of(cls, per_kind: list[list[np.ndarray]]) -> Predicted:
+        """From ragged rows: per_kind[k][i] request i's rates under kind k (clipped to [0, 1])."""
+        lengths = np.array([[len(row) for row in rows] for rows in per_kind], dtype=np.int64).T
+        lengths = lengths.reshape(len(per_kind[0]) if per_kind else 0, len(per_kind))
+        rates = np.zeros((*lengths.shape, int(lengths.max(initial=0))))
+        for k, rows in enumerate(per_kind):
+            for i, row in enumerate(rows):
+                rates[i, k, :len(row)] = np.clip(row, 0.0, 1.0)
+        return cls(rates, lengths)
+
+    def survival(self, kinds: np.ndarray) -> Survival:
+        """The survival of each request's drafts under its kind (`kinds` [R])."""
+        rows = np.arange(len(kinds))
+        return Survival(np.cumprod(self.rates[rows, kinds], axis=1), self.lengths[rows, kinds])
+
+
+@dataclass(frozen=True)
 class DraftPlanner:
     """How far each request drafts this step (`plan`), and how the plan is widened past what
     the predictions alone pay for.
@@ -298,14 +324,17 @@ class AcceptanceTracker:
             rate[0] = min(0.99, rate[0] * self.factor.get(rid, 1.0))
         return rate
 
-    def predict_batch(self, rids: list[int], lengths: np.ndarray) -> list[np.ndarray]:
-        """`predict` for many requests at once: [predict(rid, n) for rid, n in zip(rids, lengths)]."""
-        n_max = int(max(lengths, default=0))
-        rates = np.tile(np.clip(self.global_rate[:n_max], 0.0, 0.99), (len(rids), 1))
-        if n_max:
-            f = np.array([self.factor.get(rid, 1.0) for rid in rids])
+    def predict_rows(self, rids: list[int], lengths: np.ndarray, width: int) -> np.ndarray:
+        """`predict` for many requests at once, as one [R, width] array: row i is
+        predict(rids[i], lengths[i]), zeros past it."""
+        rates = np.zeros((len(rids), width))
+        n = min(width, self.block)
+        rates[:, :n] = np.clip(self.global_rate[:n], 0.0, 0.99)
+        if n:
+            f = np.fromiter((self.factor.get(rid, 1.0) for rid in rids), dtype=np.float64, count=len(rids))
             rates[:, 0] = np.minimum(0.99, rates[:, 0] * f)
-        return [rates[i, :n] for i, n in enumerate(np.asarray(lengths, dtype=np.int64))]
+        rates[np.arange(width) >= np.asarray(lengths, dtype=np.int64)[:, None]] = 0.0
+        return rates
 
     def observe(self, rid: int, kept: int, accepted: int, beyond: np.ndarray | None = None) -> None:
         """One verification of request rid (`learn` of one)."""

@@ -17,6 +17,7 @@ from dcut_core.drafting import (
     DraftingCosts,
     DraftPlanner,
     Exploration,
+    Predicted,
     Survival,
     Verified,
 )
@@ -166,16 +167,12 @@ class DraftingGate:
         kinds' predictions and costs, the catch-up charged by each request's lag. A kind is
         predicted only as far as it may draft (`GateInput.room`): an n-gram kind whose look-ahead
         found nothing is worth nothing to that request this step."""
-        rids, room = g.rids, g.room()
-        verify = g.verify()
-        per_kind = [t.predict_batch(rids, room[:, k]) for k, t in enumerate(self.trackers)]
-        kinds, exploring, fallback = self.chooser.choose(per_kind, verify, g.draft,
-                                                         g.usable(), held=g.lag,
-                                                         remaining=g.remaining,
-                                                         observed=self.observed())
-        mine = room[np.arange(len(rids)), kinds]
-        predicted = [per_kind[k][i] for i, k in enumerate(kinds.tolist())]
-        survival = Survival.of(predicted)
+        rids, verify = g.rids, g.verify()
+        predicted = self.predict(g)
+        kinds, exploring, fallback = self.chooser.choose(predicted, verify, g.draft, g.usable(), held=g.lag,
+                                                         remaining=g.remaining, observed=self.observed())
+        survival = predicted.survival(kinds)
+        mine = survival.lengths
         charge = self.catch_up_charge(survival, g.lag[np.arange(len(rids)), kinds], g.remaining)
         plan = self.planner.plan(survival, verify, DraftingCosts(g.draft, g.shared_fixed), kinds, charge)
         lengths = np.where(exploring, mine, plan.lengths)
@@ -192,11 +189,20 @@ class DraftingGate:
     def choose(self, g: GateInput) -> Plan:
         """The kinds `decide` would choose, every request drafting to its cap: for a policy that
         drafts without gating (its requests still teach the trackers)."""
+        predicted = self.predict(g)
+        kinds, _, fallback = self.chooser.choose(predicted, g.verify(), g.draft, g.usable(), observed=self.observed())
+        return Plan(kinds, predicted.lengths[np.arange(len(g.rids)), kinds], fallback, g)
+
+    def predict(self, g: GateInput) -> Predicted:
+        """Each kind's predictions for each request, as far as the kind may draft for it
+        (`GateInput.room`): an n-gram kind whose look-ahead found nothing is worth nothing to
+        that request this step."""
         room = g.room()
-        per_kind = [t.predict_batch(g.rids, room[:, k]) for k, t in enumerate(self.trackers)]
-        kinds, _, fallback = self.chooser.choose(per_kind, g.verify(), g.draft, g.usable(),
-                                                 observed=self.observed())
-        return Plan(kinds, room[np.arange(len(g.rids)), kinds], fallback, g)
+        width = int(room.max(initial=0))
+        rates = np.empty((len(g.rids), len(self.trackers), width))
+        for k, t in enumerate(self.trackers):
+            rates[:, k] = t.predict_rows(g.rids, room[:, k], width)
+        return Predicted(rates, room)
 
     def observed(self) -> np.ndarray:
         """[kinds] verifications each kind's tracker has learnt from (a warm start's included):

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dcut_core.choosing import GainTable, KindChooser
-from dcut_core.drafting import AcceptanceTracker, DraftCost, DraftPlanner, Exploration, Survival, Verified
+from dcut_core.drafting import AcceptanceTracker, DraftCost, DraftPlanner, Exploration, Predicted, Survival, Verified
 from dcut_core.gate import DraftingCosts, DraftingGate, GateInput, KindReach, replay
 from dcut_core.pruning import StepCost
 
@@ -60,18 +60,18 @@ def test_chooser_picks_the_kind_with_the_larger_net_gain_and_respects_what_a_req
     verify, cost = linear(0.01, 1e-3), DraftCost(0.0, 1e-4, 1e-5)
     predicted = [[np.full(6, 0.9), np.full(6, 0.2)],  # kind 0: request 0 good, request 1 poor
                  [np.full(6, 0.3), np.full(6, 0.8)]]  # kind 1: the reverse
-    assert ch.choose(predicted, verify, [cost, cost])[0].tolist() == [0, 1]
+    assert ch.choose(Predicted.of(predicted), verify, [cost, cost])[0].tolist() == [0, 1]
     # the same acceptance, but kind 0 costs more per position than the drafts are worth
-    assert ch.choose([predicted[0], predicted[0]], verify,
+    assert ch.choose(Predicted.of([predicted[0], predicted[0]]), verify,
                      [DraftCost(0.0, 1e-4, 5e-3), cost])[0].tolist() == [1, 1]
     allowed = np.array([[False, True], [True, True]])
-    assert ch.choose(predicted, verify, [cost, cost], allowed)[0].tolist() == [1, 1]
+    assert ch.choose(Predicted.of(predicted), verify, [cost, cost], allowed)[0].tolist() == [1, 1]
 
 
 def test_chooser_tries_a_kind_the_unit_has_seldom_verified_when_values_are_close_and_not_when_far():
     verify, cost = linear(0.01, 1e-3), DraftCost(0.0, 1e-4, 1e-5)
-    close = [[np.full(4, 0.60)], [np.full(4, 0.55)]]
-    far = [[np.full(4, 0.9)], [np.full(4, 0.1)]]
+    close = Predicted.of([[np.full(4, 0.60)], [np.full(4, 0.55)]])
+    far = Predicted.of([[np.full(4, 0.9)], [np.full(4, 0.1)]])
     ch = KindChooser(kinds=2, bonus=1.0)
     assert ch.choose(close, verify, [cost, cost])[0].tolist() == [0]  # equally unsure: the better estimate
     assert ch.choose(close, verify, [cost, cost], observed=[1, 0])[0].tolist() == [1]  # 1 never verified
@@ -94,8 +94,8 @@ def test_where_some_kind_pays_the_choice_drafts_something(seed):
     costs = [DraftCost(*rng.uniform(0, [0.004, 2e-4, 2e-4, 0.0, 2e-3])) for _ in range(k)]
     verify = linear(rng.uniform(0.005, 0.02), rng.uniform(1e-4, 3e-3))
     ch = KindChooser(k, bonus=1.0)
-    kind, exploring, _ = ch.choose(predicted, verify, costs, observed=rng.integers(0, 50, k))
-    value, *_ = ch.values(GainTable.of(predicted), verify, costs)
+    kind, exploring, _ = ch.choose(Predicted.of(predicted), verify, costs, observed=rng.integers(0, 50, k))
+    value, *_ = ch.values(GainTable.of(Predicted.of(predicted)), verify, costs)
     plain = r / float(verify.seconds(np.array([r]))[0])
     pays = (value - plain * np.array([c.fixed for c in costs])[None, :] > 0).any()
     assert not pays or exploring.any() or (value[np.arange(r), kind] > 0).any()
@@ -232,12 +232,12 @@ def test_a_kind_whose_pass_costs_more_than_its_few_requests_gain_is_left_out_of_
                  [np.full(4, 0.3), np.full(4, 0.3), np.full(4, 0.7)]]
     ch = KindChooser(kinds=2, bonus=0.0)
     cheap = [DraftCost(1e-4, 1e-4, 1e-5), DraftCost(1e-4, 1e-4, 1e-5)]
-    assert ch.choose(predicted, verify, cheap)[0].tolist() == [0, 0, 1]
+    assert ch.choose(Predicted.of(predicted), verify, cheap)[0].tolist() == [0, 0, 1]
     dear = [DraftCost(1e-4, 1e-4, 1e-5), DraftCost(5e-3, 1e-4, 1e-5)]
-    assert ch.choose(predicted, verify, dear)[0].tolist() == [0, 0, 0]
+    assert ch.choose(Predicted.of(predicted), verify, dear)[0].tolist() == [0, 0, 0]
     # ... unless the request may use nothing else
     only = np.array([[True, True], [True, True], [False, True]])
-    assert ch.choose(predicted, verify, dear, only)[0].tolist() == [0, 0, 1]
+    assert ch.choose(Predicted.of(predicted), verify, dear, only)[0].tolist() == [0, 0, 1]
 
 
 def test_switching_kinds_costs_the_context_the_new_kind_has_not_seen():
@@ -248,10 +248,10 @@ def test_switching_kinds_costs_the_context_the_new_kind_has_not_seen():
     predicted = [[np.full(4, 0.7)], [np.full(4, 0.72)]]
     costs = [DraftCost(0.0, 1e-4, 1e-5, 2e-5), DraftCost(0.0, 1e-4, 1e-5, 2e-5)]
     ch = KindChooser(kinds=2, bonus=0.0)
-    assert ch.choose(predicted, verify, costs)[0].tolist() == [1]
-    far = ch.choose(predicted, verify, costs, held=np.array([[0.0, 600.0]]), remaining=np.array([20]))
+    assert ch.choose(Predicted.of(predicted), verify, costs)[0].tolist() == [1]
+    far = ch.choose(Predicted.of(predicted), verify, costs, held=np.array([[0.0, 600.0]]), remaining=np.array([20]))
     assert far[0].tolist() == [0]
-    near = ch.choose(predicted, verify, costs, held=np.array([[0.0, 2.0]]), remaining=np.array([20]))
+    near = ch.choose(Predicted.of(predicted), verify, costs, held=np.array([[0.0, 2.0]]), remaining=np.array([20]))
     assert near[0].tolist() == [1]
 
 
@@ -262,7 +262,7 @@ def test_a_chains_passes_are_shared_by_the_requests_that_draft_with_it():
     costs = [DraftCost(0.0, 1e-4, 1e-5), DraftCost(0.0, 1e-4, 1e-5, 0.0, 0.002)]  # cheap; chain
     for r, want in ((1, 0), (16, 1)):
         predicted = [[np.full(4, 0.5)] * r, [np.full(4, 0.7)] * r]
-        kind, _, _ = KindChooser(2, bonus=0.0).choose(predicted, verify, costs)
+        kind, _, _ = KindChooser(2, bonus=0.0).choose(Predicted.of(predicted), verify, costs)
         assert (kind == want).all(), (r, kind)
 
 
@@ -324,7 +324,7 @@ def test_the_chooser_array_code_equals_a_request_by_request_reference(r, k, seed
     sharing = rng.integers(0, r + 1, k) if with_sharing else None
     rate = None if seed % 2 else float(rng.uniform(10, 500))
     ch = KindChooser(k, bonus=0.0)
-    got = ch.values(GainTable.of(predicted), verify, costs, rate, held, remaining, sharing)
+    got = ch.values(GainTable.of(Predicted.of(predicted)), verify, costs, rate, held, remaining, sharing)
     want = reference_values(predicted, verify, costs, rate, held, remaining, sharing)
     for a, b in zip(got[:3], want, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)

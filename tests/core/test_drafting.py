@@ -160,15 +160,16 @@ def test_extend_drafts_every_position_that_pays_for_its_own_drafting():
     assert dear.lengths[2] == 0
 
 
-def test_predict_batch_is_predict_for_each_request():
+def test_predict_rows_is_predict_for_each_request_zeros_past_it():
     t = AcceptanceTracker(block=6)
     for rid, acc in ((1, 5), (2, 0), (3, 2), (1, 4), (2, 1)):
         t.observe(rid, kept=5, accepted=acc)
     rids, lengths = [1, 2, 3, 9, 2], np.array([5, 0, 3, 2, 6])
-    got = t.predict_batch(rids, lengths)
+    got = t.predict_rows(rids, lengths, 7)
+    assert got.shape == (5, 7)
     for rid, n, g in zip(rids, lengths, got, strict=True):
-        assert g.tolist() == t.predict(rid, int(n)).tolist()
-    assert t.predict_batch([], np.zeros(0)) == []
+        assert g[:n].tolist() == t.predict(rid, int(n)).tolist() and not g[n:].any()
+    assert t.predict_rows([], np.zeros(0), 3).shape == (0, 3)
 
 
 def test_drafts_pruning_left_out_teach_the_tracker_through_their_calibrated_estimates():
