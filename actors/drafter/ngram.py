@@ -6,6 +6,9 @@ index of its n-grams as tokens are committed (`History`): a lookup does not resc
 comes from the match statistics: of the occurrences found, the share whose continuation agrees
 with the draft up to j, smoothed toward a prior that grows with n. The top-2 margin is the
 share of the most common next token minus the runner-up, among occurrences agreeing so far.
+The statistics count the `recent` most recent occurrences only: a common token in a long
+context occurs thousands of times, and counting every continuation would cost milliseconds a
+request (evidence that old says little of what follows now).
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ from actors.drafter.base import DraftOutput
 class NgramDrafter:
     """Prompt-lookup drafts with match-statistics confidences; owns each request's history."""
 
-    def __init__(self, max_n: int = 4, min_n: int = 1, block_size: int = 16, prior_strength: float = 1.0) -> None:
+    def __init__(self, max_n: int = 4, min_n: int = 1, block_size: int = 16, prior_strength: float = 1.0,
+                 recent: int = 32) -> None:
         self.max_n, self.min_n, self.block = max_n, min_n, block_size
-        self.prior_strength = prior_strength
+        self.prior_strength, self.recent = prior_strength, recent
         self._history: dict[int, History] = {}
 
     def commit(self, request_ids: list[int], tokens: list[list[int]], hidden=None) -> None:
@@ -110,7 +114,7 @@ class NgramDrafter:
                 draft = h[starts[0] + n: starts[0] + n + want]
                 one = (1 + self.prior_strength * prior) / (1 + self.prior_strength)
                 return draft, [one] * len(draft), [1.0] * len(draft)
-            follow = [h[s + n: s + n + want] for s in reversed(starts)]  # most recent first
+            follow = [h[s + n: s + n + want] for s in reversed(starts[-self.recent:])]  # most recent first
             draft = follow[0]
             confs, margins = [], []
             alive = follow
