@@ -80,10 +80,11 @@ class LatentAttention(nn.Module):
             return torch.zeros_like(x)
         queries, rows = self._latent(x, plan.cos, plan.sin)
         cache.k[self.layer, plan.write_slots] = rows[:, None].to(cache.k.dtype)
-        keys = cache.k[self.layer][plan.key_slots].transpose(1, 2).to(x.dtype)  # [R, 1, T, L + r]
-        out = F.scaled_dot_product_attention(queries[plan.q_index].transpose(1, 2), keys, keys[..., :self.rank],
-                                             attn_mask=plan.mask, scale=self.scale, enable_gqa=True)
-        return self._out(out.transpose(1, 2)[plan.q_valid])  # [N, H, L] in flat order
+        def keys_of(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            keys = cache.k[self.layer][slots].transpose(1, 2).to(x.dtype)  # [R, 1, T, L + r]
+            return keys, keys[..., :self.rank]
+
+        return self._out(plan.attend(queries, keys_of, scale=self.scale, enable_gqa=True))  # [N, H, L] in flat order
 
     def forward_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Causal self-attention over whole sequences, no cache (training). x: [B, T, H]."""

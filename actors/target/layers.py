@@ -46,17 +46,47 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos[:, None, :] + rotated * sin[:, None, :]).to(x.dtype)
 
 
+# Requests appending at most this many tokens (decoding, verifying drafts) attend as one padded
+# batch; longer chunks (prefill) attend in groups of like length. One padded batch pads every
+# request to the longest chunk's queries: a step of 46 decoding requests beside a 120-token
+# prompt chunk cost 226 ms on the bundled model, against 86 + 74 ms for its two parts.
+QUERY_SPAN = 32
+
+
+@dataclass
+class AttentionGroup:
+    """Requests that attend together: their queries and keys padded to the group's longest."""
+
+    key_slots: torch.Tensor  # [R_g, T] cache slots of every key of each request (padded with 0)
+    mask: torch.Tensor  # [R_g, 1, Q, T] bool: query j of request i may attend to key t
+    q_index: torch.Tensor  # [R_g, Q] flat token index of each padded query (0 for padding)
+    q_valid: torch.Tensor  # [R_g, Q] bool
+    rows: torch.Tensor | None  # [N_g] flat token index of each valid query in order (None: all N, in order)
+
+
 @dataclass
 class AttentionPlan:
     """Where one forward's tokens go in the paged cache and who attends to what (all layers)."""
 
     write_slots: torch.Tensor  # [N] cache slot of each new token
-    key_slots: torch.Tensor  # [R, T] cache slots of every key of each request (padded with 0)
-    mask: torch.Tensor  # [R, 1, Q, T] bool: query j of request i may attend to key t
-    q_index: torch.Tensor  # [R, Q] flat token index of each padded query (0 for padding)
-    q_valid: torch.Tensor  # [R, Q] bool
+    groups: list[AttentionGroup]  # one unless chunks of very different lengths share the forward
     cos: torch.Tensor  # [N, D]
     sin: torch.Tensor  # [N, D]
+
+    def attend(self, q: torch.Tensor, keys_of, **sdpa) -> torch.Tensor:
+        """Scaled-dot-product attention of the flat queries q [N, H, D], group by group, over
+        keys_of(key_slots) -> (keys, values) [R_g, H_kv, T, ·]; [N, H, D_v] in flat order."""
+        out = None
+        for g in self.groups:
+            keys, values = keys_of(g.key_slots)
+            o = F.scaled_dot_product_attention(q[g.q_index].transpose(1, 2), keys, values, attn_mask=g.mask,
+                                               **sdpa).transpose(1, 2)[g.q_valid]
+            if g.rows is None:
+                return o
+            if out is None:
+                out = o.new_empty((q.shape[0], *o.shape[1:]))
+            out[g.rows] = o
+        return out
 
 
 def plan_attention(cache: PagedKVCache, request_ids: list[int], cu: torch.Tensor, starts: list[int],
@@ -64,29 +94,46 @@ def plan_attention(cache: PagedKVCache, request_ids: list[int], cu: torch.Tensor
     """Build the per-forward attention plan. Cache blocks must already be reserved. `lengths`:
     each request's new tokens, when the caller has them on the host already."""
     lengths = (cu[1:] - cu[:-1]).tolist() if lengths is None else lengths
-    r, q, t = len(request_ids), max(lengths, default=0), max((s + n for s, n in zip(starts, lengths, strict=True)),
-                                                              default=0)
-    key_slots = torch.zeros(r, t, dtype=torch.long)
-    write = []
+    keys, write, offsets, by_span = [], [], [], {}
+    offset = 0
     for i, (rid, s, n) in enumerate(zip(request_ids, starts, lengths, strict=True)):
         slots = cache.slots(rid, 0, s + n)
-        key_slots[i, : s + n] = slots
+        keys.append(slots)
         write.append(slots[s:])
-    starts_t = torch.tensor(starts, dtype=torch.long)
-    lens_t = torch.tensor(lengths, dtype=torch.long)
+        offsets.append(offset)
+        offset += n
+        by_span.setdefault(0 if n <= QUERY_SPAN else n.bit_length(), []).append(i)
+    dev = cache.k.device  # built on the host (small integer arithmetic), used where the cache lives
+    whole = len(by_span) <= 1
+    groups = [_group(idx, keys, starts, lengths, offsets, whole, dev) for idx in by_span.values()]
+    starts_t, lens_t = torch.tensor(starts, dtype=torch.long), torch.tensor(lengths, dtype=torch.long)
+    flat = torch.arange(offset)
+    positions = (torch.repeat_interleave(starts_t, lens_t) + flat
+                 - torch.repeat_interleave(torch.tensor(offsets, dtype=torch.long), lens_t))  # [N] in flat order
+    cos, sin = rotary.cos_sin(positions)
+    write_slots = torch.cat(write) if write else torch.zeros(0, dtype=torch.long)
+    return AttentionPlan(write_slots.to(dev), groups, cos.to(dev), sin.to(dev))
+
+
+def _group(idx: list[int], keys: list[torch.Tensor], starts: list[int], lengths: list[int], offsets: list[int],
+           whole: bool, dev) -> AttentionGroup:
+    """The padded attention of requests idx (of the forward's; `whole`: every one, in order)."""
+    starts_t = torch.tensor([starts[i] for i in idx], dtype=torch.long)
+    lens_t = torch.tensor([lengths[i] for i in idx], dtype=torch.long)
+    q, t = max(lengths[i] for i in idx), max(starts[i] + lengths[i] for i in idx)  # host ints: no copy
+    key_slots = torch.zeros(len(idx), t, dtype=torch.long)
+    for row, i in enumerate(idx):
+        key_slots[row, :starts[i] + lengths[i]] = keys[i]
     j = torch.arange(q)
-    q_valid = j[None, :] < lens_t[:, None]  # [R, Q]
-    q_pos = starts_t[:, None] + j[None, :]  # [R, Q]
+    q_valid = j[None, :] < lens_t[:, None]  # [R_g, Q]
+    q_pos = starts_t[:, None] + j[None, :]  # [R_g, Q]
     k_pos = torch.arange(t)
     mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < (starts_t + lens_t)[:, None, None])
     mask |= (~q_valid[:, :, None]) & (k_pos[None, None, :] == 0)  # padded queries see one key: no NaN
-    q_index = torch.where(q_valid, cu[:-1, None] + j[None, :], torch.zeros((), dtype=torch.long))
-    positions = q_pos[q_valid]  # [N] in flat order
-    cos, sin = rotary.cos_sin(positions)
-    write_slots = torch.cat(write) if write else torch.zeros(0, dtype=torch.long)
-    dev = cache.k.device  # built on the host (small integer arithmetic), used where the cache lives
-    return AttentionPlan(write_slots.to(dev), key_slots.to(dev), mask[:, None].to(dev), q_index.to(dev),
-                         q_valid.to(dev), cos.to(dev), sin.to(dev))
+    first = torch.tensor([offsets[i] for i in idx], dtype=torch.long)
+    q_index = torch.where(q_valid, first[:, None] + j[None, :], torch.zeros((), dtype=torch.long))
+    rows = None if whole else q_index[q_valid].to(dev)
+    return AttentionGroup(key_slots.to(dev), mask[:, None].to(dev), q_index.to(dev), q_valid.to(dev), rows)
 
 
 class Attention(nn.Module):
@@ -133,12 +180,11 @@ class Attention(nn.Module):
         q, k = self.rope(q, k, plan.cos, plan.sin)
         cache.k[self.layer, plan.write_slots] = k.to(cache.k.dtype)
         cache.v[self.layer, plan.write_slots] = v.to(cache.v.dtype)
-        keys = cache.k[self.layer][plan.key_slots].transpose(1, 2)  # [R, Hkv, T, D]
-        values = cache.v[self.layer][plan.key_slots].transpose(1, 2)
-        queries = q[plan.q_index].transpose(1, 2)  # [R, H, Q, D]
-        out = F.scaled_dot_product_attention(queries, keys.to(q.dtype), values.to(q.dtype), attn_mask=plan.mask,
-                                             enable_gqa=self.heads != self.kv_heads)
-        out = out.transpose(1, 2)[plan.q_valid]  # [N, H, D] back in flat order
+        def keys_of(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [R, Hkv, T, D] each
+            return (cache.k[self.layer][slots].transpose(1, 2).to(q.dtype),
+                    cache.v[self.layer][slots].transpose(1, 2).to(q.dtype))
+
+        out = plan.attend(q, keys_of, enable_gqa=self.heads != self.kv_heads)  # [N, H, D] in flat order
         return self.o_proj(out.reshape(n, self.heads * self.head_dim))
 
 

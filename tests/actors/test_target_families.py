@@ -19,6 +19,7 @@ from actors.target.checkpoint import load_model
 from actors.target.config import MoEConfig
 from actors.target.model import ForwardBatch
 from tests.actors.fp8_checkpoints import quantize, reference_dequantize, write_fp8
+from tests.actors.test_target_model import assert_a_mixed_step_equals_its_parts
 
 TOKENS = [3, 17, 5, 90, 41, 8, 8, 60, 2]
 COMMON = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -246,3 +247,9 @@ def test_a_sharded_deepseek_checkpoint_loads_and_a_rank_reads_only_its_experts(t
         checkpoint._Tensors._tensor = original
     experts = {int(k.split(".experts.")[1].split(".")[0]) for k in read if ".experts." in k}
     assert experts == {4, 5, 6, 7}
+
+
+def test_latent_attention_in_a_step_mixing_decoding_rows_and_long_prompt_chunks(tmp_path):
+    """Multi-head latent attention attends group by group too (`AttentionPlan.attend`)."""
+    _, path = deepseek_v3(tmp_path)
+    assert_a_mixed_step_equals_its_parts(load_model(path))

@@ -126,3 +126,33 @@ def test_config_rejects_what_we_cannot_run_exactly(tmp_path):
     with pytest.raises(ValueError, match="sliding"):
         MoEConfig.from_dict(good | {"use_sliding_window": True})
     assert MoEConfig.from_dict(good) == MoEConfig(8, 8, 1, 1, 1, 8, 8, 8, 2, 1)
+
+
+
+def assert_a_mixed_step_equals_its_parts(model) -> None:
+    """Requests appending a few tokens attend as one padded batch, chunks longer than
+    `QUERY_SPAN` in groups of like length (`plan_attention`): a step holding both gives every
+    row what the parts give forwarded apart, and leaves the cache as they do."""
+    from actors.target.layers import QUERY_SPAN
+
+    g = torch.Generator().manual_seed(0)
+    vocab = model.cfg.vocab_size
+    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (7, 12, 5)]
+    steps = [[1, 2], [3], [4, 5, 6]]  # decoding requests: a token and drafts
+    long = torch.randint(0, vocab, (QUERY_SPAN + 9,), generator=g).tolist()
+    longer = torch.randint(0, vocab, (3 * QUERY_SPAN,), generator=g).tolist()
+    mixed, apart = LocalTarget(model), LocalTarget(model)
+    for t in (mixed, apart):
+        t.forward([0, 1, 2], prompts)
+    both = mixed.forward([0, 7, 1, 8, 2], [steps[0], long, steps[1], longer, steps[2]], with_logits=True).logits
+    short = apart.forward([0, 1, 2], steps, with_logits=True).logits
+    chunks = apart.forward([7, 8], [long, longer], with_logits=True).logits
+    for got, want in zip(both, [short[0], chunks[0], short[1], chunks[1], short[2]], strict=True):
+        torch.testing.assert_close(torch.from_numpy(got), torch.from_numpy(want), rtol=1e-5, atol=1e-5)
+    after = [t.forward([0, 7], [[9], [9]], with_logits=True).logits for t in (mixed, apart)]
+    for a, b in zip(*after, strict=True):
+        torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(b), rtol=1e-5, atol=1e-5)
+
+
+def test_a_step_mixing_decoding_rows_and_long_prompt_chunks_equals_its_parts(make_tiny):
+    assert_a_mixed_step_equals_its_parts(make_tiny())
