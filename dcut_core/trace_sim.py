@@ -25,7 +25,7 @@ from dcut_core import ragged
 from dcut_core.acceptance import Calibrator, survival, verify_outcomes
 from dcut_core.cost_model import StepShape
 from dcut_core.counterfactual import Trace
-from dcut_core.drafting import AcceptanceTracker, DraftCost, DraftPlanner, Exploration, Verified
+from dcut_core.drafting import AcceptanceTracker, DraftCost, DraftPlanner, Exploration, Predicted, Verified
 from dcut_core.gate import LOOKAHEAD_REQUESTS, DraftingCosts, DraftingGate, GateInput, KindReach, Plan
 from dcut_core.learned import KindState, LearnedState
 from dcut_core.pruning import DraftBatch, policy_from_name
@@ -51,6 +51,10 @@ class SimSettings:
     backlog_tokens: int = 512  # one kind: context held back per request before it is sent anyway
     bonus: float = 1.0  # the kind chooser's optimism (UCB bonus, tokens; `DraftingGate.bonus`)
     lookahead: bool = True  # the n-gram kind looked up for every request before the gate, and taught by it
+    # The gate told each kind's accepted length at every request's position in place of the
+    # trackers' predictions (`HindsightGate`); all else as the engine: the bound on what better
+    # prediction could buy, apart from the chooser's and planner's own accounting.
+    hindsight: bool = False
     shrink: float = 4.0  # the trackers' pull of a request's factor toward 1 (`AcceptanceTracker.shrink`)
 
 
@@ -121,10 +125,10 @@ class _Run:
         # sends it at commit time); a replica of several holds it until the kind drafts.
         self.direct = k == 1
         self.calibrators = [Calibrator(block=self.block) for _ in range(k)]
-        self.gate = DraftingGate([AcceptanceTracker(block=self.block, shrink=s.shrink) for _ in range(k)],
-                                 Exploration(s.explore_every, s.explore_requests, s.explore_warmup),
-                                 DraftPlanner(s.max_budget, s.draft_slack, s.draft_extend), bonus=s.bonus,
-                                 teach_empty=k > 1)
+        self.gate = (HindsightGate if s.hindsight else DraftingGate)(
+            [AcceptanceTracker(block=self.block, shrink=s.shrink) for _ in range(k)],
+            Exploration(s.explore_every, s.explore_requests, s.explore_warmup),
+            DraftPlanner(s.max_budget, s.draft_slack, s.draft_extend), bonus=s.bonus, teach_empty=k > 1)
         self.costs = costs = trace.costs.for_kinds(k)  # the own time of an engine hosting k kinds
         self.draft = [costs.draft[i] for i in self.kidx]
         # The engine looks the n-gram kind up for every request before its gate decides (it knows
@@ -195,6 +199,9 @@ class _Run:
             available[:, self.ngram] = np.minimum(cap, [self.trace.requests[x.q].count[self.kidx[self.ngram], x.t]
                                                         for x in batch])
         self._available = available
+        if isinstance(self.gate, HindsightGate):
+            self.gate.accepted = np.array([[self.trace.requests[x.q].accepted[k, x.t] for k in self.kidx]
+                                           for x in batch], dtype=np.int64).reshape(r, len(self.kidx))
         g = GateInput.capture([x.rid for x in batch], cap, remaining, KindReach(held, None, available),
                               self._curve(batch), DraftingCosts(self.draft, costs.shared + extra))
         gated = self.policy.gated and self.s.drafting_gate
@@ -317,6 +324,25 @@ class _Run:
         for x in done:
             self.gate.forget(x.rid)
         self.running = [x for x in self.running if x.t < self.trace.requests[x.q].length]
+
+
+@dataclass
+class HindsightGate(DraftingGate):
+    """The engine's gate told, before each decision, how many drafts each kind would have had
+    accepted for each request (`accepted` [R, kinds], set by the simulated run): its predictions
+    are survival 1 up to that and 0 after, as far as the kind may draft (`GateInput.room`). The
+    chooser, planner, exploration and costs are the engine's; so the gap between this and the
+    real gate is what prediction costs, and what is left to the hindsight oracle is the
+    decisions' own accounting."""
+
+    accepted: np.ndarray | None = None
+
+    def predict(self, g: GateInput) -> Predicted:
+        room = g.room()
+        width = int(room.max(initial=0))
+        upto = np.minimum(room, self.accepted)
+        rates = (np.arange(width)[None, None, :] < upto[:, :, None]).astype(np.float64)
+        return Predicted(rates, room)
 
 
 def simulate_trace(trace: Trace, settings: SimSettings, concurrency: int,

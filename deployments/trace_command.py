@@ -119,11 +119,14 @@ def is_trace(path: str) -> bool:
 
 def settings_of(trace: Trace) -> dict[str, SimSettings]:
     """What `dcut simulate --trace` compares: plain decoding, each kind alone, and every kind
-    chosen per request (`auto`), all with the default policy."""
+    chosen per request (`auto`), all with the default policy; then `auto` with the gate told
+    each kind's accepted length (`hindsight`: what better prediction could buy)."""
     out = {"ar": SimSettings(policy="ar", kinds=trace.kinds[:1])}
     out |= {k: SimSettings(kinds=(k,)) for k in trace.kinds}
     if len(trace.kinds) > 1:
         out["auto"] = SimSettings(kinds=trace.kinds)
+    out["auto, hindsight predictions" if len(trace.kinds) > 1 else f"{trace.kinds[0]}, hindsight predictions"] = \
+        SimSettings(kinds=trace.kinds, hindsight=True)
     return out
 
 

@@ -269,3 +269,36 @@ def test_the_ngram_look_ahead_is_asked_only_where_it_drafts_and_teaches_every_st
             assert 0 in asked
         else:
             assert 0 < taught.count(1) <= 3
+
+
+def test_the_hindsight_gate_predicts_each_kinds_accepted_length_within_its_room():
+    from dcut_core.drafting import Exploration
+    from dcut_core.gate import DraftingCosts, GateInput, KindReach
+    from dcut_core.pruning import StepCost
+    from dcut_core.trace_sim import HindsightGate
+
+    gate = HindsightGate([], Exploration())
+    gate.accepted = np.array([[3, 0], [7, 2], [1, 5]])
+    reach = KindReach(np.zeros((3, 2)), None, np.array([[-1, 1], [-1, 3], [-1, 0]]))
+    g = GateInput.capture([1, 2, 3], [4, 4, 2], [40, 40, 40], reach,
+                          StepCost(lambda n: 0.01 + 0.001 * np.asarray(n), 0.0), DraftingCosts([DRAFT, DRAFT]))
+    p = gate.predict(g)
+    # room: the cap, within the look-ahead's count for kind 1
+    assert p.lengths.tolist() == [[4, 1], [4, 3], [2, 0]]
+    expected = np.cumprod(p.rates, axis=2).sum(axis=2)
+    assert expected.tolist() == [[3, 0], [4, 2], [1, 0]]
+
+
+def test_auto_told_in_hindsight_drafts_with_the_kind_that_would_be_accepted():
+    """Kind 0 has every draft accepted on even positions and none on odd ones, kind 1 the
+    reverse: only a gate that knows both picks the right one every step."""
+    block, t = 6, 40
+    even = [block - 1 if i % 2 == 0 else 0 for i in range(1, t)]
+    odd = [0 if i % 2 == 0 else block - 1 for i in range(1, t)]
+    reqs = tuple(request(8, [even, odd], block) for _ in range(3))
+    trace = Trace(("block", "mtp"), block, t, reqs, costs(kinds=2))
+    told = simulate_trace(trace, SimSettings(kinds=("block", "mtp"), hindsight=True), 1)
+    guessed = simulate_trace(trace, SimSettings(kinds=("block", "mtp")), 1)
+    assert told.tokens == guessed.tokens == sum(r.length for r in reqs)
+    assert told.mat > guessed.mat and told.mat > 4.0
+    assert told.tok_s > guessed.tok_s

@@ -204,5 +204,5 @@ def test_trace_then_simulate_over_it_and_a_prior(tmp_path, tiny_bundle):
     assert set(json.loads(prior.read_text())["kinds"]) == {"block", "ngram"}
     assert main(["simulate", "--trace", str(trace), "--batch", "1,2", "--out", str(out)]) == 0
     rows = json.loads((out / "results.json").read_text())
-    assert {r["setting"] for r in rows} == {"ar", "block", "ngram", "auto", "oracle"}
+    assert {r["setting"] for r in rows} == {"ar", "block", "ngram", "auto", "auto, hindsight predictions", "oracle"}
     assert all(r["tok_s"] > 0 for r in rows) and "oracle" in (out / "tables.md").read_text()
