@@ -34,7 +34,7 @@ from functools import cache
 
 import numpy as np
 
-from dcut_core.drafting import Predicted
+from dcut_core.drafting import DraftingCosts, Predicted
 from dcut_core.pruning import StepCost
 
 
@@ -46,11 +46,11 @@ class KindChooser:
     switch: bool = True  # charge the context a kind has not seen (`held`) when given
     fallback: bool = True  # name a kind to stand in when a request's kind drafts nothing
 
-    def values(self, table: GainTable, verify: StepCost, costs, rate: float | None = None,
+    def values(self, table: GainTable, verify: StepCost, costs: DraftingCosts, rate: float | None = None,
                held: np.ndarray | None = None, remaining: np.ndarray | None = None,
                sharing: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
         """(v, gain, n) [R, K] and ρ: `table` holds every request's expected accepted tokens at
-        n drafts under each kind (`GainTable.of` the predictions), costs[k] the kind's DraftCost,
+        n drafts under each kind (`GainTable.of` the predictions), costs.draft[k] the kind's DraftCost,
         ρ the rate a second of drafting is charged at (default: plain decoding's). v_ik is the
         best net gain in tokens, at n_ik drafts expected to yield gain_ik accepted. held [R, K]:
         context tokens kind k has not seen of request i — catching up costs d_context,k per
@@ -80,7 +80,7 @@ class KindChooser:
         v = np.where(drafts, net[rows, kinds, best], 0.0)
         return v, np.where(drafts, table.gain[rows, kinds, best], 0.0), np.where(drafts, best + 1.0, 0.0), rate
 
-    def choose(self, predicted: Predicted, verify: StepCost, costs, allowed: np.ndarray | None = None,
+    def choose(self, predicted: Predicted, verify: StepCost, costs: DraftingCosts, allowed: np.ndarray | None = None,
                held: np.ndarray | None = None, remaining: np.ndarray | None = None,
                observed: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(kind [R], exploring [R], fallback [R]): the kind (index) each request drafts with this
@@ -92,10 +92,12 @@ class KindChooser:
         remaining: what a switch of kind costs (`values`); observed [K]: the verifications each
         kind's estimates rest on (None: none).
 
-        A kind's pass costs its `fixed` seconds once for all the requests it drafts for, so the
-        kinds in use are chosen together: of every set of kinds, the one whose requests' best
-        scores (those above 0: the others will not draft) minus ρ × the set's fixed costs sum
-        highest; each request takes its best kind within it. Time spent drafting is worth the
+        A kind's pass costs its `fixed` seconds once for all the requests it drafts for, and the
+        call to the drafter replicas its `call` once for every kind drafted there, so the kinds
+        in use are chosen together: of every set of kinds, the one whose requests' best scores
+        (those above 0: the others will not draft) minus ρ × the set's fixed costs (and the call,
+        if it holds a kind drafted on the replicas) sum highest; each request takes its best kind
+        within it. Time spent drafting is worth the
         tokens the step would otherwise make in it — at the speculative rate, not the plain one
         — so ρ is refined (Dinkelbach): the choice's own predicted tokens per second, then choose
         again, a few times; the round whose choice is predicted fastest stands."""
@@ -107,7 +109,7 @@ class KindChooser:
         table = GainTable.of(predicted)  # once for every round
         ch = Choice.of(table, verify, costs, held if self.switch else None, remaining)
         c = ch.costs
-        fixed_s = c[0]
+        fixed_s, calls = c[0], costs.calls()
         rate, sharing = None, np.full(self.kinds, r)  # first as if every request drafted with each kind
         rows = np.arange(r)
         best = None  # (predicted rate, kind, use, value, score, rate charged) of the best round so far
@@ -116,7 +118,7 @@ class KindChooser:
             score = value + bonus
             if allowed is not None:
                 value, score = np.where(allowed, value, -np.inf), np.where(allowed, score, -np.inf)
-            kind, use = self._assign(score, rate * fixed_s)
+            kind, use = self._assign(score, rate * fixed_s, rate * costs.call, calls)
             drafts = value[rows, kind] > 0  # the requests whose drafts are predicted to pay
             achieved = r / ch.base if ch.base > 0 else 0.0  # plain decoding's, when nobody's drafts pay
             if rate > 0.0 and drafts.any():
@@ -128,7 +130,8 @@ class KindChooser:
                 np.maximum.at(longest, k, m)
                 seconds = (float(verify.seconds(np.array([r + int(m.sum())]))[0])
                            + float(((fixed_s + c[4] * longest) * (sharing > 0)).sum())
-                           + float((c[1][k] + c[2][k] * m).sum()))
+                           + float((c[1][k] + c[2][k] * m).sum())
+                           + costs.shared_fixed + costs.call * bool((calls & (sharing > 0)).any()))
                 achieved = tokens / seconds
             # A round at a higher rate may pick, by the bonus, a kind whose drafts do not pay where
             # an earlier round's did: the best round's choice stands, not the last one's.
@@ -139,7 +142,7 @@ class KindChooser:
             rate = achieved
         _, kind, use, value, score, rate = best
         # Exploring: chosen by the bonus, not by the estimates (the choice without it).
-        plain = kind if not self.bonus else self._assign(value, rate * fixed_s)[0]
+        plain = kind if not self.bonus else self._assign(value, rate * fixed_s, rate * costs.call, calls)[0]
         exploring = (kind != plain) & (score[rows, kind] > 0)
         if not self.fallback:
             return kind, exploring, np.full(r, -1, dtype=np.int64)
@@ -154,13 +157,18 @@ class KindChooser:
         best = other.argmax(axis=1)
         return np.where(other[np.arange(len(kind)), best] > 0, best, -1).astype(np.int64)
 
-    def _assign(self, score: np.ndarray, fixed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _assign(self, score: np.ndarray, fixed: np.ndarray, call: float = 0.0,
+                calls: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(kind [R], kinds in use [K]): the set of kinds whose requests' positive scores minus
-        their passes' costs (tokens) sum highest; each request's best kind within it. Every set
-        is scored in one array operation ([sets, R, K])."""
+        their passes' costs and, if it holds a kind of `calls`, the replicas' `call` (tokens)
+        sum highest; each request's best kind within it. Every set is scored in one array
+        operation ([sets, R, K])."""
         sets = kind_sets(self.kinds)
         top = np.where(sets[:, None, :], score[None, :, :], -np.inf).max(axis=2)  # [sets, R]
-        totals = (np.maximum(top, 0.0).sum(axis=1) - np.where(sets, fixed[None, :], 0.0).sum(axis=1)).tolist()
+        paid = np.where(sets, fixed[None, :], 0.0).sum(axis=1)
+        if call and calls is not None:
+            paid = paid + call * (sets & calls[None, :]).any(axis=1)
+        totals = (np.maximum(top, 0.0).sum(axis=1) - paid).tolist()
         best_total, use = -np.inf, sets[-1]
         for inside, total in zip(sets, totals, strict=True):
             if total > best_total + 1e-12:  # ties: the set met first (fewer, lower kinds)
@@ -206,11 +214,11 @@ class Choice:
     switching: np.ndarray | None
 
     @classmethod
-    def of(cls, table: GainTable, verify: StepCost, costs, held: np.ndarray | None,
+    def of(cls, table: GainTable, verify: StepCost, costs: DraftingCosts, held: np.ndarray | None,
            remaining: np.ndarray | None) -> Choice:
         """held [R, K]: context each kind has not seen of each request, charged d_context,k a
         token in the share of its `remaining` output the step may make."""
-        c = cost_columns(costs)
+        c = costs.columns().T
         if not table.width.any():  # nobody may draft (a captured verify table may hold R alone)
             return cls(table, 0.0, 0.0, c, None)
         r = table.gain.shape[0]
@@ -221,11 +229,6 @@ class Choice:
             switching = c[3][None, :, None] * np.asarray(held, dtype=np.float64)[:, :, None] * np.minimum(
                 1.0, (1.0 + table.gain) / left)
         return cls(table, base, more - base, c, switching)
-
-
-def cost_columns(costs) -> np.ndarray:
-    """[5, K]: each kind's fixed, per-request, per-position, per-context and per-pass seconds."""
-    return np.array([[c.fixed, c.per_request, c.per_position, c.per_context, c.per_pass] for c in costs]).T
 
 
 @cache

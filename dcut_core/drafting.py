@@ -61,15 +61,23 @@ class DraftPlan:
 @dataclass(frozen=True)
 class DraftingCosts:
     """What drafting costs this step: each kind's pass (`DraftCost`, one per kind: one kind is a
-    list of one), and what any drafting step costs beyond the passes (the drafting call's shared
-    cost, and the step's own time a drafting step adds)."""
+    list of one); what any drafting step costs beyond the passes (`shared_fixed`: the step's own
+    time a drafting step adds); and what the call to the drafter replicas costs beyond their
+    kinds' passes (`call`), paid once when any kind that drafts there (`remote` [K]; None: every
+    kind) drafts — the n-gram kind, drafted in the coordinator, never pays it."""
 
     draft: list[DraftCost]
     shared_fixed: float = 0.0
+    call: float = 0.0
+    remote: np.ndarray | None = None
 
     def columns(self) -> np.ndarray:
         """[K, 5]: each kind's fixed, per-request, per-position, per-context and per-pass seconds."""
         return np.array([[c.fixed, c.per_request, c.per_position, c.per_context, c.per_pass] for c in self.draft])
+
+    def calls(self) -> np.ndarray:
+        """[K] bool: the kinds whose drafting calls the replicas."""
+        return np.ones(len(self.draft), dtype=bool) if self.remote is None else np.asarray(self.remote, dtype=bool)
 
 
 @dataclass(frozen=True)
@@ -147,8 +155,8 @@ class DraftPlanner:
         """Drafts per request from its predicted `survival`, kinds[i] the kind drafting request i
         (None: every request kind 0): each kind's pass is charged once if any request drafts with
         it (its `fixed`, and `per_pass` for each position of its chain's longest request), each
-        request and position at its own kind's rates, and `shared_fixed` once for any drafting at
-        all (the call that carries every kind's work).
+        request and position at its own kind's rates, `shared_fixed` once for any drafting at
+        all, and the replicas' `call` once if any kind that drafts there drafts.
 
         catchup[i]: context tokens request i's drafter must catch up on if it drafts this step.
         A request whose whole expected gain cannot pay for its own catch-up and drafting at the
@@ -197,6 +205,10 @@ class DraftPlanner:
                 added[mine[0]] += fixed[k]  # a kind's first position in the order: its pass runs
                 if per_pass[k]:  # a position deeper than any of its kind's so far: one more chained pass
                     added[mine] += per_pass[k] * np.diff(np.maximum.accumulate(depth[mine]), prepend=0)
+        if m_max and costs.call:
+            calling = np.flatnonzero(costs.calls()[kind[row]])
+            if len(calling):
+                added[calling[0]] += costs.call  # the first position drafted on the replicas: the call
         seconds = seconds_at[:m_max + 1].copy()
         seconds[1:] += costs.shared_fixed + np.cumsum(added)
         best = int(np.argmax(tokens / seconds))

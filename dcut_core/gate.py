@@ -61,6 +61,8 @@ class GateInput:
     allowed: np.ndarray | None = None  # [R, kinds] bool
     shared_fixed: float = 0.0
     available: np.ndarray | None = None  # [R, kinds] drafts each kind can make now (-1: as many as asked)
+    call: float = 0.0  # the drafter replicas' call, once a step any `remote` kind drafts
+    remote: np.ndarray | None = None  # [kinds] bool: the kinds drafted on the replicas (None: every kind)
 
     @classmethod
     def capture(cls, rids: list[int], caps, remaining, reach: KindReach, verify: StepCost,
@@ -73,7 +75,12 @@ class GateInput:
         return cls(list(rids), caps, np.asarray(remaining, dtype=np.int64), lag, verify.seconds(tokens),
                    list(costs.draft), None if allowed is None else np.asarray(allowed, dtype=bool),
                    float(costs.shared_fixed),
-                   None if available is None else np.asarray(available, dtype=np.int64).reshape(shape))
+                   None if available is None else np.asarray(available, dtype=np.int64).reshape(shape),
+                   float(costs.call), None if costs.remote is None else np.asarray(costs.remote, dtype=bool))
+
+    def costs(self) -> DraftingCosts:
+        """The drafting costs it was captured with."""
+        return DraftingCosts(self.draft, self.shared_fixed, self.call, self.remote)
 
     def room(self) -> np.ndarray:
         """[R, kinds]: the most drafts each kind may make for each request this step: the cap,
@@ -103,12 +110,14 @@ class GateInput:
                 "lag": self.lag.tolist(), "verify_table": self.verify_table.tolist(),
                 "draft": [[d.fixed, d.per_request, d.per_position, d.per_context, d.per_pass] for d in self.draft],
                 "allowed": None if self.allowed is None else self.allowed.tolist(), "shared_fixed": self.shared_fixed,
-                "available": None if self.available is None else self.available.tolist()}
+                "available": None if self.available is None else self.available.tolist(), "call": self.call,
+                "remote": None if self.remote is None else self.remote.tolist()}
 
     @classmethod
     def from_dict(cls, d: dict) -> GateInput:
         """Also reads logs written before the kinds were one path (one kind: a flat cost, a
-        per-request `backlog`)."""
+        per-request `backlog`) and before the replicas' call was priced apart (its cost then
+        inside `shared_fixed`: `call` 0)."""
         draft = d["draft"]
         draft = [DraftCost(*x) for x in draft] if draft and isinstance(draft[0], list) else [DraftCost(*draft)]
         lag = np.asarray(d["lag"] if "lag" in d else d["backlog"], dtype=np.float64).reshape(len(d["rids"]), len(draft))
@@ -116,7 +125,8 @@ class GateInput:
         return cls(list(d["rids"]), np.asarray(d["caps"], dtype=np.int64), np.asarray(d["remaining"], dtype=np.int64),
                    lag, np.asarray(d["verify_table"], dtype=np.float64), draft,
                    None if allowed is None else np.asarray(allowed, dtype=bool), d.get("shared_fixed", 0.0),
-                   None if available is None else np.asarray(available, dtype=np.int64).reshape(lag.shape))
+                   None if available is None else np.asarray(available, dtype=np.int64).reshape(lag.shape),
+                   float(d.get("call", 0.0)), None if d.get("remote") is None else np.asarray(d["remote"], dtype=bool))
 
 
 @dataclass(frozen=True)
@@ -167,14 +177,14 @@ class DraftingGate:
         kinds' predictions and costs, the catch-up charged by each request's lag. A kind is
         predicted only as far as it may draft (`GateInput.room`): an n-gram kind whose look-ahead
         found nothing is worth nothing to that request this step."""
-        rids, verify = g.rids, g.verify()
+        rids, verify, costs = g.rids, g.verify(), g.costs()
         predicted = self.predict(g)
-        kinds, exploring, fallback = self.chooser.choose(predicted, verify, g.draft, g.usable(), held=g.lag,
+        kinds, exploring, fallback = self.chooser.choose(predicted, verify, costs, g.usable(), held=g.lag,
                                                          remaining=g.remaining, observed=self.observed())
         survival = predicted.survival(kinds)
         mine = survival.lengths
         charge = self.catch_up_charge(survival, g.lag[np.arange(len(rids)), kinds], g.remaining)
-        plan = self.planner.plan(survival, verify, DraftingCosts(g.draft, g.shared_fixed), kinds, charge)
+        plan = self.planner.plan(survival, verify, costs, kinds, charge)
         lengths = np.where(exploring, mine, plan.lengths)
         if not plan.drafting and not exploring.any():
             warming = sum(t.observations for t in self.trackers) < self.exploration.warmup
@@ -190,7 +200,8 @@ class DraftingGate:
         """The kinds `decide` would choose, every request drafting to its cap: for a policy that
         drafts without gating (its requests still teach the trackers)."""
         predicted = self.predict(g)
-        kinds, _, fallback = self.chooser.choose(predicted, g.verify(), g.draft, g.usable(), observed=self.observed())
+        kinds, _, fallback = self.chooser.choose(predicted, g.verify(), g.costs(), g.usable(),
+                                                 observed=self.observed())
         return Plan(kinds, predicted.lengths[np.arange(len(g.rids)), kinds], fallback, g)
 
     def predict(self, g: GateInput) -> Predicted:

@@ -134,6 +134,7 @@ class _Run:
         # The engine looks the n-gram kind up for every request before its gate decides (it knows
         # what that kind can draft, and learns what it would have had accepted every step).
         self.ngram = s.kinds.index("ngram") if s.lookahead and "ngram" in s.kinds else None
+        self.remote = np.array([k != "ngram" for k in s.kinds])  # the kinds drafted on the replicas
         self._available: np.ndarray | None = None
         self.queue: deque[int] = deque(range(len(trace.requests)))
         self.running: list[_Live] = []
@@ -203,7 +204,7 @@ class _Run:
             self.gate.accepted = np.array([[self.trace.requests[x.q].accepted[k, x.t] for k in self.kidx]
                                            for x in batch], dtype=np.int64).reshape(r, len(self.kidx))
         g = GateInput.capture([x.rid for x in batch], cap, remaining, KindReach(held, None, available),
-                              self._curve(batch), DraftingCosts(self.draft, costs.shared + extra))
+                              self._curve(batch), DraftingCosts(self.draft, extra, costs.shared, self.remote))
         gated = self.policy.gated and self.s.drafting_gate
         plan = self.gate.decide(g) if gated else self.gate.choose(g)
         return plan.lengths, plan.kinds, plan.fallback
@@ -281,7 +282,7 @@ class _Run:
                           context + sum(start for _, start, _ in feeding))
         forward = costs.forward_seconds(shape) if shape.tokens else 0.0
         draft = 0.0
-        if counts[used != (-1 if self.ngram is None else self.ngram)].sum():  # a call to the drafter replicas
+        if counts[self.remote[used]].sum():  # a call to the drafter replicas
             draft = costs.shared
             for j in np.unique(used[counts > 0]):
                 mine = np.nonzero((used == j) & (counts > 0))[0]

@@ -81,6 +81,7 @@ class Engine:
                                  cfg.planner(), teach_empty=len(self.kinds) > 1)
         local = self.kinds.index(LOCAL_KIND) if cfg.drafts and LOCAL_KIND in self.kinds else None
         self.lookahead = NgramLookahead(local, cfg.block) if local is not None else None
+        self.remote = np.array([k != LOCAL_KIND for k in self.kinds])  # the kinds drafted on the replicas
         self.draft_cost = self._new_cost_learner()
         self.drafted_by_kind = {k: dict.fromkeys(("chosen", "drafted", "kept", "accepted"), 0) for k in self.kinds}
         self.overhead = StepOverhead()
@@ -274,7 +275,7 @@ class Engine:
         if any(s.params.drafters for s in batch):
             allowed = np.array([[k in (s.params.drafters or self.kinds) for k in self.kinds] for s in batch])
         available = st.lookahead.available(len(self.kinds)) if st.lookahead is not None else None
-        costs = DraftingCosts(self.draft_cost.costs, self.draft_cost.shared + self.overhead.extra)
+        costs = DraftingCosts(self.draft_cost.costs, self.overhead.extra, self.draft_cost.shared, self.remote)
         g = GateInput.capture([s.rid for s in batch], st.caps, [s.remaining for s in batch],
                               KindReach(self.drafters.lag(batch), allowed, available), st.verify_cost, costs)
         gated = self.policy.gated and self.cfg.drafting_gate

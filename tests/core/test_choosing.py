@@ -60,12 +60,12 @@ def test_chooser_picks_the_kind_with_the_larger_net_gain_and_respects_what_a_req
     verify, cost = linear(0.01, 1e-3), DraftCost(0.0, 1e-4, 1e-5)
     predicted = [[np.full(6, 0.9), np.full(6, 0.2)],  # kind 0: request 0 good, request 1 poor
                  [np.full(6, 0.3), np.full(6, 0.8)]]  # kind 1: the reverse
-    assert ch.choose(Predicted.of(predicted), verify, [cost, cost])[0].tolist() == [0, 1]
+    assert ch.choose(Predicted.of(predicted), verify, DraftingCosts([cost, cost]))[0].tolist() == [0, 1]
     # the same acceptance, but kind 0 costs more per position than the drafts are worth
     assert ch.choose(Predicted.of([predicted[0], predicted[0]]), verify,
-                     [DraftCost(0.0, 1e-4, 5e-3), cost])[0].tolist() == [1, 1]
+                     DraftingCosts([DraftCost(0.0, 1e-4, 5e-3), cost]))[0].tolist() == [1, 1]
     allowed = np.array([[False, True], [True, True]])
-    assert ch.choose(Predicted.of(predicted), verify, [cost, cost], allowed)[0].tolist() == [1, 1]
+    assert ch.choose(Predicted.of(predicted), verify, DraftingCosts([cost, cost]), allowed)[0].tolist() == [1, 1]
 
 
 def test_chooser_tries_a_kind_the_unit_has_seldom_verified_when_values_are_close_and_not_when_far():
@@ -73,10 +73,11 @@ def test_chooser_tries_a_kind_the_unit_has_seldom_verified_when_values_are_close
     close = Predicted.of([[np.full(4, 0.60)], [np.full(4, 0.55)]])
     far = Predicted.of([[np.full(4, 0.9)], [np.full(4, 0.1)]])
     ch = KindChooser(kinds=2, bonus=1.0)
-    assert ch.choose(close, verify, [cost, cost])[0].tolist() == [0]  # equally unsure: the better estimate
-    assert ch.choose(close, verify, [cost, cost], observed=[1, 0])[0].tolist() == [1]  # 1 never verified
-    assert ch.choose(far, verify, [cost, cost], observed=[1, 0])[0].tolist() == [0]
-    assert ch.choose(close, verify, [cost, cost], observed=[500, 400])[0].tolist() == [0]  # both known
+    two = DraftingCosts([cost, cost])
+    assert ch.choose(close, verify, two)[0].tolist() == [0]  # equally unsure: the better estimate
+    assert ch.choose(close, verify, two, observed=[1, 0])[0].tolist() == [1]  # 1 never verified
+    assert ch.choose(far, verify, DraftingCosts([cost, cost]), observed=[1, 0])[0].tolist() == [0]
+    assert ch.choose(close, verify, DraftingCosts([cost, cost]), observed=[500, 400])[0].tolist() == [0]  # both known
 
 
 @settings(max_examples=300, deadline=None)
@@ -94,8 +95,9 @@ def test_where_some_kind_pays_the_choice_drafts_something(seed):
     costs = [DraftCost(*rng.uniform(0, [0.004, 2e-4, 2e-4, 0.0, 2e-3])) for _ in range(k)]
     verify = linear(rng.uniform(0.005, 0.02), rng.uniform(1e-4, 3e-3))
     ch = KindChooser(k, bonus=1.0)
-    kind, exploring, _ = ch.choose(Predicted.of(predicted), verify, costs, observed=rng.integers(0, 50, k))
-    value, *_ = ch.values(GainTable.of(Predicted.of(predicted)), verify, costs)
+    kind, exploring, _ = ch.choose(Predicted.of(predicted), verify, DraftingCosts(costs),
+                                   observed=rng.integers(0, 50, k))
+    value, *_ = ch.values(GainTable.of(Predicted.of(predicted)), verify, DraftingCosts(costs))
     plain = r / float(verify.seconds(np.array([r]))[0])
     pays = (value - plain * np.array([c.fixed for c in costs])[None, :] > 0).any()
     assert not pays or exploring.any() or (value[np.arange(r), kind] > 0).any()
@@ -232,12 +234,12 @@ def test_a_kind_whose_pass_costs_more_than_its_few_requests_gain_is_left_out_of_
                  [np.full(4, 0.3), np.full(4, 0.3), np.full(4, 0.7)]]
     ch = KindChooser(kinds=2, bonus=0.0)
     cheap = [DraftCost(1e-4, 1e-4, 1e-5), DraftCost(1e-4, 1e-4, 1e-5)]
-    assert ch.choose(Predicted.of(predicted), verify, cheap)[0].tolist() == [0, 0, 1]
+    assert ch.choose(Predicted.of(predicted), verify, DraftingCosts(cheap))[0].tolist() == [0, 0, 1]
     dear = [DraftCost(1e-4, 1e-4, 1e-5), DraftCost(5e-3, 1e-4, 1e-5)]
-    assert ch.choose(Predicted.of(predicted), verify, dear)[0].tolist() == [0, 0, 0]
+    assert ch.choose(Predicted.of(predicted), verify, DraftingCosts(dear))[0].tolist() == [0, 0, 0]
     # ... unless the request may use nothing else
     only = np.array([[True, True], [True, True], [False, True]])
-    assert ch.choose(Predicted.of(predicted), verify, dear, only)[0].tolist() == [0, 0, 1]
+    assert ch.choose(Predicted.of(predicted), verify, DraftingCosts(dear), only)[0].tolist() == [0, 0, 1]
 
 
 def test_switching_kinds_costs_the_context_the_new_kind_has_not_seen():
@@ -248,10 +250,12 @@ def test_switching_kinds_costs_the_context_the_new_kind_has_not_seen():
     predicted = [[np.full(4, 0.7)], [np.full(4, 0.72)]]
     costs = [DraftCost(0.0, 1e-4, 1e-5, 2e-5), DraftCost(0.0, 1e-4, 1e-5, 2e-5)]
     ch = KindChooser(kinds=2, bonus=0.0)
-    assert ch.choose(Predicted.of(predicted), verify, costs)[0].tolist() == [1]
-    far = ch.choose(Predicted.of(predicted), verify, costs, held=np.array([[0.0, 600.0]]), remaining=np.array([20]))
+    assert ch.choose(Predicted.of(predicted), verify, DraftingCosts(costs))[0].tolist() == [1]
+    far = ch.choose(Predicted.of(predicted), verify, DraftingCosts(costs), held=np.array([[0.0, 600.0]]),
+                    remaining=np.array([20]))
     assert far[0].tolist() == [0]
-    near = ch.choose(Predicted.of(predicted), verify, costs, held=np.array([[0.0, 2.0]]), remaining=np.array([20]))
+    near = ch.choose(Predicted.of(predicted), verify, DraftingCosts(costs), held=np.array([[0.0, 2.0]]),
+                     remaining=np.array([20]))
     assert near[0].tolist() == [1]
 
 
@@ -262,7 +266,7 @@ def test_a_chains_passes_are_shared_by_the_requests_that_draft_with_it():
     costs = [DraftCost(0.0, 1e-4, 1e-5), DraftCost(0.0, 1e-4, 1e-5, 0.0, 0.002)]  # cheap; chain
     for r, want in ((1, 0), (16, 1)):
         predicted = [[np.full(4, 0.5)] * r, [np.full(4, 0.7)] * r]
-        kind, _, _ = KindChooser(2, bonus=0.0).choose(Predicted.of(predicted), verify, costs)
+        kind, _, _ = KindChooser(2, bonus=0.0).choose(Predicted.of(predicted), verify, DraftingCosts(costs))
         assert (kind == want).all(), (r, kind)
 
 
@@ -294,14 +298,17 @@ def reference_values(predicted, verify, costs, rate, held, remaining, sharing):
     return v, gain_at, n_at
 
 
-def reference_assign(score, fixed):
-    """`KindChooser._assign` by enumerating the sets of kinds one by one."""
+def reference_assign(score, fixed, call=0.0, calls=None):
+    """`KindChooser._assign` by enumerating the sets of kinds one by one: a set holding a kind
+    drafted on the replicas (`calls`) pays their `call` once."""
     r, k = score.shape
     best_total, use = -np.inf, None
     for subset in range(1, 2 ** k):
         inside = [(subset >> j) & 1 == 1 for j in range(k)]
         total = sum(max(0.0, max((score[i, j] for j in range(k) if inside[j]), default=-np.inf))
                     for i in range(r)) - sum(fixed[j] for j in range(k) if inside[j])
+        if calls is not None and any(inside[j] and calls[j] for j in range(k)):
+            total -= call
         if total > best_total + 1e-9:
             best_total, use = total, inside
     return best_total, use
@@ -324,14 +331,40 @@ def test_the_chooser_array_code_equals_a_request_by_request_reference(r, k, seed
     sharing = rng.integers(0, r + 1, k) if with_sharing else None
     rate = None if seed % 2 else float(rng.uniform(10, 500))
     ch = KindChooser(k, bonus=0.0)
-    got = ch.values(GainTable.of(Predicted.of(predicted)), verify, costs, rate, held, remaining, sharing)
+    got = ch.values(GainTable.of(Predicted.of(predicted)), verify, DraftingCosts(costs), rate, held, remaining, sharing)
     want = reference_values(predicted, verify, costs, rate, held, remaining, sharing)
     for a, b in zip(got[:3], want, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
     score = got[0] + rng.normal(0, 0.5, (r, k))
     fixed = rng.uniform(0, 1.0, k)
-    kind, use = ch._assign(score, fixed)
-    best, _ = reference_assign(score, fixed)
-    chosen = np.maximum(np.where(use, score, -np.inf).max(axis=1), 0.0).sum() - fixed[use].sum()
+    call, calls = float(rng.uniform(0, 1.0)), rng.random(k) < 0.6
+    kind, use = ch._assign(score, fixed, call, calls)
+    best, _ = reference_assign(score, fixed, call, calls)
+    chosen = np.maximum(np.where(use, score, -np.inf).max(axis=1), 0.0).sum() - fixed[use].sum() \
+        - call * bool((use & calls).any())
     assert chosen == pytest.approx(best, abs=1e-9)
     assert use[kind].all() or not np.isfinite(np.where(use, score, -np.inf).max(axis=1)).all()
+
+
+def test_the_replicas_call_is_priced_once_and_only_for_the_kinds_drafted_there():
+    """Two kinds of equal acceptance and cost, kind 1 drafted on the replicas: a call dear
+    enough moves every request to kind 0 (drafted in the coordinator), and the planner charges
+    the call once when some request drafts with kind 1, never when only kind 0 drafts."""
+    verify, cost = linear(0.01, 1e-3), DraftCost(0.0, 1e-4, 1e-5)
+    predicted = Predicted.of([[np.full(4, 0.8)] * 3, [np.full(4, 0.8)] * 3])
+    remote = np.array([False, True])
+    ch = KindChooser(2, bonus=0.0)
+    assert ch.choose(predicted, verify, DraftingCosts([cost, cost], 0.0, 0.0, remote))[0].tolist() == [0, 0, 0]
+    dear = DraftingCosts([cost, DraftCost(0.0, 1e-4, 1e-6)], 0.0, 0.0, remote)  # kind 1 cheaper per draft...
+    assert set(ch.choose(predicted, verify, dear)[0].tolist()) == {1}
+    dearer = DraftingCosts(dear.draft, 0.0, 0.05, remote)  # ...until its call costs more than that saves
+    assert ch.choose(predicted, verify, dearer)[0].tolist() == [0, 0, 0]
+    planner, survival = DraftPlanner(), Survival.of(np.full((3, 4), 0.8))
+    local = planner.plan(survival, verify, DraftingCosts([cost, cost], 0.0, 0.02, remote), np.zeros(3, np.int64))
+    free = planner.plan(survival, verify, DraftingCosts([cost, cost], 0.0, 0.0, remote), np.zeros(3, np.int64))
+    assert local.lengths.tolist() == free.lengths.tolist() and local.predicted_seconds == free.predicted_seconds
+    mixed = np.array([0, 1, 0])
+    paid = planner.plan(survival, verify, DraftingCosts([cost, cost], 0.0, 1e-4, remote), mixed)
+    unpaid = planner.plan(survival, verify, DraftingCosts([cost, cost], 0.0, 0.0, remote), mixed)
+    assert paid.lengths.tolist() == unpaid.lengths.tolist() and paid.lengths[1] > 0
+    assert paid.predicted_seconds == pytest.approx(unpaid.predicted_seconds + 1e-4, rel=1e-12)
