@@ -200,7 +200,7 @@ class _Run:
             available[:, self.ngram] = np.minimum(cap, [self.trace.requests[x.q].count[self.kidx[self.ngram], x.t]
                                                         for x in batch])
         self._available = available
-        if isinstance(self.gate, HindsightGate):
+        if self.s.hindsight:  # the gate is a HindsightGate: tell it this step's outcomes
             self.gate.accepted = np.array([[self.trace.requests[x.q].accepted[k, x.t] for k in self.kidx]
                                            for x in batch], dtype=np.int64).reshape(r, len(self.kidx))
         g = GateInput.capture([x.rid for x in batch], cap, remaining, KindReach(held, None, available),
