@@ -110,7 +110,9 @@ class Fp8Experts(nn.Module):
         self.register_buffer("down_scale", down[1].float())
         self.mm = mm
 
-    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def forward(self, rows: torch.Tensor, counts: list[int], on_device: torch.Tensor | None = None) -> torch.Tensor:
+        """As `LocalExperts.forward`, one block-scaled matmul per expert (`on_device` unused: no
+        grouped FP8 path yet)."""
         out = torch.empty_like(rows)
         start = 0
         for e, c in enumerate(counts):

@@ -5,11 +5,13 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from actors.target.config import MoEConfig
+from actors.target.host import upload
 from actors.target.kv_cache import PagedKVCache
 from actors.target.rope import Rotary
 
@@ -60,13 +62,15 @@ class AttentionGroup:
     key_slots: torch.Tensor  # [R_g, T] cache slots of every key of each request (padded with 0)
     mask: torch.Tensor  # [R_g, 1, Q, T] bool: query j of request i may attend to key t
     q_index: torch.Tensor  # [R_g, Q] flat token index of each padded query (0 for padding)
-    q_valid: torch.Tensor  # [R_g, Q] bool
+    valid: torch.Tensor  # [N_g] where each valid query sits in the padded [R_g · Q], in flat order
     rows: torch.Tensor | None  # [N_g] flat token index of each valid query in order (None: all N, in order)
 
 
 @dataclass
 class AttentionPlan:
-    """Where one forward's tokens go in the paged cache and who attends to what (all layers)."""
+    """Where one forward's tokens go in the paged cache and who attends to what (all layers).
+    Built on the host once a forward and uploaded; a layer only gathers by its indices (no index
+    by a boolean mask: on a GPU that reads the mask to the host, once a layer)."""
 
     write_slots: torch.Tensor  # [N] cache slot of each new token
     groups: list[AttentionGroup]  # one unless chunks of very different lengths share the forward
@@ -80,7 +84,8 @@ class AttentionPlan:
         for g in self.groups:
             keys, values = keys_of(g.key_slots)
             o = F.scaled_dot_product_attention(q[g.q_index].transpose(1, 2), keys, values, attn_mask=g.mask,
-                                               **sdpa).transpose(1, 2)[g.q_valid]
+                                               **sdpa).transpose(1, 2)
+            o = o.reshape(-1, *o.shape[2:])[g.valid]
             if g.rows is None:
                 return o
             if out is None:
@@ -92,48 +97,48 @@ class AttentionPlan:
 def plan_attention(cache: PagedKVCache, request_ids: list[int], cu: torch.Tensor, starts: list[int],
                    rotary: Rotary, lengths: list[int] | None = None) -> AttentionPlan:
     """Build the per-forward attention plan. Cache blocks must already be reserved. `lengths`:
-    each request's new tokens, when the caller has them on the host already."""
+    each request's new tokens, when the caller has them on the host already. The integer
+    arithmetic is numpy (host); only the finished indices and masks are tensors on the device."""
     lengths = (cu[1:] - cu[:-1]).tolist() if lengths is None else lengths
-    keys, write, offsets, by_span = [], [], [], {}
-    offset = 0
+    keys, write, by_span = [], [], {}
     for i, (rid, s, n) in enumerate(zip(request_ids, starts, lengths, strict=True)):
         slots = cache.slots(rid, 0, s + n)
         keys.append(slots)
         write.append(slots[s:])
-        offsets.append(offset)
-        offset += n
         by_span.setdefault(0 if n <= QUERY_SPAN else n.bit_length(), []).append(i)
     dev = cache.k.device  # built on the host (small integer arithmetic), used where the cache lives
+    starts_a, lens_a = np.asarray(starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+    offsets = np.zeros(len(lens_a) + 1, dtype=np.int64)
+    np.cumsum(lens_a, out=offsets[1:])
     whole = len(by_span) <= 1
-    groups = [_group(idx, keys, starts, lengths, offsets, whole, dev) for idx in by_span.values()]
-    starts_t, lens_t = torch.tensor(starts, dtype=torch.long), torch.tensor(lengths, dtype=torch.long)
-    flat = torch.arange(offset)
-    positions = (torch.repeat_interleave(starts_t, lens_t) + flat
-                 - torch.repeat_interleave(torch.tensor(offsets, dtype=torch.long), lens_t))  # [N] in flat order
-    cos, sin = rotary.cos_sin(positions)
+    groups = [_group(np.asarray(idx), keys, starts_a, lens_a, offsets, whole, dev) for idx in by_span.values()]
+    total = int(offsets[-1])
+    positions = np.arange(total) + np.repeat(starts_a - offsets[:-1], lens_a)  # [N] in flat order
+    cos, sin = rotary.cos_sin(torch.from_numpy(positions))
     write_slots = torch.cat(write) if write else torch.zeros(0, dtype=torch.long)
-    return AttentionPlan(write_slots.to(dev), groups, cos.to(dev), sin.to(dev))
+    return AttentionPlan(upload(write_slots, dev), groups, upload(cos, dev), upload(sin, dev))
 
 
-def _group(idx: list[int], keys: list[torch.Tensor], starts: list[int], lengths: list[int], offsets: list[int],
+def _group(idx: np.ndarray, keys: list[torch.Tensor], starts: np.ndarray, lengths: np.ndarray, offsets: np.ndarray,
            whole: bool, dev) -> AttentionGroup:
     """The padded attention of requests idx (of the forward's; `whole`: every one, in order)."""
-    starts_t = torch.tensor([starts[i] for i in idx], dtype=torch.long)
-    lens_t = torch.tensor([lengths[i] for i in idx], dtype=torch.long)
-    q, t = max(lengths[i] for i in idx), max(starts[i] + lengths[i] for i in idx)  # host ints: no copy
+    starts, lengths = starts[idx], lengths[idx]
+    q, t = int(lengths.max()), int((starts + lengths).max())
     key_slots = torch.zeros(len(idx), t, dtype=torch.long)
-    for row, i in enumerate(idx):
-        key_slots[row, :starts[i] + lengths[i]] = keys[i]
-    j = torch.arange(q)
-    q_valid = j[None, :] < lens_t[:, None]  # [R_g, Q]
-    q_pos = starts_t[:, None] + j[None, :]  # [R_g, Q]
+    for row, i in enumerate(idx.tolist()):
+        key_slots[row, :len(keys[i])] = keys[i]
+    j = np.arange(q)
+    q_valid = j[None, :] < lengths[:, None]  # [R_g, Q]
+    q_pos = torch.from_numpy(starts[:, None] + j[None, :])  # [R_g, Q]
     k_pos = torch.arange(t)
-    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < (starts_t + lens_t)[:, None, None])
-    mask |= (~q_valid[:, :, None]) & (k_pos[None, None, :] == 0)  # padded queries see one key: no NaN
-    first = torch.tensor([offsets[i] for i in idx], dtype=torch.long)
-    q_index = torch.where(q_valid, first[:, None] + j[None, :], torch.zeros((), dtype=torch.long))
-    rows = None if whole else q_index[q_valid].to(dev)
-    return AttentionGroup(key_slots.to(dev), mask[:, None].to(dev), q_index.to(dev), q_valid.to(dev), rows)
+    ends = torch.from_numpy(starts + lengths)
+    valid_t = torch.from_numpy(q_valid)
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < ends[:, None, None])
+    mask |= (~valid_t[:, :, None]) & (k_pos[None, None, :] == 0)  # padded queries see one key: no NaN
+    q_index = np.where(q_valid, offsets[idx][:, None] + j[None, :], 0)
+    rows = None if whole else upload(torch.from_numpy(q_index[q_valid]), dev)
+    return AttentionGroup(upload(key_slots, dev), upload(mask[:, None], dev), upload(torch.from_numpy(q_index), dev),
+                          upload(torch.from_numpy(np.flatnonzero(q_valid)), dev), rows)
 
 
 class Attention(nn.Module):

@@ -9,6 +9,7 @@ with N = 1.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -42,17 +43,51 @@ class StepStats:
         return max(0.0, self.total_s - self.attention_s - self.experts_s - self.dispatch_s - self.combine_s)
 
 
+@functools.cache
+def grouped_mm_runs(device: str, dtype: torch.dtype) -> bool:
+    """Whether torch's grouped matmul (`F.grouped_mm`) runs on this device in this dtype — probed
+    once on a tiny problem. Torch 2.13 runs it on the CPU in any float dtype and on CUDA in
+    bfloat16 on SM >= 80; elsewhere the experts fall back to one matmul per expert."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    try:
+        a = torch.zeros(16, 16, device=device, dtype=dtype)
+        b = torch.zeros(2, 16, 16, device=device, dtype=dtype)
+        F.grouped_mm(a, b, offs=torch.tensor([8, 16], device=device, dtype=torch.int32))
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return True
+
+
 class LocalExperts(nn.Module):
-    """The experts this rank holds: global ids first .. first + count - 1, fused weights."""
+    """The experts this rank holds: global ids first .. first + count - 1, fused weights.
+
+    On a GPU they run as two grouped matmuls over every expert's rows at once (one kernel each,
+    the groups' ends read on the device); elsewhere as one matmul per expert that has rows — on
+    the CPU as fast, and the exactness reference. `grouped`: None decides by the device (GPU:
+    grouped where torch runs it), True or False forces a path (tests compare them)."""
 
     def __init__(self, hidden: int, intermediate: int, first: int, count: int) -> None:
         super().__init__()
         self.first, self.count = first, count
         self.gate_up = nn.Parameter(torch.empty(count, 2 * intermediate, hidden))  # [E_r, 2I, H]
         self.down = nn.Parameter(torch.empty(count, hidden, intermediate))  # [E_r, H, I]
+        self.grouped: bool | None = None
 
-    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """rows [M, H] grouped by local expert (counts[e] rows each) -> outputs [M, H]."""
+    def uses_grouped(self, rows: torch.Tensor) -> bool:
+        if self.grouped is not None:
+            return self.grouped
+        return rows.device.type == "cuda" and grouped_mm_runs(str(rows.device), rows.dtype)
+
+    def forward(self, rows: torch.Tensor, counts: list[int], on_device: torch.Tensor | None = None) -> torch.Tensor:
+        """rows [M, H] grouped by local expert (counts[e] rows each; `on_device`: the same counts
+        as a tensor on the rows' device, for the grouped path) -> outputs [M, H]."""
+        if self.uses_grouped(rows):
+            if on_device is None:
+                on_device = torch.tensor(counts, device=rows.device)
+            ends = on_device.cumsum(0).to(torch.int32)
+            gate, up = F.grouped_mm(rows, self.gate_up.transpose(-2, -1), offs=ends).chunk(2, dim=-1)
+            return F.grouped_mm(F.silu(gate) * up, self.down.transpose(-2, -1), offs=ends)
         out = torch.empty_like(rows)
         start = 0
         for e, c in enumerate(counts):
@@ -81,7 +116,8 @@ class Dispatch:
         flat = topk_idx.reshape(-1)  # [n·k] global expert of each pair
         order = torch.argsort(flat, stable=True)  # sorted by expert, hence by owning rank
         t0 = time.perf_counter()
-        send_e = torch.bincount(flat, minlength=num_experts)  # [E] pairs per global expert
+        # [E] pairs per global expert (not `bincount`: on a GPU it reads the largest id to the host)
+        send_e = flat.new_zeros(num_experts).index_add_(0, flat, torch.ones_like(flat))
         recv_e = self.exchange_counts(send_e)  # [E]: from rank s to my expert j at s·E_r + j
         per_rank = num_experts // self.world
         # The layer's one host synchronisation: both count vectors in one copy. The all-to-all's
@@ -94,10 +130,11 @@ class Dispatch:
         rows = self.exchange_rows(x[order // k], recv, send)  # [Σ recv, H] by (source, expert)
         t1 = time.perf_counter()
         # Regroup the received rows by local expert, run them, restore the arrival order.
-        local_e = torch.repeat_interleave(torch.arange(per_rank, device=recv_e.device).repeat(self.world), recv_e)
+        local_e = torch.repeat_interleave(torch.arange(per_rank, device=recv_e.device).repeat(self.world), recv_e,
+                                          output_size=sum(recv))  # sized on the host: no second sync
         by_expert = torch.argsort(local_e, stable=True)
         done = torch.empty_like(rows)
-        done[by_expert] = experts(rows[by_expert], counts)
+        done[by_expert] = experts(rows[by_expert], counts, recv_e.view(self.world, per_rank).sum(0))
         t2 = time.perf_counter()
         back = self.exchange_rows(done, send, recv)  # [n·k, H] in `order`
         t3 = time.perf_counter()

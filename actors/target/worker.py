@@ -25,6 +25,7 @@ from actors.ray_env import whereabouts
 from actors.target import wire
 from actors.target.checkpoint import load_model, serving_dtype
 from actors.target.features import FeatureStore
+from actors.target.host import download, upload
 from actors.target.kv_cache import KVCacheFull, tokens_for_memory
 from actors.target.link import RankLink
 from actors.target.model import ForwardBatch, Prepared
@@ -160,8 +161,11 @@ class TargetRank:
         if rb.truncate:  # committed decisions of the previous step: applied whatever this batch does
             self.cache.truncate_all(rb.truncate)
         dev = self.spec.device
-        batch = ForwardBatch(rb.request_ids, torch.from_numpy(rb.tokens).to(dev), torch.from_numpy(rb.cu),
-                             torch.from_numpy(rb.logit_index).to(dev))
+
+        def put(a: np.ndarray) -> torch.Tensor:  # a host array on the device, queued (actors/target/host.py)
+            return upload(torch.from_numpy(a), dev)
+
+        batch = ForwardBatch(rb.request_ids, put(rb.tokens), torch.from_numpy(rb.cu), put(rb.logit_index))
         prepared, error = None, None
         if batch.request_ids:
             try:
@@ -177,15 +181,15 @@ class TargetRank:
             prepared = Prepared(batch, [], [], [])
         logits, captured = self.model.forward(prepared, self.cache, stats, rb.capture_layers)
         logits = logits.float()  # argmax, controls, sampling and log-probabilities: float32 in any dtype
+        # Rows are picked by integer indices made on the host: an index by a boolean mask on a GPU
+        # reads the mask back to the host first.
         if rb.keep_features is not None and captured and rb.keep_features.any():
             self._keep(prepared, captured, rb.keep_features)
-            shipped = np.repeat(~rb.keep_features, np.diff(rb.cu))  # token rows of the requests not kept
-            captured = {k: v[torch.from_numpy(shipped).to(v.device)] for k, v in captured.items()} \
-                if shipped.any() else {}
+            shipped = np.flatnonzero(np.repeat(~rb.keep_features, np.diff(rb.cu)))  # rows of the requests not kept
+            captured = {k: v[put(shipped)] for k, v in captured.items()} if len(shipped) else {}
         logprobs = None  # of the raw logits, before any control
         if rb.logprob_rows is not None and rb.logprob_rows.any():
-            rows = logits[torch.from_numpy(rb.logprob_rows).to(logits.device)]
-            logprobs = torch.log_softmax(rows.float(), dim=-1).cpu().numpy()
+            logprobs = torch.log_softmax(logits[put(np.flatnonzero(rb.logprob_rows))], dim=-1)
         top_k = min_p = None
         if rb.controls is not None:
             logits, top_k, min_p = self._controlled(logits, rb)
@@ -193,21 +197,19 @@ class TargetRank:
         sampled = None
         if rb.temperature is not None and len(rb.temperature) and float(rb.temperature.max()) > 0:
             # Drawn here, on the device: what comes back is a token a row, not rows × vocabulary.
-            rows = torch.from_numpy(rb.temperature > 0).to(dev)
-            temp = torch.from_numpy(rb.temperature).float().clamp_min(1e-6).to(dev)
-            probs = target_probs(logits[rows], temp[rows], torch.from_numpy(rb.top_p).float().to(dev)[rows],
-                                 None if top_k is None else top_k.to(dev)[rows],
-                                 None if min_p is None else min_p.to(dev)[rows])
+            rows = put(np.flatnonzero(rb.temperature > 0))
+            temp = put(rb.temperature).float().clamp_min(1e-6)
+            probs = target_probs(logits[rows], temp[rows], put(rb.top_p).float()[rows],
+                                 None if top_k is None else upload(top_k, dev)[rows],
+                                 None if min_p is None else upload(min_p, dev)[rows])
             sampled = argmax.clone()
-            sampled[rows] = draw(probs, torch.from_numpy(rb.uniform).to(dev)[rows])
-            sampled = sampled.cpu().numpy()
-        return RankResult(
-            argmax.cpu().numpy(),
-            logits.float().cpu().numpy() if rb.with_logits else None,
-            # float16: the drafter was trained on features of that precision, and half the bytes
-            # keep a decode step's result under Ray's inline size at concurrency 64.
-            {k: v.half().cpu().numpy() for k, v in captured.items()}, stats, sampled, logprobs,
-        )
+            sampled[rows] = draw(probs, put(rb.uniform)[rows])
+        # float16 features: the drafter was trained on features of that precision, and half the
+        # bytes keep a decode step's result under Ray's inline size at concurrency 64.
+        names = list(captured)
+        host = download(argmax, logits if rb.with_logits else None, sampled, logprobs,
+                        *(captured[k].half() for k in names))
+        return RankResult(host[0], host[1], dict(zip(names, host[4:], strict=True)), stats, host[2], host[3])
 
     @staticmethod
     def _controlled(logits: torch.Tensor, rb: RankBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,8 +1,11 @@
 """Host synchronisations per forward (issue #29 item 3), counted on CPU with a stand-in: every
 call that copies a tensor's values to the host (`.item()`, `.tolist()`, `.cpu()`, `.numpy()`,
-`int()`, `float()`, `bool()` of a tensor) while the model runs one decode step. On a GPU each of
-these waits for the device; the budget is one per MoE layer (the expert counts, which size the
-all-to-all and the expert loop) and none per attention layer — a regression fails here, not on
+`int()`, `float()`, `bool()` of a tensor) while the model runs one decode step, and every call
+whose output's size depends on a tensor's values, which on a GPU reads them to the host inside
+torch (`bincount`, `nonzero`, `unique`, `masked_select`, indexing by a boolean mask,
+`repeat_interleave` by a tensor without `output_size`). On a GPU each of these waits for the
+device; the budget is one per MoE layer (the expert counts, which size the all-to-all and the
+expert loop) and none per attention layer — a regression fails here, not on
 the first GPU."""
 
 from __future__ import annotations
@@ -16,6 +19,25 @@ from actors.target.model import ForwardBatch
 from tests.conftest import tiny_model
 
 HOST = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+VALUE_SIZED = ("bincount", "nonzero", "unique", "masked_select")  # torch.X and Tensor.X alike
+
+
+def _value_sized_index(index) -> bool:
+    parts = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts)
+
+
+def _repeats_by_tensor(args, kwargs) -> bool:
+    repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
+    return isinstance(repeats, torch.Tensor) and repeats.dim() > 0 and kwargs.get("output_size") is None
+
+
+def _counting(counts, original, name, when=None):
+    def call(*args, **kwargs):
+        if when is None or when(args, kwargs):
+            counts[name] += 1
+        return original(*args, **kwargs)
+    return call
 
 
 def syncs_per_decode_step(model) -> int:
@@ -24,23 +46,24 @@ def syncs_per_decode_step(model) -> int:
         model(ForwardBatch.from_lists([0, 1, 2], [[5, 6, 7, 8], [9, 10], [11]], "all"), cache)  # prefill
     step = ForwardBatch.from_lists([0, 1, 2], [[3], [4], [12]], "all")  # built on the host, as ranks do
     counts = collections.Counter()
-    originals = {name: getattr(torch.Tensor, name) for name in HOST}
-
-    def counting(name):
-        def call(self, *args, **kwargs):
-            counts[name] += 1
-            return originals[name](self, *args, **kwargs)
-        return call
-
+    patched = [(torch.Tensor, name, _counting(counts, getattr(torch.Tensor, name), name)) for name in HOST]
+    patched += [(owner, name, _counting(counts, getattr(owner, name), name))
+                for owner in (torch, torch.Tensor) for name in VALUE_SIZED]
+    index = torch.Tensor.__getitem__
+    patched.append((torch.Tensor, "__getitem__",
+                    _counting(counts, index, "mask index", lambda args, _: _value_sized_index(args[1]))))
+    patched += [(owner, "repeat_interleave", _counting(counts, owner.repeat_interleave, "repeat_interleave",
+                                                        _repeats_by_tensor)) for owner in (torch, torch.Tensor)]
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patched]
     try:
-        for name in HOST:
-            setattr(torch.Tensor, name, counting(name))
+        for owner, name, f in patched:
+            setattr(owner, name, f)
         with torch.no_grad():
             model(step, cache)
     finally:
-        for name, f in originals.items():
-            setattr(torch.Tensor, name, f)
-    return sum(counts.values())
+        for owner, name, f in originals:
+            setattr(owner, name, f)
+    return counts
 
 
 @pytest.mark.parametrize("latent", [False, True])
@@ -49,6 +72,8 @@ def test_at_most_one_host_synchronisation_per_moe_layer(latent):
                  num_key_value_heads=4) if latent else {}
     small = tiny_model(0, num_hidden_layers=3, mlp_only_layers=(1,), **extra)  # 2 MoE layers, 3 attention
     large = tiny_model(0, num_hidden_layers=7, mlp_only_layers=(1,), **extra)  # 6 MoE layers, 7 attention
-    a, b = syncs_per_decode_step(small), syncs_per_decode_step(large)
-    assert b - a <= large.cfg.moe_layers - small.cfg.moe_layers, (a, b)  # per layer: ≤ 1, for MoE layers only
-    assert a <= small.cfg.moe_layers + 2, a  # and two per forward: the batch's lengths and its token range
+    small_counts, large_counts = syncs_per_decode_step(small), syncs_per_decode_step(large)
+    a, b = sum(small_counts.values()), sum(large_counts.values())
+    # per layer: <= 1, for MoE layers only
+    assert b - a <= large.cfg.moe_layers - small.cfg.moe_layers, (small_counts, large_counts)
+    assert a <= small.cfg.moe_layers + 2, small_counts  # and two per forward: the batch's lengths and its token range

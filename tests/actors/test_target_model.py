@@ -156,3 +156,27 @@ def assert_a_mixed_step_equals_its_parts(model) -> None:
 
 def test_a_step_mixing_decoding_rows_and_long_prompt_chunks_equals_its_parts(make_tiny):
     assert_a_mixed_step_equals_its_parts(make_tiny())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_experts_equal_one_matmul_per_expert(make_tiny, dtype):
+    """The experts as two grouped matmuls (the GPU path, `F.grouped_mm`, which torch also runs
+    on the CPU) give the loop's logits bit for bit: a prefill, then a decode step of two tokens
+    (most experts get no rows: empty groups)."""
+    from actors.target.moe import grouped_mm_runs
+
+    if not grouped_mm_runs("cpu", dtype):
+        pytest.skip(f"torch {torch.__version__} has no grouped matmul on the CPU in {dtype}")
+    model = make_tiny(3).to(dtype)
+    runs = {}
+    for grouped in (False, True):
+        for block in model.moe_blocks():
+            block.experts.grouped = grouped
+        cache = model.new_cache(2048)
+        with torch.no_grad():
+            prefill, _ = model(ForwardBatch.from_lists([0, 1], [[3, 17, 5, 90, 41], [8]]), cache)
+            step, _ = model(ForwardBatch.from_lists([0, 1], [[2], [60]]), cache)
+        runs[grouped] = (prefill, step)
+    for loop, grouped in zip(runs[False], runs[True], strict=True):
+        assert torch.equal(loop, grouped)
+    assert 2 * model.cfg.num_experts_per_tok < model.cfg.num_experts  # the decode step leaves experts idle

@@ -4,7 +4,9 @@
 # when any check fails, times out, is skipped on a GPU machine, or when there is no GPU at all
 # (then it says that nothing was checked). tests/gpu/README.md says what each check covers.
 #   cuda-tests  tests/gpu/test_cuda.py: the target on CUDA against CPU fp32, FP8 block-wise matmul,
-#               NVML; a test that skips on a GPU machine counts as failed
+#               NVML, drafters on the device, grouped-matmul experts in bf16, host synchronisations
+#               per decode step (set_sync_debug_mode), bf16 serving; a test that skips on a GPU
+#               machine counts as failed
 #   engine      every policy's greedy output equal to `ar` with the ranks on the GPU in float32, and a
 #               short bench of `ar` and `dcut` (`dcut bench` exits 1 when an output differs); bf16
 #               serving is checked in cuda-tests (divergences from `ar` only at near-ties)

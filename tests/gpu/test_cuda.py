@@ -134,3 +134,54 @@ def test_hosted_drafters_draft_on_the_gpu_with_device_features():
         a, b = gpu.draft(rids, last, [6, 6], None, [k, k]), cpu.draft(rids, last, [6, 6], None, [k, k])
         assert len(a.tokens) == len(b.tokens) > 0, spec.kinds[k]
         assert np.mean(a.tokens == b.tokens) >= 0.9, (spec.kinds[k], a.tokens, b.tokens)
+
+
+def test_experts_run_as_a_grouped_matmul_in_bf16():
+    """On SM >= 8.0 a bf16 rank's experts run as two grouped matmuls (`F.grouped_mm`), and their
+    rows agree with one matmul per expert to bf16's resolution (different kernels round apart)."""
+    from actors.target.moe import LocalExperts, grouped_mm_runs
+
+    capable = torch.cuda.get_device_capability() >= (8, 0)
+    assert grouped_mm_runs("cuda:0", torch.bfloat16) == capable
+    torch.manual_seed(0)
+    experts = LocalExperts(256, 384, 0, 8).cuda().to(torch.bfloat16)
+    torch.nn.init.normal_(experts.gate_up, std=0.05)
+    torch.nn.init.normal_(experts.down, std=0.05)
+    counts = [5, 0, 17, 1, 0, 64, 3, 2]
+    rows = torch.randn(sum(counts), 256, device="cuda", dtype=torch.bfloat16)
+    assert experts.uses_grouped(rows) == capable
+    experts.grouped = False
+    loop = experts(rows, counts).float()
+    experts.grouped = None
+    grouped = experts(rows, counts, torch.tensor(counts, device="cuda")).float()
+    assert torch.allclose(grouped, loop, atol=2e-2, rtol=2e-2), (grouped - loop).abs().max()
+
+
+def test_a_decode_forward_synchronises_once_per_moe_layer():
+    """`torch.cuda.set_sync_debug_mode` counts what waits for the device in one bf16 decode step
+    of the bundled model, its batch uploaded as the rank does: at most one per MoE layer (the
+    expert counts) and two per forward (the batch's lengths and its token range)."""
+    import warnings
+
+    from actors.target.host import upload
+
+    model = load_model(str(BUNDLED)).to("cuda", torch.bfloat16).eval()
+    cache = model.new_cache(4096)
+
+    def batch(chunks):
+        b = ForwardBatch.from_lists(list(range(len(chunks))), chunks, "all")
+        return ForwardBatch(b.request_ids, upload(b.tokens, "cuda"), b.cu, upload(b.logit_index, "cuda"))
+
+    with torch.no_grad():
+        model.forward(batch(PROMPTS), cache, StepStats())
+        torch.cuda.synchronize()
+        step = batch([[1], [2], [3]])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                model.forward(step, cache, StepStats())
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) <= model.cfg.moe_layers + 2, syncs
