@@ -19,7 +19,13 @@ tried; once every kind's global rates are known, each request takes the kind its
 favour — its own factor per kind comes from its own verifications, the n-gram kind's from
 every step (the look-ahead judged in hindsight). A bonus per request and kind (UCB over each
 request's tries) made every request try every kind within its ~20 steps, and `auto` 2–4 %
-slower on the training traces (docs/benchmarks.md, session 16). A kind's
+slower on the training traces (docs/benchmarks.md, session 16). The estimates themselves are doubted
+where a request has not verified a kind (`caution`): v_ik less caution / sqrt(1 + m_ik), m_ik the
+verifications request i's own factor under kind k rests on. Of several noisy estimates the
+largest is the likeliest overestimated (the winner's curse: on the training traces the kind
+picked accepted 0.2–0.6 tokens less than predicted), so a request leaves the kind it knows only
+for a clear lead; the n-gram kind, taught at every step by its look-ahead, is the one most
+requests know (docs/benchmarks.md, session 19). A kind's
 pass has a cost of its own whatever it drafts (`fixed`), paid once for all its requests: the set
 of kinds in use is chosen for the batch as a whole (`choose`).
 
@@ -45,6 +51,7 @@ class KindChooser:
     refine: int = 3  # rounds choosing at the choice's own rate (1: at plain decoding's rate)
     switch: bool = True  # charge the context a kind has not seen (`held`) when given
     fallback: bool = True  # name a kind to stand in when a request's kind drafts nothing
+    caution: float = 0.0  # tokens off a kind's value for a request with no verifications of it (fading)
 
     def values(self, table: GainTable, verify: StepCost, costs: DraftingCosts, rate: float | None = None,
                held: np.ndarray | None = None, remaining: np.ndarray | None = None,
@@ -82,7 +89,8 @@ class KindChooser:
 
     def choose(self, predicted: Predicted, verify: StepCost, costs: DraftingCosts, allowed: np.ndarray | None = None,
                held: np.ndarray | None = None, remaining: np.ndarray | None = None,
-               observed: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+               observed: np.ndarray | None = None,
+               evidence: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(kind [R], exploring [R], fallback [R]): the kind (index) each request drafts with this
         step; whether that choice is the bonus's rather than the estimates' — an exploring request
         must draft to teach anything, even where the estimates alone would not draft (the gate
@@ -106,6 +114,8 @@ class KindChooser:
             return np.zeros(r, dtype=np.int64), np.zeros(r, dtype=bool), np.full(r, -1, dtype=np.int64)
         obs = np.zeros(self.kinds) if observed is None else np.asarray(observed, dtype=np.float64)
         bonus = self.bonus * np.sqrt(np.log(2.0 + obs.sum()) / (1.0 + obs))[None, :]  # [1, K]: the same for all
+        doubt = 0.0 if not self.caution or evidence is None else \
+            self.caution / np.sqrt(1.0 + np.asarray(evidence, dtype=np.float64))  # [R, K]
         table = GainTable.of(predicted)  # once for every round
         ch = Choice.of(table, verify, costs, held if self.switch else None, remaining)
         c = ch.costs
@@ -115,6 +125,7 @@ class KindChooser:
         best = None  # (predicted rate, kind, use, value, score, rate charged) of the best round so far
         for _ in range(self.refine):
             value, gain, n, rate = self._values(ch, rate, sharing)
+            value = np.where(value > 0, value - doubt, value)
             score = value + bonus
             if allowed is not None:
                 value, score = np.where(allowed, value, -np.inf), np.where(allowed, score, -np.inf)

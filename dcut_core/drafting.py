@@ -434,6 +434,11 @@ class AcceptanceTracker:
         c = 0.5 + self.shrink / (1.0 + n)
         self.factor[rid] = min(3.0, max(0.05, (a + c) / (e + c)))
 
+    def verifications(self, rid: int) -> int:
+        """Verifications request rid's own factor rests on (decayed sums' count)."""
+        entry = self._sums.get(rid)
+        return 0 if entry is None else entry[2]
+
     def forget(self, rid: int) -> None:
         self._sums.pop(rid, None)
         self.factor.pop(rid, None)

@@ -165,11 +165,12 @@ class DraftingGate:
     planner: DraftPlanner = field(default_factory=lambda: DraftPlanner(slack=2, extend=True))
     bonus: float = 1.0  # the kind chooser's optimism for a kind the unit has seldom verified (tokens)
     teach_empty: bool = True  # `empty` teaches the trackers
+    caution: float = 1.0  # the kind chooser's doubt of a kind a request has not verified (tokens)
     chooser: KindChooser = field(init=False)
 
     def __post_init__(self) -> None:
         self.trackers = list(self.trackers)
-        self.chooser = KindChooser(len(self.trackers), self.bonus)
+        self.chooser = KindChooser(len(self.trackers), self.bonus, caution=self.caution)
 
     def decide(self, g: GateInput) -> Plan:
         """Which kind drafts for each request and how far: the chooser picks the kinds (an
@@ -180,7 +181,8 @@ class DraftingGate:
         rids, verify, costs = g.rids, g.verify(), g.costs()
         predicted = self.predict(g)
         kinds, exploring, fallback = self.chooser.choose(predicted, verify, costs, g.usable(), held=g.lag,
-                                                         remaining=g.remaining, observed=self.observed())
+                                                         remaining=g.remaining, observed=self.observed(),
+                                                         evidence=self.evidence(rids))
         survival = predicted.survival(kinds)
         mine = survival.lengths
         charge = self.catch_up_charge(survival, g.lag[np.arange(len(rids)), kinds], g.remaining)
@@ -214,6 +216,11 @@ class DraftingGate:
         for k, t in enumerate(self.trackers):
             rates[:, k] = t.predict_rows(g.rids, room[:, k], width)
         return Predicted(rates, room)
+
+    def evidence(self, rids: list[int]) -> np.ndarray:
+        """[R, kinds] verifications each request's own factor under each kind rests on."""
+        return np.array([[t.verifications(rid) for t in self.trackers] for rid in rids], dtype=np.float64).reshape(
+            len(rids), len(self.trackers))
 
     def observed(self) -> np.ndarray:
         """[kinds] verifications each kind's tracker has learnt from (a warm start's included):

@@ -80,6 +80,25 @@ def test_chooser_tries_a_kind_the_unit_has_seldom_verified_when_values_are_close
     assert ch.choose(close, verify, DraftingCosts([cost, cost]), observed=[500, 400])[0].tolist() == [0]  # both known
 
 
+def test_a_request_keeps_the_kind_it_knows_unless_another_beats_it_by_more_than_the_doubt():
+    """`caution`: a kind's value for a request is cut by caution / sqrt(1 + the verifications its
+    own factor rests on), so a request switches to a kind it has not verified only when that kind's
+    estimate leads by more than the doubt (the winner's curse: of several noisy estimates the
+    largest is the likeliest overestimated)."""
+    verify, cost = linear(0.01, 1e-3), DraftCost(0.0, 1e-4, 1e-5)
+    close = Predicted.of([[np.full(4, 0.60)], [np.full(4, 0.65)]])
+    far = Predicted.of([[np.full(4, 0.30)], [np.full(4, 0.95)]])
+    two = DraftingCosts([cost, cost])
+    cautious, trusting = KindChooser(kinds=2, bonus=0.0, caution=1.0), KindChooser(kinds=2, bonus=0.0)
+    assert trusting.choose(close, verify, two, evidence=[[10, 0]])[0].tolist() == [1]
+    assert cautious.choose(close, verify, two, evidence=[[10, 0]])[0].tolist() == [0]  # 1 unverified: doubted
+    assert cautious.choose(close, verify, two, evidence=[[10, 10]])[0].tolist() == [1]  # both known
+    assert cautious.choose(far, verify, two, evidence=[[10, 0]])[0].tolist() == [1]  # leads by more than doubt
+    gate = DraftingGate([AcceptanceTracker(block=4) for _ in range(2)], Exploration())
+    gate.learn(Verified.of([5, 5, 6], [0, 0, 1], [3, 2, 4], [3, 1, 0]))
+    assert gate.evidence([5, 6, 7]).tolist() == [[2, 0], [0, 1], [0, 0]]
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.integers(0, 2**32 - 1))
 def test_where_some_kind_pays_the_choice_drafts_something(seed):
