@@ -144,6 +144,11 @@ class DraftPlanner:
     predicted survival pays for drafting it alone (survival ≥ plan rate × per-position cost).
     The plan's verify budget is a guess from predictions; what is verified is pruning's call,
     and drafting a position costs far less than verifying it (one more row of the same pass).
+    Neither widens a chained kind (`per_pass` > 0: MTP, one sequential pass per position) past
+    the deepest position the plan drafts with it: there a position deeper than the chain is one
+    more pass for every request on it, which the plan did not price. Before this cap, MTP steps
+    at 16 requests on a training trace were planned at 59 ms and paid 86 (docs/benchmarks.md,
+    session 19).
     max_budget: the most drafts the scan considers in all (None: every row in full)."""
 
     max_budget: int | None = None
@@ -213,6 +218,7 @@ class DraftPlanner:
         seconds[1:] += costs.shared_fixed + np.cumsum(added)
         best = int(np.argmax(tokens / seconds))
         lengths = np.bincount(row[:best], minlength=r).astype(np.int64)
+        planned = lengths
         if self.slack:
             lengths = np.where(lengths > 0, np.minimum(lengths + self.slack, lens), 0)
         if self.extend and best > 0:
@@ -220,6 +226,11 @@ class DraftPlanner:
             worth[valid] = flat >= tokens[best] / seconds[best] * pp
             pays = np.cumprod(worth, axis=1).sum(axis=1)
             lengths = np.where(lengths > 0, np.maximum(lengths, pays), 0)
+        if per_pass.any() and best > 0:  # a chained kind: neither adds a pass to its chain
+            depth = np.zeros(len(fixed), dtype=np.int64)
+            np.maximum.at(depth, kind, planned)
+            chained = per_pass[kind] > 0
+            lengths = np.where(chained, np.minimum(lengths, depth[kind]), lengths)
         return DraftPlan(lengths, float(tokens[best]), float(seconds[best]), float(seconds[0]))
 
 

@@ -50,6 +50,29 @@ def test_slack_extends_only_drafting_requests_and_never_past_their_cap():
     assert wide.expected_tokens == base.expected_tokens  # the plan itself is unchanged
 
 
+def test_slack_and_extension_add_no_pass_to_a_chained_kind():
+    """A chained kind (MTP: one sequential pass a position, `per_pass`) is widened by slack and
+    extension only as deep as the plan already drafts with it — a deeper position is one more
+    pass for every request on the chain, which the plan did not price. A kind drafting all its
+    positions in one pass (block, n-gram) keeps both."""
+    rows = [np.array([0.9, 0.8, 0.5, 0.5, 0.5]), np.array([0.9, 0.1, 0.1]), np.array([0.95, 0.9, 0.9, 0.9])]
+    verify = linear(1.0, 0.2)
+    parallel = DraftCost(per_request=0.05, per_position=1e-4)
+    chained = DraftCost(per_request=0.05, per_position=1e-4, per_pass=0.01)
+    planner = DraftPlanner(slack=2, extend=True)
+    for kinds in ([0, 1, 1], [1, 1, 1], [1, 0, 1]):
+        kinds = np.array(kinds)
+        costs = DraftingCosts([parallel, chained])
+        plain = DraftPlanner().plan(Survival.of(rows), verify, costs, kinds)
+        wide = planner.plan(Survival.of(rows), verify, costs, kinds)
+        depth = plain.lengths[kinds == 1].max(initial=0)
+        assert (wide.lengths[kinds == 1] <= depth).all(), (kinds, plain.lengths, wide.lengths)
+        assert (wide.lengths >= plain.lengths).all() and wide.expected_tokens == plain.expected_tokens
+        one = kinds == 0
+        assert (wide.lengths[one] == np.where(plain.lengths[one] > 0, [len(rows[i]) for i in np.flatnonzero(one)],
+                                              0)).all()  # the parallel kind: widened to every position
+
+
 def test_plan_matches_brute_force_when_draft_cost_is_per_position():
     rng = np.random.default_rng(0)
     for _ in range(200):
