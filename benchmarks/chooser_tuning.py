@@ -22,6 +22,12 @@ with today's chooser):
     .venv/bin/python benchmarks/chooser_tuning.py --train runs/train23.trace,runs/train29.trace,\\
         runs/train31.trace --heldout runs/heldout.trace --out runs/chooser-tuning    # about 5 minutes
 
+Session 19's caution, at C = 1, 4, 16, 64 in two orders (`--variants` replaces the variants above):
+
+    .venv/bin/python benchmarks/chooser_tuning.py --train runs/train23.trace,runs/train29.trace,\\
+        runs/train31.trace --levels 1,4,16,64 --orders 2 \\
+        --variants '{"caution 0": {"caution": 0}, "caution 1": {"caution": 1}}' --out runs/chooser-caution
+
 (`dcut trace --workload mixed --seed S --num-prompts 32 --out runs/trainS.trace` records a
 training trace; `benchmarks/trace_validate.py` records the held-out one as
 runs/…/heldout.trace.)
@@ -58,12 +64,12 @@ def orders(trace, n: int) -> list:
     return out
 
 
-def cells(traces: list, variant: dict, prior) -> list[dict]:
+def cells(traces: list, variant: dict, prior, levels=LEVELS, n_orders: int = ORDERS) -> list[dict]:
     """Per (trace, order, C): auto, each single kind and `ar` (tok/s) under one variant."""
     out = []
     for t, trace in enumerate(traces):
-        for o, tr in enumerate(orders(trace, ORDERS)):
-            for c in LEVELS:
+        for o, tr in enumerate(orders(trace, n_orders)):
+            for c in levels:
                 row = {"trace": t, "order": o, "concurrency": c}
                 for name, kinds in (*((k, (k,)) for k in tr.kinds), ("auto", tuple(tr.kinds))):
                     row[name] = simulate_trace(tr, SimSettings(kinds=kinds, **variant), c, prior).tok_s
@@ -79,9 +85,10 @@ def geo(xs) -> float:
 
 
 def summary(rows: list[dict]) -> dict:
-    by_c = {c: geo(r["auto / best"] for r in rows if r["concurrency"] == c) for c in LEVELS}
+    levels = sorted({r["concurrency"] for r in rows})
+    by_c = {c: geo(r["auto / best"] for r in rows if r["concurrency"] == c) for c in levels}
     kinds = [k for k in rows[0] if k not in ("trace", "order", "concurrency", "ar", "auto / best")]
-    per_ar = {k: {c: geo(r[k] / r["ar"] for r in rows if r["concurrency"] == c) for c in LEVELS} for k in kinds}
+    per_ar = {k: {c: geo(r[k] / r["ar"] for r in rows if r["concurrency"] == c) for c in levels} for k in kinds}
     return {"geo": geo(r["auto / best"] for r in rows), "min": min(r["auto / best"] for r in rows), "by_c": by_c,
             "x_ar": per_ar}
 
@@ -91,7 +98,13 @@ def main() -> int:
     p.add_argument("--train", required=True, help="training traces, comma-separated")
     p.add_argument("--heldout", help="a trace of the reported prompts (scored, never tuned on)")
     p.add_argument("--out", default="runs/chooser-tuning")
+    p.add_argument("--variants", help='JSON {name: SimSettings fields}, e.g. \'{"no caution": {"caution": 0}}\' '
+                   "(default: the variants above)")
+    p.add_argument("--levels", default=",".join(map(str, LEVELS)), help="concurrencies, comma-separated")
+    p.add_argument("--orders", type=int, default=ORDERS, help="request orders per trace")
     args = p.parse_args()
+    variants = json.loads(args.variants) if args.variants else VARIANTS
+    levels = [int(c) for c in args.levels.split(",")]
     from actors.engine.warm import prior_of
     from dcut_core.learned import LearnedState
     from deployments.bundle import BUNDLED
@@ -101,19 +114,19 @@ def main() -> int:
     train = [read_trace(t) for t in args.train.split(",")]
     held = [read_trace(args.heldout)] if args.heldout else []
     results = {}
-    for name, variant in VARIANTS.items():
-        results[name] = {"training": summary(cells(train, variant, prior))}
+    for name, variant in variants.items():
+        results[name] = {"training": summary(cells(train, variant, prior, levels, args.orders))}
         if held:
-            results[name]["held-out"] = summary(cells(held, variant, prior))
+            results[name]["held-out"] = summary(cells(held, variant, prior, levels, args.orders))
         print(name, json.dumps(results[name]), flush=True)
-    md = ["| variant | traces | auto / best single kind: geo-mean (min) | C = 1 | C = 4 | C = 16 | "
-          "n-gram × `ar`, C = 1 / 4 / 16 |", "|---|---|---|---|---|---|---|"]
+    md = ["| variant | traces | auto / best single kind: geo-mean (min) | " + " | ".join(f"C = {c}" for c in levels)
+          + " | n-gram × `ar`, C = " + " / ".join(map(str, levels)) + " |", "|---" * (4 + len(levels)) + "|"]
     for name, res in results.items():
         for which, s in res.items():
             ng = s["x_ar"].get("ngram", {})
             md.append(f"| {name} | {which} | {s['geo']:.3f} ({s['min']:.2f}) | "
-                      + " | ".join(f"{s['by_c'][c]:.3f}" for c in LEVELS) + " | "
-                      + " / ".join(f"{ng[c]:.2f}" for c in LEVELS) + " |")
+                      + " | ".join(f"{s['by_c'][c]:.3f}" for c in levels) + " | "
+                      + " / ".join(f"{ng[c]:.2f}" for c in levels) + " |")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1))

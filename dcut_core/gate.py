@@ -46,23 +46,21 @@ class KindReach:
 class GateInput:
     """Everything one gate decision sees, in plain numbers: the step's requests, their caps,
     remaining output and lag (per drafter kind, the context it has not seen: catching up on it
-    comes before drafting), each kind's drafting cost, the kinds each request may use, the
-    drafts a kind is known to be able to make now (the n-gram kind's look-ahead), what any
-    drafting step costs beyond the kinds' passes, and the verify cost sampled at every token
-    count the decision can ask about (R .. R + Σ caps). The engine builds it every step
-    (`capture`); a step log keeps it (`as_dict`), and `replay` feeds it back to a fresh gate."""
+    comes before drafting), the drafting costs (each kind's pass, what any drafting step costs
+    beyond the passes, the replicas' call and the kinds drafted there), the kinds each request
+    may use, the drafts a kind is known to be able to make now (the n-gram kind's look-ahead),
+    and the verify cost sampled at every token count the decision can ask about (R .. R + Σ
+    caps). The engine builds it every step (`capture`); a step log keeps it (`as_dict`), and
+    `replay` feeds it back to a fresh gate."""
 
     rids: list[int]
     caps: np.ndarray  # [R]
     remaining: np.ndarray  # [R] tokens each request may still emit
     lag: np.ndarray  # [R, kinds] context tokens each kind has not seen
     verify_table: np.ndarray  # verify.seconds(R + n) for n = 0 .. Σ caps
-    draft: list[DraftCost]  # one per kind
+    costs: DraftingCosts
     allowed: np.ndarray | None = None  # [R, kinds] bool
-    shared_fixed: float = 0.0
     available: np.ndarray | None = None  # [R, kinds] drafts each kind can make now (-1: as many as asked)
-    call: float = 0.0  # the drafter replicas' call, once a step any `remote` kind drafts
-    remote: np.ndarray | None = None  # [kinds] bool: the kinds drafted on the replicas (None: every kind)
 
     @classmethod
     def capture(cls, rids: list[int], caps, remaining, reach: KindReach, verify: StepCost,
@@ -72,20 +70,16 @@ class GateInput:
         tokens = len(rids) + np.arange(int(caps.sum()) + 1)
         lag = np.asarray(reach.lag, dtype=np.float64).reshape(shape)
         allowed, available = reach.allowed, reach.available
-        return cls(list(rids), caps, np.asarray(remaining, dtype=np.int64), lag, verify.seconds(tokens),
-                   list(costs.draft), None if allowed is None else np.asarray(allowed, dtype=bool),
-                   float(costs.shared_fixed),
-                   None if available is None else np.asarray(available, dtype=np.int64).reshape(shape),
-                   float(costs.call), None if costs.remote is None else np.asarray(costs.remote, dtype=bool))
-
-    def costs(self) -> DraftingCosts:
-        """The drafting costs it was captured with."""
-        return DraftingCosts(self.draft, self.shared_fixed, self.call, self.remote)
+        costs = DraftingCosts(list(costs.draft), float(costs.shared_fixed), float(costs.call),
+                              None if costs.remote is None else np.asarray(costs.remote, dtype=bool))
+        return cls(list(rids), caps, np.asarray(remaining, dtype=np.int64), lag, verify.seconds(tokens), costs,
+                   None if allowed is None else np.asarray(allowed, dtype=bool),
+                   None if available is None else np.asarray(available, dtype=np.int64).reshape(shape))
 
     def room(self) -> np.ndarray:
         """[R, kinds]: the most drafts each kind may make for each request this step: the cap,
         within what the kind can make now (`available`) and only for the kinds it may use."""
-        room = np.repeat(self.caps[:, None], len(self.draft), axis=1)
+        room = np.repeat(self.caps[:, None], len(self.costs.draft), axis=1)
         if self.available is not None:
             room = np.where(self.available >= 0, np.minimum(room, self.available), room)
         if self.allowed is not None:
@@ -106,12 +100,13 @@ class GateInput:
         return StepCost(lambda n: table[np.asarray(n, dtype=np.int64) - r], 0.0)
 
     def as_dict(self) -> dict:
+        c = self.costs
         return {"rids": self.rids, "caps": self.caps.tolist(), "remaining": self.remaining.tolist(),
                 "lag": self.lag.tolist(), "verify_table": self.verify_table.tolist(),
-                "draft": [[d.fixed, d.per_request, d.per_position, d.per_context, d.per_pass] for d in self.draft],
-                "allowed": None if self.allowed is None else self.allowed.tolist(), "shared_fixed": self.shared_fixed,
-                "available": None if self.available is None else self.available.tolist(), "call": self.call,
-                "remote": None if self.remote is None else self.remote.tolist()}
+                "draft": [[d.fixed, d.per_request, d.per_position, d.per_context, d.per_pass] for d in c.draft],
+                "allowed": None if self.allowed is None else self.allowed.tolist(), "shared_fixed": c.shared_fixed,
+                "available": None if self.available is None else self.available.tolist(), "call": c.call,
+                "remote": None if c.remote is None else c.remote.tolist()}
 
     @classmethod
     def from_dict(cls, d: dict) -> GateInput:
@@ -122,11 +117,12 @@ class GateInput:
         draft = [DraftCost(*x) for x in draft] if draft and isinstance(draft[0], list) else [DraftCost(*draft)]
         lag = np.asarray(d["lag"] if "lag" in d else d["backlog"], dtype=np.float64).reshape(len(d["rids"]), len(draft))
         allowed, available = d.get("allowed"), d.get("available")
+        costs = DraftingCosts(draft, d.get("shared_fixed", 0.0), float(d.get("call", 0.0)),
+                              None if d.get("remote") is None else np.asarray(d["remote"], dtype=bool))
         return cls(list(d["rids"]), np.asarray(d["caps"], dtype=np.int64), np.asarray(d["remaining"], dtype=np.int64),
-                   lag, np.asarray(d["verify_table"], dtype=np.float64), draft,
-                   None if allowed is None else np.asarray(allowed, dtype=bool), d.get("shared_fixed", 0.0),
-                   None if available is None else np.asarray(available, dtype=np.int64).reshape(lag.shape),
-                   float(d.get("call", 0.0)), None if d.get("remote") is None else np.asarray(d["remote"], dtype=bool))
+                   lag, np.asarray(d["verify_table"], dtype=np.float64), costs,
+                   None if allowed is None else np.asarray(allowed, dtype=bool),
+                   None if available is None else np.asarray(available, dtype=np.int64).reshape(lag.shape))
 
 
 @dataclass(frozen=True)
@@ -178,7 +174,7 @@ class DraftingGate:
         kinds' predictions and costs, the catch-up charged by each request's lag. A kind is
         predicted only as far as it may draft (`GateInput.room`): an n-gram kind whose look-ahead
         found nothing is worth nothing to that request this step."""
-        rids, verify, costs = g.rids, g.verify(), g.costs()
+        rids, verify, costs = g.rids, g.verify(), g.costs
         predicted = self.predict(g)
         kinds, exploring, fallback = self.chooser.choose(predicted, verify, costs, g.usable(), held=g.lag,
                                                          remaining=g.remaining, observed=self.observed(),
@@ -202,7 +198,7 @@ class DraftingGate:
         """The kinds `decide` would choose, every request drafting to its cap: for a policy that
         drafts without gating (its requests still teach the trackers)."""
         predicted = self.predict(g)
-        kinds, _, fallback = self.chooser.choose(predicted, g.verify(), g.costs(), g.usable(),
+        kinds, _, fallback = self.chooser.choose(predicted, g.verify(), g.costs, g.usable(),
                                                  observed=self.observed())
         return Plan(kinds, predicted.lengths[np.arange(len(g.rids)), kinds], fallback, g)
 

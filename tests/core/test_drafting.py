@@ -290,7 +290,7 @@ def test_gate_input_holds_the_verify_cost_at_every_count_the_decision_can_ask():
     counts = np.arange(3, 3 + 8 + 1)
     assert np.array_equal(g.verify().seconds(counts), curve.seconds(counts))  # bit for bit
     back = GateInput.from_dict(g.as_dict())
-    assert back.rids == g.rids and back.draft == g.draft
+    assert back.rids == g.rids and back.costs.draft == g.costs.draft
     assert all(np.array_equal(a, b) for a, b in ((back.caps, g.caps), (back.verify_table, g.verify_table),
                                                  (back.remaining, g.remaining), (back.lag, g.lag)))
 
@@ -302,8 +302,8 @@ def test_a_gate_input_logged_before_kinds_were_one_path_reads_as_one_kind():
            "verify_table": [0.01 + 1e-3 * n for n in range(7)], "draft": [1e-3, 2e-4, 1e-5, 1e-6, 0.0],
            "allowed": None}
     g = GateInput.from_dict(old)
-    assert g.draft == [DraftCost(1e-3, 2e-4, 1e-5, 1e-6, 0.0)] and g.lag.tolist() == [[0.0], [6.0]]
-    assert g.shared_fixed == 0.0 and GateInput.from_dict(g.as_dict()).lag.tolist() == g.lag.tolist()
+    assert g.costs.draft == [DraftCost(1e-3, 2e-4, 1e-5, 1e-6, 0.0)] and g.lag.tolist() == [[0.0], [6.0]]
+    assert g.costs.shared_fixed == 0.0 and GateInput.from_dict(g.as_dict()).lag.tolist() == g.lag.tolist()
 
 
 def test_replay_of_a_logged_history_reproduces_every_plan():

@@ -185,3 +185,34 @@ def test_a_decode_forward_synchronises_once_per_moe_layer():
                 torch.cuda.set_sync_debug_mode("default")
     syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
     assert len(syncs) <= model.cfg.moe_layers + 2, syncs
+
+
+def test_a_world_size_one_nccl_group_dispatches_and_agrees():
+    """The data group on NCCL, world size 1 (one GPU): the MoE exchanges go through its
+    all-to-all and give the local dispatch's logits; the all-reduce of `all_agree` takes a device
+    flag; and the group is made with NCCL's errors raised in the calling thread (unless the
+    operator set otherwise), so a failed collective reaches the step and the engine rebuilds."""
+    import os
+    import socket
+
+    from actors.target.parallel import all_agree, apply_expert_parallel, join_groups
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    preset = {k: os.environ.get(k) for k in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT")}
+    _, data, _ = join_groups(("127.0.0.1", port), 0, 1, "nccl", timeout_s=60, rendezvous_s=30)
+    if preset["TORCH_NCCL_ASYNC_ERROR_HANDLING"] is None:
+        assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    if preset["TORCH_NCCL_BLOCKING_WAIT"] is None:
+        assert os.environ["TORCH_NCCL_BLOCKING_WAIT"] == "1"
+    assert all_agree(data, True, "cuda") and not all_agree(data, False, "cuda")
+    local = load_model(str(BUNDLED)).to("cuda").eval()
+    parallel = load_model(str(BUNDLED)).to("cuda").eval()
+    apply_expert_parallel(parallel, 0, 1, data)
+    batch = ForwardBatch.from_lists([0, 1], [PROMPTS[0], PROMPTS[1]], "all")
+    batch = ForwardBatch(batch.request_ids, batch.tokens.cuda(), batch.cu, batch.logit_index.cuda())
+    with torch.no_grad():
+        want, _ = local.forward(batch, local.new_cache(4096), StepStats())
+        got, _ = parallel.forward(batch, parallel.new_cache(4096), StepStats())
+    assert torch.equal(got, want)
