@@ -53,6 +53,11 @@ class KindChooser:
     fallback: bool = True  # name a kind to stand in when a request's kind drafts nothing
     caution: float = 0.0  # tokens off a kind's value for a request with no verifications of it (fading)
 
+    @property
+    def doubts(self) -> bool:
+        """Whether `choose` reads each request's evidence (several kinds, caution on)."""
+        return self.kinds > 1 and self.caution > 0
+
     def values(self, table: GainTable, verify: StepCost, costs: DraftingCosts, rate: float | None = None,
                held: np.ndarray | None = None, remaining: np.ndarray | None = None,
                sharing: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:

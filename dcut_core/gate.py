@@ -178,7 +178,7 @@ class DraftingGate:
         predicted = self.predict(g)
         kinds, exploring, fallback = self.chooser.choose(predicted, verify, costs, g.usable(), held=g.lag,
                                                          remaining=g.remaining, observed=self.observed(),
-                                                         evidence=self.evidence(rids))
+                                                         evidence=self.evidence(rids) if self.chooser.doubts else None)
         survival = predicted.survival(kinds)
         mine = survival.lengths
         charge = self.catch_up_charge(survival, g.lag[np.arange(len(rids)), kinds], g.remaining)
@@ -215,8 +215,10 @@ class DraftingGate:
 
     def evidence(self, rids: list[int]) -> np.ndarray:
         """[R, kinds] verifications each request's own factor under each kind rests on."""
-        return np.array([[t.verifications(rid) for t in self.trackers] for rid in rids], dtype=np.float64).reshape(
-            len(rids), len(self.trackers))
+        out = np.empty((len(rids), len(self.trackers)))
+        for k, t in enumerate(self.trackers):
+            out[:, k] = np.fromiter((t.verifications(rid) for rid in rids), dtype=np.float64, count=len(rids))
+        return out
 
     def observed(self) -> np.ndarray:
         """[kinds] verifications each kind's tracker has learnt from (a warm start's included):
