@@ -51,16 +51,24 @@ def test_expert_dispatch_stays_on_the_device():
     assert y.device.type == "cuda" and y.shape == (5, 16)
 
 
-def test_fp8_weights_stay_fp8_on_a_gpu_that_multiplies_them(tmp_path):
+LATENT = dict(model_type="deepseek_v3", kv_lora_rank=128, qk_nope_head_dim=16, v_head_dim=16, head_dim=16,
+              num_attention_heads=8, num_key_value_heads=8, q_lora_rank=128)
+
+
+@pytest.mark.parametrize("latent", [False, True])
+def test_fp8_weights_stay_fp8_on_a_gpu_that_multiplies_them(tmp_path, latent):
     """On capability ≥ 9.0: the FP8 checkpoint's 128-wide layers and experts are swapped for FP8
     ones using `F.scaled_mm` block-wise (the device check passes), and the logits are the
-    dequantized model's up to the activations' FP8 rounding. Below 9.0 nothing is swapped."""
+    dequantized model's up to the activations' FP8 rounding — for standard attention and for
+    DeepSeek-V3's latent attention, whose `kv_b_proj` stays dequantized (it reads that weight
+    itself). Below 9.0 nothing is swapped."""
     from actors.target.checkpoint import save_model
-    from actors.target.fp8 import Fp8Experts, device_supports_fp8, keep_fp8
+    from actors.target.fp8 import Fp8Experts, Fp8Linear, device_supports_fp8, keep_fp8
     from tests.actors.fp8_checkpoints import write_fp8
     from tests.conftest import tiny_model
 
-    model = tiny_model(3, hidden_size=128, head_dim=32, moe_intermediate_size=128, intermediate_size=128)
+    shape = LATENT if latent else dict(head_dim=32)
+    model = tiny_model(3, hidden_size=128, moe_intermediate_size=128, intermediate_size=128, **shape)
     save_model(model, tmp_path / "fp32", layout="per_expert")
     fp8_dir, plain_dir = write_fp8(tmp_path / "fp32", tmp_path, (128, 128))
     tokens = [3, 17, 5, 90, 41, 8, 8, 60, 2, 33, 71]
@@ -79,6 +87,9 @@ def test_fp8_weights_stay_fp8_on_a_gpu_that_multiplies_them(tmp_path):
         assert swapped == 0
         return
     assert swapped > 0 and any(isinstance(x, Fp8Experts) for x in m.modules())
+    if latent:
+        names = {n.rsplit(".", 1)[-1] for n, x in m.named_modules() if isinstance(x, Fp8Linear)}
+        assert "q_b_proj" in names and "kv_b_proj" not in names
     assert float((kept - plain).norm() / plain.norm()) < 0.05
 
 
@@ -216,3 +227,49 @@ def test_a_world_size_one_nccl_group_dispatches_and_agrees():
         want, _ = local.forward(batch, local.new_cache(4096), StepStats())
         got, _ = parallel.forward(batch, parallel.new_cache(4096), StepStats())
     assert torch.equal(got, want)
+
+
+def test_a_rank_forward_on_cuda_equals_the_cpu_with_sampling_controls_grammar_and_logprobs():
+    """`TargetRank.forward` — the rank's whole step, not only the model — on CUDA against the CPU,
+    both float32: a greedy request with log-probabilities, a sampling one with penalties, a
+    logit bias, top-k and min-p, and a sampling one under a grammar's mask. The argmax and the
+    draws agree (a draw may flip only where float32 rounding moves a uniform across a token's
+    edge: at most one row), the log-probabilities to float32's accuracy, and every drawn token
+    under the grammar is one it allows."""
+    import numpy as np
+
+    from actors.ray_env import start_local_ray
+    from actors.target.sampling import Controls, RequestControls
+    from actors.target.worker import RankBatch, TargetRank, WorkerSpec
+
+    start_local_ray(num_cpus=4)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rng = np.random.default_rng(0)
+    chunks = [list(range(20, 32)), [7, 8, 9, 7, 8, 9, 7, 8], list(range(100, 110))]
+    tokens = np.array([t for c in chunks for t in c], dtype=np.int64)
+    cu = np.cumsum([0] + [len(c) for c in chunks])
+    m = len(tokens)
+    vocab = load_model(str(BUNDLED)).cfg.vocab_size
+    owner = np.repeat(np.arange(3), np.diff(cu))
+    mask = np.zeros((len(chunks[2]), (vocab + 31) // 32 * 32), dtype=bool)
+    for row in mask:  # each row allows 40 tokens
+        row[rng.choice(vocab, 40, replace=False)] = True
+    allowed = np.packbits(mask, axis=-1, bitorder="little").view(np.int32)  # the grammar's bitmask format
+    penal = Controls(0.4, 0.2, 1.3, ((5, 2.0), (17, -3.0)), 0, (), 20, 0.05)
+    controls = (None, RequestControls(penal, np.zeros(0, dtype=np.int64), 4),
+                RequestControls(Controls(top_k=50), np.zeros(0, dtype=np.int64), 3, allowed))
+    temperature = np.where(owner == 0, 0.0, 0.9).astype(np.float32)
+    rb = RankBatch([0, 1, 2], tokens, cu, np.arange(m), temperature=temperature,
+                   top_p=np.full(m, 0.95, dtype=np.float32), logprob_rows=owner == 0, controls=controls,
+                   uniform=rng.random(m))
+    results = {}
+    for device in ("cpu", "cuda"):
+        rank = TargetRank(WorkerSpec(str(BUNDLED), 0, 1, kv_capacity_tokens=4096, device=device, dtype="float32"))
+        rank.setup(("127.0.0.1", 0))
+        results[device] = rank.forward(rb)
+    cpu, gpu = results["cpu"], results["cuda"]
+    assert np.array_equal(gpu.argmax, cpu.argmax)
+    assert (gpu.sampled != cpu.sampled).sum() <= 1, (gpu.sampled, cpu.sampled)
+    assert np.allclose(gpu.logprobs, cpu.logprobs, atol=2e-3)
+    drawn = gpu.sampled[owner == 2]
+    assert mask[np.arange(len(drawn)), drawn].all(), drawn
