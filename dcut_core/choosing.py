@@ -94,16 +94,15 @@ class KindChooser:
 
     def choose(self, predicted: Predicted, verify: StepCost, costs: DraftingCosts, allowed: np.ndarray | None = None,
                held: np.ndarray | None = None, remaining: np.ndarray | None = None,
-               observed: np.ndarray | None = None,
-               evidence: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+               support: Support | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(kind [R], exploring [R], fallback [R]): the kind (index) each request drafts with this
         step; whether that choice is the bonus's rather than the estimates' — an exploring request
         must draft to teach anything, even where the estimates alone would not draft (the gate
         sees to it); and the kind to draft with instead if the chosen one makes no drafts (-1:
         none). predicted: each request's conditional acceptance by position under each kind (up
         to its cap). allowed [R, K]: the kinds each request may use (its own choice); held,
-        remaining: what a switch of kind costs (`values`); observed [K]: the verifications each
-        kind's estimates rest on (None: none).
+        remaining: what a switch of kind costs (`values`); support: the verifications the estimates
+        rest on, the unit's per kind (the bonus) and each request's per kind (the caution).
 
         A kind's pass costs its `fixed` seconds once for all the requests it drafts for, and the
         call to the drafter replicas its `call` once for every kind drafted there, so the kinds
@@ -117,10 +116,11 @@ class KindChooser:
         r = predicted.rates.shape[0]
         if r == 0 or self.kinds == 1:  # nothing to choose: every request drafts with the one kind
             return np.zeros(r, dtype=np.int64), np.zeros(r, dtype=bool), np.full(r, -1, dtype=np.int64)
-        obs = np.zeros(self.kinds) if observed is None else np.asarray(observed, dtype=np.float64)
+        support = Support() if support is None else support
+        obs = np.zeros(self.kinds) if support.unit is None else np.asarray(support.unit, dtype=np.float64)
         bonus = self.bonus * np.sqrt(np.log(2.0 + obs.sum()) / (1.0 + obs))[None, :]  # [1, K]: the same for all
-        doubt = 0.0 if not self.caution or evidence is None else \
-            self.caution / np.sqrt(1.0 + np.asarray(evidence, dtype=np.float64))  # [R, K]
+        doubt = 0.0 if not self.caution or support.request is None else \
+            self.caution / np.sqrt(1.0 + np.asarray(support.request, dtype=np.float64))  # [R, K]
         table = GainTable.of(predicted)  # once for every round
         ch = Choice.of(table, verify, costs, held if self.switch else None, remaining)
         c = ch.costs
@@ -192,6 +192,17 @@ class KindChooser:
         within = np.where(use, score, -np.inf)
         kind = np.where(np.isfinite(within.max(axis=1)), within.argmax(axis=1), score.argmax(axis=1))
         return kind.astype(np.int64), use
+
+
+@dataclass(frozen=True)
+class Support:
+    """What the chooser's estimates rest on: the verifications each kind's tracker has learnt
+    from (`unit` [K], a warm start's included: the bonus's measure of how sure the unit is) and
+    those each request's own factor under each kind rests on (`request` [R, K]: caution's
+    measure). None: none."""
+
+    unit: np.ndarray | None = None
+    request: np.ndarray | None = None
 
 
 @dataclass(frozen=True)

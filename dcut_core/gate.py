@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dcut_core.choosing import KindChooser
+from dcut_core.choosing import KindChooser, Support
 from dcut_core.drafting import (
     AcceptanceTracker,
     DraftCost,
@@ -177,8 +177,7 @@ class DraftingGate:
         rids, verify, costs = g.rids, g.verify(), g.costs
         predicted = self.predict(g)
         kinds, exploring, fallback = self.chooser.choose(predicted, verify, costs, g.usable(), held=g.lag,
-                                                         remaining=g.remaining, observed=self.observed(),
-                                                         evidence=self.evidence(rids) if self.chooser.doubts else None)
+                                                         remaining=g.remaining, support=self.support(rids))
         survival = predicted.survival(kinds)
         mine = survival.lengths
         charge = self.catch_up_charge(survival, g.lag[np.arange(len(rids)), kinds], g.remaining)
@@ -199,7 +198,7 @@ class DraftingGate:
         drafts without gating (its requests still teach the trackers)."""
         predicted = self.predict(g)
         kinds, _, fallback = self.chooser.choose(predicted, g.verify(), g.costs, g.usable(),
-                                                 observed=self.observed())
+                                                 support=Support(self.observed()))
         return Plan(kinds, predicted.lengths[np.arange(len(g.rids)), kinds], fallback, g)
 
     def predict(self, g: GateInput) -> Predicted:
@@ -212,6 +211,11 @@ class DraftingGate:
         for k, t in enumerate(self.trackers):
             rates[:, k] = t.predict_rows(g.rids, room[:, k], width)
         return Predicted(rates, room)
+
+    def support(self, rids: list[int]) -> Support:
+        """What the chooser's estimates rest on: the unit's verifications per kind, and each
+        request's own per kind where the chooser reads them (several kinds, caution on)."""
+        return Support(self.observed(), self.evidence(rids) if self.chooser.doubts else None)
 
     def evidence(self, rids: list[int]) -> np.ndarray:
         """[R, kinds] verifications each request's own factor under each kind rests on."""

@@ -110,9 +110,11 @@ class Fp8Experts(nn.Module):
         self.register_buffer("down_scale", down[1].float())
         self.mm = mm
 
+    def uses_grouped(self, rows: torch.Tensor) -> bool:
+        return False  # no grouped FP8 path yet (torch's `_scaled_grouped_mm` would be one)
+
     def forward(self, rows: torch.Tensor, counts: list[int], on_device: torch.Tensor | None = None) -> torch.Tensor:
-        """As `LocalExperts.forward`, one block-scaled matmul per expert (`on_device` unused: no
-        grouped FP8 path yet)."""
+        """As `LocalExperts.forward`, one block-scaled matmul per expert (`on_device` unused)."""
         out = torch.empty_like(rows)
         start = 0
         for e, c in enumerate(counts):

@@ -134,7 +134,8 @@ class Dispatch:
                                           output_size=sum(recv))  # sized on the host: no second sync
         by_expert = torch.argsort(local_e, stable=True)
         done = torch.empty_like(rows)
-        done[by_expert] = experts(rows[by_expert], counts, recv_e.view(self.world, per_rank).sum(0))
+        on_device = recv_e.view(self.world, per_rank).sum(0) if experts.uses_grouped(rows) else None
+        done[by_expert] = experts(rows[by_expert], counts, on_device)
         t2 = time.perf_counter()
         back = self.exchange_rows(done, send, recv)  # [n·k, H] in `order`
         t3 = time.perf_counter()

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dcut_core.choosing import GainTable, KindChooser
+from dcut_core.choosing import GainTable, KindChooser, Support
 from dcut_core.drafting import AcceptanceTracker, DraftCost, DraftPlanner, Exploration, Predicted, Survival, Verified
 from dcut_core.gate import DraftingCosts, DraftingGate, GateInput, KindReach, replay
 from dcut_core.pruning import StepCost
@@ -75,9 +75,10 @@ def test_chooser_tries_a_kind_the_unit_has_seldom_verified_when_values_are_close
     ch = KindChooser(kinds=2, bonus=1.0)
     two = DraftingCosts([cost, cost])
     assert ch.choose(close, verify, two)[0].tolist() == [0]  # equally unsure: the better estimate
-    assert ch.choose(close, verify, two, observed=[1, 0])[0].tolist() == [1]  # 1 never verified
-    assert ch.choose(far, verify, DraftingCosts([cost, cost]), observed=[1, 0])[0].tolist() == [0]
-    assert ch.choose(close, verify, DraftingCosts([cost, cost]), observed=[500, 400])[0].tolist() == [0]  # both known
+    assert ch.choose(close, verify, two, support=Support(np.array([1, 0])))[0].tolist() == [1]  # 1 never verified
+    assert ch.choose(far, verify, DraftingCosts([cost, cost]), support=Support(np.array([1, 0])))[0].tolist() == [0]
+    # both known
+    assert ch.choose(close, verify, two, support=Support(np.array([500, 400])))[0].tolist() == [0]
 
 
 def test_a_request_keeps_the_kind_it_knows_unless_another_beats_it_by_more_than_the_doubt():
@@ -90,10 +91,13 @@ def test_a_request_keeps_the_kind_it_knows_unless_another_beats_it_by_more_than_
     far = Predicted.of([[np.full(4, 0.30)], [np.full(4, 0.95)]])
     two = DraftingCosts([cost, cost])
     cautious, trusting = KindChooser(kinds=2, bonus=0.0, caution=1.0), KindChooser(kinds=2, bonus=0.0)
-    assert trusting.choose(close, verify, two, evidence=[[10, 0]])[0].tolist() == [1]
-    assert cautious.choose(close, verify, two, evidence=[[10, 0]])[0].tolist() == [0]  # 1 unverified: doubted
-    assert cautious.choose(close, verify, two, evidence=[[10, 10]])[0].tolist() == [1]  # both known
-    assert cautious.choose(far, verify, two, evidence=[[10, 0]])[0].tolist() == [1]  # leads by more than doubt
+    assert trusting.choose(close, verify, two, support=Support(request=np.array([[10, 0]])))[0].tolist() == [1]
+    # 1 unverified: doubted
+    assert cautious.choose(close, verify, two, support=Support(request=np.array([[10, 0]])))[0].tolist() == [0]
+    # both known
+    assert cautious.choose(close, verify, two, support=Support(request=np.array([[10, 10]])))[0].tolist() == [1]
+    # leads by more than doubt
+    assert cautious.choose(far, verify, two, support=Support(request=np.array([[10, 0]])))[0].tolist() == [1]
     gate = DraftingGate([AcceptanceTracker(block=4) for _ in range(2)], Exploration())
     gate.learn(Verified.of([5, 5, 6], [0, 0, 1], [3, 2, 4], [3, 1, 0]))
     assert gate.evidence([5, 6, 7]).tolist() == [[2, 0], [0, 1], [0, 0]]
@@ -115,7 +119,7 @@ def test_where_some_kind_pays_the_choice_drafts_something(seed):
     verify = linear(rng.uniform(0.005, 0.02), rng.uniform(1e-4, 3e-3))
     ch = KindChooser(k, bonus=1.0)
     kind, exploring, _ = ch.choose(Predicted.of(predicted), verify, DraftingCosts(costs),
-                                   observed=rng.integers(0, 50, k))
+                                   support=Support(rng.integers(0, 50, k)))
     value, *_ = ch.values(GainTable.of(Predicted.of(predicted)), verify, DraftingCosts(costs))
     plain = r / float(verify.seconds(np.array([r]))[0])
     pays = (value - plain * np.array([c.fixed for c in costs])[None, :] > 0).any()
