@@ -124,7 +124,7 @@ class KindChooser:
         table = GainTable.of(predicted)  # once for every round
         ch = Choice.of(table, verify, costs, held if self.switch else None, remaining)
         c = ch.costs
-        fixed_s, calls = c[0], costs.calls()
+        fixed_s, calls = c[0], costs.calling
         rate, sharing = None, np.full(self.kinds, r)  # first as if every request drafted with each kind
         rows = np.arange(r)
         best = None  # (predicted rate, kind, use, value, score, rate charged) of the best round so far
@@ -142,8 +142,7 @@ class KindChooser:
                 sharing = np.bincount(k, minlength=self.kinds)  # the next round charges each its share of a chain
                 tokens = r + gain[rows, kind][drafts].sum()
                 m = n[rows, kind][drafts]
-                longest = np.zeros(self.kinds)
-                np.maximum.at(longest, k, m)
+                longest = np.where(k[None, :] == np.arange(self.kinds)[:, None], m[None, :], 0.0).max(axis=1)
                 seconds = (float(verify.seconds(np.array([r + int(m.sum())]))[0])
                            + float(((fixed_s + c[4] * longest) * (sharing > 0)).sum())
                            + float((c[1][k] + c[2][k] * m).sum())
@@ -183,7 +182,7 @@ class KindChooser:
         top = np.where(sets[:, None, :], score[None, :, :], -np.inf).max(axis=2)  # [sets, R]
         paid = np.where(sets, fixed[None, :], 0.0).sum(axis=1)
         if call and calls is not None:
-            paid = paid + call * (sets & calls[None, :]).any(axis=1)
+            paid = paid + call * calling_sets(tuple(calls.tolist()))
         totals = (np.maximum(top, 0.0).sum(axis=1) - paid).tolist()
         best_total, use = -np.inf, sets[-1]
         for inside, total in zip(sets, totals, strict=True):
@@ -245,7 +244,7 @@ class Choice:
            remaining: np.ndarray | None) -> Choice:
         """held [R, K]: context each kind has not seen of each request, charged d_context,k a
         token in the share of its `remaining` output the step may make."""
-        c = costs.columns().T
+        c = costs.table.T
         if not table.width.any():  # nobody may draft (a captured verify table may hold R alone)
             return cls(table, 0.0, 0.0, c, None)
         r = table.gain.shape[0]
@@ -261,4 +260,14 @@ class Choice:
 @cache
 def kind_sets(k: int) -> np.ndarray:
     """[2^k − 1, k] bool: every non-empty set of k kinds, in the order of their bit patterns."""
-    return (np.arange(1, 2 ** k)[:, None] >> np.arange(k)) & 1 == 1
+    sets = (np.arange(1, 2 ** k)[:, None] >> np.arange(k)) & 1 == 1
+    sets.setflags(write=False)
+    return sets
+
+
+@cache
+def calling_sets(calls: tuple[bool, ...]) -> np.ndarray:
+    """[2^k − 1] bool: the sets of `kind_sets` holding a kind whose drafting calls the replicas."""
+    hold = (kind_sets(len(calls)) & np.array(calls)[None, :]).any(axis=1)
+    hold.setflags(write=False)
+    return hold

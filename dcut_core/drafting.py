@@ -19,6 +19,7 @@ predictions, and pruning makes the exact decision once real confidences exist.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -71,13 +72,20 @@ class DraftingCosts:
     call: float = 0.0
     remote: np.ndarray | None = None
 
-    def columns(self) -> np.ndarray:
-        """[K, 5]: each kind's fixed, per-request, per-position, per-context and per-pass seconds."""
-        return np.array([[c.fixed, c.per_request, c.per_position, c.per_context, c.per_pass] for c in self.draft])
+    @cached_property
+    def table(self) -> np.ndarray:
+        """[K, 5]: each kind's fixed, per-request, per-position, per-context and per-pass seconds
+        (built once: the gate reads it several times a step)."""
+        table = np.array([[c.fixed, c.per_request, c.per_position, c.per_context, c.per_pass] for c in self.draft])
+        table.setflags(write=False)
+        return table
 
-    def calls(self) -> np.ndarray:
+    @cached_property
+    def calling(self) -> np.ndarray:
         """[K] bool: the kinds whose drafting calls the replicas."""
-        return np.ones(len(self.draft), dtype=bool) if self.remote is None else np.asarray(self.remote, dtype=bool)
+        calling = np.ones(len(self.draft), dtype=bool) if self.remote is None else np.array(self.remote, dtype=bool)
+        calling.setflags(write=False)
+        return calling
 
 
 @dataclass(frozen=True)
@@ -175,7 +183,7 @@ class DraftPlanner:
         n_flat = int(lens.sum())
         seconds_at = verify.seconds(r + np.arange(n_flat + 1))  # the verify curve at every budget the scan can reach
         kind = np.zeros(r, dtype=np.int64) if kinds is None else np.asarray(kinds, dtype=np.int64)
-        table = costs.columns()
+        table = costs.table
         fixed, per_pass = table[:, 0], table[:, 4]  # [kinds]
         per_request, per_position, per_context = table[kind, 1], table[kind, 2], table[kind, 3]  # [R]
         backlog = np.zeros(r) if catchup is None else np.asarray(catchup, dtype=np.float64)
@@ -204,14 +212,17 @@ class DraftPlanner:
         first = pos_of[order] == 0  # a request's first position: it starts drafting
         added[first] += per_request[row[first]] + per_context[row[first]] * backlog[row[first]]
         if m_max and (fixed.any() or per_pass.any()):
+            kind_at = kind[row]
+            if fixed.any():  # a kind's first position in the order: its pass runs
+                present = np.flatnonzero(np.bincount(kind_at, minlength=len(fixed)))
+                added[np.argmax(kind_at[None, :] == present[:, None], axis=1)] += fixed[present]
             depth = pos_of[order] + 1
-            for k in np.unique(kind[row]):
-                mine = np.flatnonzero(kind[row] == k)
-                added[mine[0]] += fixed[k]  # a kind's first position in the order: its pass runs
-                if per_pass[k]:  # a position deeper than any of its kind's so far: one more chained pass
-                    added[mine] += per_pass[k] * np.diff(np.maximum.accumulate(depth[mine]), prepend=0)
+            for k in np.flatnonzero(per_pass):  # a position deeper than any of its kind's so far: one more pass
+                deeper = np.maximum.accumulate(np.where(kind_at == k, depth, 0))
+                deeper[1:] -= deeper[:-1].copy()  # how much deeper than its kind's deepest so far
+                added += per_pass[k] * deeper
         if m_max and costs.call:
-            calling = np.flatnonzero(costs.calls()[kind[row]])
+            calling = np.flatnonzero(costs.calling[kind[row]])
             if len(calling):
                 added[calling[0]] += costs.call  # the first position drafted on the replicas: the call
         seconds = seconds_at[:m_max + 1].copy()
@@ -347,17 +358,17 @@ class AcceptanceTracker:
             rate[0] = min(0.99, rate[0] * self.factor.get(rid, 1.0))
         return rate
 
-    def predict_rows(self, rids: list[int], lengths: np.ndarray, width: int) -> np.ndarray:
-        """`predict` for many requests at once, as one [R, width] array: row i is
-        predict(rids[i], lengths[i]), zeros past it."""
-        rates = np.zeros((len(rids), width))
+    def rates(self, width: int) -> np.ndarray:
+        """[width]: the global conditional rates `predict` starts from (clipped to [0, 0.99]),
+        zeros past the block."""
+        out = np.zeros(width)
         n = min(width, self.block)
-        rates[:, :n] = np.clip(self.global_rate[:n], 0.0, 0.99)
-        if n:
-            f = np.fromiter((self.factor.get(rid, 1.0) for rid in rids), dtype=np.float64, count=len(rids))
-            rates[:, 0] = np.minimum(0.99, rates[:, 0] * f)
-        rates[np.arange(width) >= np.asarray(lengths, dtype=np.int64)[:, None]] = 0.0
-        return rates
+        out[:n] = np.clip(self.global_rate[:n], 0.0, 0.99)
+        return out
+
+    def factors(self, rids: list[int]) -> np.ndarray:
+        """[R]: each request's own factor (1 for a request it has not seen)."""
+        return np.fromiter((self.factor.get(rid, 1.0) for rid in rids), dtype=np.float64, count=len(rids))
 
     def observe(self, rid: int, kept: int, accepted: int, beyond: np.ndarray | None = None) -> None:
         """One verification of request rid (`learn` of one)."""

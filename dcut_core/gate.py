@@ -97,7 +97,7 @@ class GateInput:
     def verify(self) -> StepCost:
         """The captured verify cost as a curve (the same values at every count it holds)."""
         table, r = self.verify_table, len(self.rids)
-        return StepCost(lambda n: table[np.asarray(n, dtype=np.int64) - r], 0.0)
+        return StepCost(lambda n: table[np.asarray(n, dtype=np.int64) - r], 0.0, checked=True)
 
     def as_dict(self) -> dict:
         c = self.costs
@@ -117,10 +117,13 @@ class GateInput:
         draft = [DraftCost(*x) for x in draft] if draft and isinstance(draft[0], list) else [DraftCost(*draft)]
         lag = np.asarray(d["lag"] if "lag" in d else d["backlog"], dtype=np.float64).reshape(len(d["rids"]), len(draft))
         allowed, available = d.get("allowed"), d.get("available")
+        table = np.asarray(d["verify_table"], dtype=np.float64)
+        if not np.isfinite(table).all() or (table <= 0).any():
+            raise ValueError("a logged verify table must be finite and positive")
         costs = DraftingCosts(draft, d.get("shared_fixed", 0.0), float(d.get("call", 0.0)),
                               None if d.get("remote") is None else np.asarray(d["remote"], dtype=bool))
         return cls(list(d["rids"]), np.asarray(d["caps"], dtype=np.int64), np.asarray(d["remaining"], dtype=np.int64),
-                   lag, np.asarray(d["verify_table"], dtype=np.float64), costs,
+                   lag, table, costs,
                    None if allowed is None else np.asarray(allowed, dtype=bool),
                    None if available is None else np.asarray(available, dtype=np.int64).reshape(lag.shape))
 
@@ -207,9 +210,12 @@ class DraftingGate:
         that request this step."""
         room = g.room()
         width = int(room.max(initial=0))
-        rates = np.empty((len(g.rids), len(self.trackers), width))
-        for k, t in enumerate(self.trackers):
-            rates[:, k] = t.predict_rows(g.rids, room[:, k], width)
+        rates = np.zeros((len(g.rids), len(self.trackers), width))
+        if width:  # each row `AcceptanceTracker.predict`'s, every kind at once
+            rates[:] = np.stack([t.rates(width) for t in self.trackers])
+            factors = np.stack([t.factors(g.rids) for t in self.trackers], axis=1)  # [R, K]
+            rates[:, :, 0] = np.minimum(0.99, rates[:, :, 0] * factors)
+            rates[np.arange(width) >= room[:, :, None]] = 0.0
         return Predicted(rates, room)
 
     def support(self, rids: list[int]) -> Support:

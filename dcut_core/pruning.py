@@ -80,9 +80,14 @@ class StepCost:
     # A lower bound on C(n + 1) − C(n) over all n (0 when unknown, e.g. padded step costs).
     # With it, drafts too unlikely to ever be kept are dropped before the sort (see `Dcut`).
     min_marginal: float = 0.0
+    # The curve's values are known finite and positive (a table checked when it was sampled):
+    # `seconds` skips its check, which costs more than the lookup on the gate's small calls.
+    checked: bool = False
 
     def seconds(self, tokens: np.ndarray) -> np.ndarray:
         out = self.fixed_seconds + np.asarray(self.verify_seconds(tokens), dtype=np.float64)
+        if self.checked:
+            return out
         if out.shape != tokens.shape:
             raise ValueError(f"cost curve returned shape {out.shape} for {tokens.shape} inputs")
         if not np.isfinite(out).all() or (out <= 0).any():

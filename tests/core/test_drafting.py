@@ -9,8 +9,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dcut_core.drafting import AcceptanceTracker, DraftCost, DraftingCosts, DraftPlanner, Survival, Verified
-from dcut_core.gate import GateInput, KindReach, replay
+from dcut_core.drafting import (
+    AcceptanceTracker,
+    DraftCost,
+    DraftingCosts,
+    DraftPlanner,
+    Exploration,
+    Survival,
+    Verified,
+)
+from dcut_core.gate import DraftingGate, GateInput, KindReach, replay
 from dcut_core.pruning import StepCost
 
 
@@ -183,16 +191,28 @@ def test_extend_drafts_every_position_that_pays_for_its_own_drafting():
     assert dear.lengths[2] == 0
 
 
-def test_predict_rows_is_predict_for_each_request_zeros_past_it():
-    t = AcceptanceTracker(block=6)
+def test_gate_predicts_each_request_and_kind_as_its_tracker_does_zeros_past_its_room():
+    trackers = [AcceptanceTracker(block=6), AcceptanceTracker(block=4)]
     for rid, acc in ((1, 5), (2, 0), (3, 2), (1, 4), (2, 1)):
-        t.observe(rid, kept=5, accepted=acc)
-    rids, lengths = [1, 2, 3, 9, 2], np.array([5, 0, 3, 2, 6])
-    got = t.predict_rows(rids, lengths, 7)
-    assert got.shape == (5, 7)
-    for rid, n, g in zip(rids, lengths, got, strict=True):
-        assert g[:n].tolist() == t.predict(rid, int(n)).tolist() and not g[n:].any()
-    assert t.predict_rows([], np.zeros(0), 3).shape == (0, 3)
+        trackers[0].observe(rid, kept=5, accepted=acc)
+        trackers[1].observe(rid, kept=3, accepted=min(acc, 3))
+    gate = DraftingGate(trackers, Exploration())
+    rids = [1, 2, 3, 9, 2]
+    caps = np.array([5, 0, 3, 2, 7])
+    available = np.array([[-1, -1], [-1, -1], [-1, 1], [-1, 0], [-1, -1]])
+    g = GateInput.capture(rids, caps, np.full(5, 40), KindReach(np.zeros((5, 2)), available=available),
+                          StepCost(lambda n: 0.01 + 0.001 * n), DraftingCosts([DraftCost(), DraftCost()]))
+    got = gate.predict(g)
+    assert got.rates.shape == (5, 2, 7)
+    for i, rid in enumerate(rids):
+        for k, t in enumerate(trackers):
+            n = int(got.lengths[i, k])
+            want = t.predict(rid, n)  # past a tracker's block: zeros
+            assert got.rates[i, k, :len(want)].tolist() == want.tolist() and not got.rates[i, k, len(want):].any()
+    assert got.lengths.tolist() == [[5, 5], [0, 0], [3, 1], [2, 0], [7, 7]]
+    empty = GateInput.capture([], np.zeros(0), np.zeros(0), KindReach(np.zeros((0, 2))),
+                              StepCost(lambda n: 0.01 + 0 * n), DraftingCosts([DraftCost(), DraftCost()]))
+    assert gate.predict(empty).rates.shape == (0, 2, 0)
 
 
 def test_drafts_pruning_left_out_teach_the_tracker_through_their_calibrated_estimates():
@@ -293,6 +313,11 @@ def test_gate_input_holds_the_verify_cost_at_every_count_the_decision_can_ask():
     assert back.rids == g.rids and back.costs.draft == g.costs.draft
     assert all(np.array_equal(a, b) for a, b in ((back.caps, g.caps), (back.verify_table, g.verify_table),
                                                  (back.remaining, g.remaining), (back.lag, g.lag)))
+    # The captured table is checked once (capture, or reading a log), not at every lookup.
+    assert g.verify().checked
+    bad = {**g.as_dict(), "verify_table": [0.01, -1.0, *g.verify_table[2:].tolist()]}
+    with pytest.raises(ValueError, match="finite and positive"):
+        GateInput.from_dict(bad)
 
 
 def test_a_gate_input_logged_before_kinds_were_one_path_reads_as_one_kind():
