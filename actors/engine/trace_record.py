@@ -11,7 +11,7 @@
    in order; n-gram lookup truncates), so one walk serves every length a policy may ask for.
 4. The unit's costs: an engine built as `dcut serve` builds it serves the prompts once with the
    `dcut` policy and once plain, and what it measured is read back (cost model and correction,
-   each kind's drafting rates, the step's own time).
+   the step's own time); each kind's drafting rates from an engine hosting it alone.
 
 Float results of a batched verify forward may differ from this one in the last bits, so a draft
 can differ from the engine's at a near-tie: the trace is exact up to those (the validation table
@@ -108,13 +108,19 @@ def _walk(drafter, prompts, outputs, features, width: int) -> dict[str, list[np.
 def measure_costs(cfg: EngineConfig, prompts: list[list[int]], max_tokens: int, rounds: int = 1) -> TraceCosts:
     """What an engine built from `cfg` measures serving the prompts in closed loops at 1, 4 and
     16 requests, with `dcut` and plain: the verify cost model refitted to every forward measured
-    (not the start-up profile times one running correction), each kind's drafting rates, and
-    the step's own time outside the passes — the time between steps included, since a closed
-    loop's wall clock counts it — fitted as a + b·R for plain steps, for `dcut` steps that draft
-    nothing, and for drafting steps. A unit of several kinds is measured beside an engine of its
-    cheapest kind alone, whose own time the simulator charges a one-kind setting (the kind
-    chooser and the per-kind learning are what several kinds add). The engine's saved learned
-    state is left as it was found."""
+    (not the start-up profile times one running correction), what a drafting call adds, and the
+    step's own time outside the passes — the time between steps included, since a closed loop's
+    wall clock counts it — fitted as a + b·R for plain steps, for `dcut` steps that draft
+    nothing, and for drafting steps.
+
+    Each kind's drafting rates come from an engine hosting that kind alone (`_alone`): in a unit
+    of several, a kind the chooser seldom picks is timed a few dozen times, and one recording
+    of the held-out prompts priced the block drafter's pass at 12.8 ms where it takes 4.2
+    (docs/benchmarks.md, session 20) — a simulator then all but never drafts with it. Each
+    kind's own time inside a replica call is what the unit measures of it too. The engine of
+    the cheapest kind alone also gives the own time the simulator charges a one-kind setting
+    (the kind chooser and the per-kind learning are what several kinds add). The engines'
+    saved learned state is left as it was found."""
     from actors.engine.coordinator import Engine
 
     engine = Engine(cfg)
@@ -130,14 +136,32 @@ def measure_costs(cfg: EngineConfig, prompts: list[list[int]], max_tokens: int, 
         engine.shutdown()
     if len(cfg.kinds) == 1:
         return costs
-    one = Engine(dataclasses.replace(cfg, drafter="ngram" if "ngram" in cfg.kinds else cfg.kinds[0]))
+    cheapest = "ngram" if "ngram" in cfg.kinds else cfg.kinds[0]
+    draft, own_one = [], None
+    for kind in cfg.kinds:
+        cost, own = _alone(cfg, kind, prompts, max_tokens, rounds)
+        draft.append(cost)
+        if kind == cheapest:
+            gated, drafting = _line(own["dcut"]), _line(own["drafting"])
+            own_one = (_minus(gated, plain), _minus(drafting, gated))
+    return dataclasses.replace(costs, draft=tuple(draft), own_one=own_one)
+
+
+def _alone(cfg: EngineConfig, kind: str, prompts: list[list[int]], max_tokens: int,
+           rounds: int) -> tuple[DraftCost, dict[str, list[tuple[int, float]]]]:
+    """One kind's drafting rates, from an engine hosting it alone that serves the prompts with
+    `dcut` (refitted to its last passes: no running level correction), and that engine's own
+    times."""
+    from actors.engine.coordinator import Engine
+
+    one = Engine(dataclasses.replace(cfg, drafter=kind))
     one.warm_start.path = None
     try:
         own = _own_times(one, prompts, max_tokens, rounds, ("dcut",))
+        one.draft_cost.refit()
+        return DraftCost(*_fields(one.draft_cost.costs[0])), own
     finally:
         one.shutdown()
-    gated, drafting = _line(own["dcut"]), _line(own["drafting"])
-    return dataclasses.replace(costs, own_one=(_minus(gated, plain), _minus(drafting, gated)))
 
 
 def _own_times(engine, prompts: list[list[int]], max_tokens: int, rounds: int,
