@@ -121,7 +121,7 @@ def one_wave(policy: str, block: int, r: int, w: Workload, drafter: str = "ngram
     rids = [eng.add(p, SamplingParams(max_tokens=w.max_tokens)) for p in batch]
     steps = []
     try:
-        while len(eng.scheduler):
+        while eng.pending:
             t0 = time.perf_counter()
             rec = eng.step()
             wall = time.perf_counter() - t0
@@ -131,7 +131,7 @@ def one_wave(policy: str, block: int, r: int, w: Workload, drafter: str = "ngram
                 steps.append({"wall": wall, "own": own, "forward": rec.target_compute_s,
                               "draft": rec.draft_compute_s, "drafted": rec.drafted / rec.requests,
                               "kept": rec.kept / rec.requests, "accepted": rec.accepted / rec.requests, **stages})
-        outputs = [eng.scheduler.finished.pop(rid).output for rid in rids]
+        outputs = [eng.claim(rid).output for rid in rids]
     finally:
         eng.shutdown()
     if any(o != w.table[tuple(p)] for o, p in zip(outputs, batch, strict=True)):

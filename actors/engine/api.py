@@ -8,10 +8,12 @@ died) still arrive as Ray exceptions, and the ingress resubmits those.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
+from actors.engine.errors import EngineError, ErrorKind
 from actors.engine.sequence import SamplingParams
+
+__all__ = ["Delta", "EngineError", "ErrorKind", "GenerateRequest", "Health"]
 
 
 @dataclass(frozen=True)
@@ -44,25 +46,6 @@ class Delta:
     accepted: int = 0
     logprobs: list | None = None  # TokenLogprob per token of token_ids (when asked for)
     prompt_logprobs: list | None = None  # per prompt token (the first None), in the request's first delta
-
-
-class ErrorKind(enum.Enum):
-    INVALID = "invalid_request"  # the request itself cannot be served (the client must change it)
-    OVERLOADED = "overloaded"  # too many requests in flight: retry shortly
-    UNAVAILABLE = "unavailable"  # a step failed under it, or the engine is rebuilding: retry
-    INTERNAL = "internal"  # a fault of ours that hit this request alone
-
-
-@dataclass(frozen=True)
-class EngineError:
-    """A request's failure, delivered in its own stream; it ends the stream."""
-
-    kind: ErrorKind
-    message: str
-
-    @property
-    def retryable(self) -> bool:
-        return self.kind in (ErrorKind.OVERLOADED, ErrorKind.UNAVAILABLE)
 
 
 @dataclass(frozen=True)

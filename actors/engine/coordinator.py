@@ -18,13 +18,14 @@ from actors.engine.config import EngineConfig
 from actors.engine.constraints import grammar_allowed
 from actors.engine.costs import online, startup_cost_model, startup_draft_cost
 from actors.engine.drafters import DrafterPool, hosted_drafter
+from actors.engine.errors import EngineError, ErrorKind
 from actors.engine.grammar import Grammars
 from actors.engine.history import StepHistory
 from actors.engine.kinds import count_kinds, learn_kind_costs
 from actors.engine.learning import learn, record
 from actors.engine.lookahead import LOCAL_KIND, Lookahead, NgramLookahead
 from actors.engine.placement import unit_placement_group
-from actors.engine.sequence import SamplingParams, Scheduler, Sequence, Status
+from actors.engine.sequence import SamplingParams, Scheduler, Sequence
 from actors.engine.stages import (
     Accepted,
     Drafts,
@@ -133,14 +134,20 @@ class Engine:
         return self._next_rid - 1
 
     def add(self, prompt: list[int], params: SamplingParams, resume: list[int] | None = None) -> int:
-        """Queue a request; `resume` is output it already has (a request moved from a failed
-        engine): generation continues after it, and max_tokens counts it."""
+        """Check and queue a request; returns its rid. `resume` is output it already has (a
+        request moved from a failed engine): generation continues after it, and max_tokens
+        counts it."""
         why = self.invalid(prompt, params, resume or ())
         if why is not None:
             raise ValueError(why)
         rid = self.new_rid()
-        self.scheduler.add(Sequence(rid, list(prompt), params, output=list(resume or [])))
+        self.submit(rid, prompt, params, resume or ())
         return rid
+
+    def submit(self, rid: int, prompt: list[int], params: SamplingParams, resume: list[int] = ()) -> None:
+        """Queue a request already checked (`invalid`) under a rid from `new_rid` (a driver that
+        names its streams before the request enters, between steps)."""
+        self.scheduler.add(Sequence(rid, list(prompt), params, output=list(resume)))
 
     def invalid(self, prompt: list[int], params: SamplingParams, resume: list[int] = ()) -> str | None:
         """Why this engine cannot serve the request (None: it can): the one check of a request's
@@ -167,17 +174,36 @@ class Engine:
     def abort(self, rid: int) -> None:
         """Drop a request (client gone): it leaves the batch and its KV and drafter state are freed
         now, between steps."""
+        running = any(s.rid == rid for s in self.scheduler.running)
         seq = self.scheduler.abort(rid)
-        if seq is not None and seq.status is Status.RUNNING:
+        if running:
             self._release([seq])
-        if seq is not None:
-            seq.status, seq.finish_reason = Status.FINISHED, "abort"
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Sequence]:
         rids = [self.add(p, s) for p, s in zip(prompts, params, strict=True)]
-        while len(self.scheduler):
+        while self.pending:
             self.step()
-        return [self.scheduler.finished.pop(r) for r in rids]
+        return [self.claim(r) for r in rids]
+
+    # -- what a driver (`AsyncEngine`, the load generator) reads between steps -----------------------
+
+    @property
+    def pending(self) -> int:
+        """Requests queued or running."""
+        return len(self.scheduler)
+
+    def counts(self) -> tuple[int, int]:
+        """(running, waiting) requests."""
+        return len(self.scheduler.running), len(self.scheduler.waiting)
+
+    def progress(self) -> list[Sequence]:
+        """The running requests, then the finished ones not yet claimed: what may have new
+        output for its client since the last step."""
+        return [*self.scheduler.running, *self.scheduler.finished.values()]
+
+    def claim(self, rid: int) -> Sequence | None:
+        """A finished request's result, handed over once; the engine forgets it."""
+        return self.scheduler.claim(rid)
 
     # -- one step ---------------------------------------------------------------------------------
 
@@ -225,16 +251,17 @@ class Engine:
             s.fed, s.prefilled = 0, False
 
     def fail_running(self, exc: Exception) -> list[Sequence]:
-        """A step raised something no single request explains: the running requests leave (the
-        caller tells each one, retryably), and the target and drafters are rebuilt as after an
-        EP-group failure, since the step may have left their state half-changed. Waiting
-        requests stay queued. Returns the requests that left."""
+        """A step raised something no single request explains: the running requests finish with
+        a retryable `EngineError` (the caller claims each and tells its client), and the target
+        and drafters are rebuilt as after an EP-group failure, since the step may have left
+        their state half-changed. Waiting requests stay queued. Returns the requests that
+        failed."""
         failed = list(self.scheduler.running)
         log.error("step failed (%s: %s); %d running requests fail, the target is rebuilt", type(exc).__name__,
                   exc, len(failed))
+        self.scheduler.fail(failed, EngineError(ErrorKind.UNAVAILABLE, f"a step failed under this request "
+                                                                        f"({type(exc).__name__}); retry it"))
         for s in failed:
-            self.scheduler.abort(s.rid)
-            s.status, s.finish_reason = Status.FINISHED, "error"
             self.gate.forget(s.rid)
         self.drafters.release([s.rid for s in failed])
         if self.lookahead is not None:

@@ -59,8 +59,9 @@ class _Meter:
     def after_step(self, record) -> None:
         if record is not None:
             self.records.append(record)
-        now, sched = time.perf_counter(), self.engine.scheduler
-        for seq in sched.running + [sched.finished[r] for r in list(sched.finished) if r in self.started]:
+        now = time.perf_counter()
+        mine = [s for s in self.engine.progress() if s.rid in self.started]
+        for seq in mine:
             n = len(seq.output)
             if n and seq.rid not in self.first:
                 self.first[seq.rid] = now
@@ -69,8 +70,9 @@ class _Meter:
                 self.gaps.append((now - self.last[seq.rid][0]) / (n - self.last[seq.rid][1]))
             if n:
                 self.last[seq.rid] = (now, n)
-        for rid in [r for r in list(sched.finished) if r in self.started]:
-            seq = sched.finished.pop(rid)
+        for seq in [s for s in mine if s.finish_reason is not None]:
+            rid = seq.rid
+            self.engine.claim(rid)
             i, _ = self.started.pop(rid)
             self.outputs[i] = seq.output
             self.per_request[i] = {"steps": seq.steps, "accepted": sum(seq.accepted), "kinds": seq.kinds}

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from actors.engine.detokenize import IncrementalText
+from actors.engine.errors import EngineError, ErrorKind
 from actors.engine.logprobs import entries
 
 SAMPLING_EPS = 1e-5  # below this temperature a request decodes greedily (vLLM's threshold too)
@@ -120,7 +121,8 @@ class Sequence:
     params: SamplingParams
     output: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error" (then `error` says why)
+    error: EngineError | None = None
     detokenize: Callable[[list[int]], str] | None = field(default=None, repr=False)  # token ids -> text
     rng: np.random.Generator = field(default=None, repr=False)
     steps: int = 0
@@ -219,9 +221,7 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_running:
             need = self.footprint(self.waiting[0], block)
             if kv_budget is not None and need > kv_budget:
-                seq = self.waiting.popleft()
-                seq.finish_reason, seq.status = "error: request exceeds the KV cache", Status.FINISHED
-                self.finished[seq.rid] = seq
+                self.fail([self.waiting[0]], EngineError(ErrorKind.INVALID, "request exceeds the KV cache"))
                 continue
             if kv_budget is not None and used + need > kv_budget:
                 break
@@ -277,17 +277,33 @@ class Scheduler:
         self.running = [s for s in self.running if s.finish_reason is None]
         return done
 
+    def fail(self, seqs: list[Sequence], error: EngineError) -> None:
+        """These waiting or running requests end with `error`: finished, kept until their
+        result is claimed (`claim`)."""
+        for seq in seqs:
+            self._remove(seq)
+            seq.status, seq.finish_reason, seq.error = Status.FINISHED, "error", error
+            self.finished[seq.rid] = seq
+
     def abort(self, rid: int) -> Sequence | None:
-        """Remove a waiting or running request; returns it (status unchanged) or None."""
-        for seq in list(self.waiting):
-            if seq.rid == rid:
-                self.waiting.remove(seq)
-                return seq
-        for seq in self.running:
-            if seq.rid == rid:
-                self.running.remove(seq)
-                return seq
-        return None
+        """Drop a waiting or running request (its client left; nobody claims it); returns it,
+        finished, or None if it was neither."""
+        seq = next((s for s in [*self.waiting, *self.running] if s.rid == rid), None)
+        if seq is not None:
+            self._remove(seq)
+            seq.status, seq.finish_reason = Status.FINISHED, "abort"
+        return seq
+
+    def claim(self, rid: int) -> Sequence | None:
+        """A finished request's result, handed over once (None: not finished, or claimed)."""
+        return self.finished.pop(rid, None)
+
+    def _remove(self, seq: Sequence) -> None:
+        """Out of the waiting or running set (by identity: a sequence's fields are no key)."""
+        if seq.status is Status.RUNNING:
+            self.running = [s for s in self.running if s is not seq]
+        elif seq.status is Status.WAITING:
+            self.waiting = deque(s for s in self.waiting if s is not seq)
 
     def get(self, rid: int) -> Sequence | None:
         return next((s for s in [*self.running, *self.waiting] if s.rid == rid), self.finished.get(rid))

@@ -27,7 +27,6 @@ from actors.accelerator import device_usage
 from actors.engine.api import Delta, EngineError, ErrorKind, GenerateRequest, Health
 from actors.engine.config import EngineConfig
 from actors.engine.coordinator import Engine
-from actors.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +41,7 @@ class AsyncEngine:
         self.stall_timeout_s = stall_timeout_s
         self._queues: dict[int, asyncio.Queue[Item]] = {}
         self._sent: dict[int, tuple[int, int]] = {}  # rid -> (tokens sent, text chars sent)
-        self._new: list[Sequence] = []
+        self._new: list[tuple[int, GenerateRequest]] = []  # (rid, request): enters the engine between steps
         self._aborted: set[int] = set()
         self._loop_task: asyncio.Task | None = None
         self._wake = asyncio.Event()
@@ -54,7 +53,7 @@ class AsyncEngine:
 
     @property
     def load(self) -> int:
-        return len(self.engine.scheduler) + len(self._new)
+        return self.engine.pending + len(self._new)
 
     async def stream(self, request: GenerateRequest) -> AsyncIterator[Item]:
         """Deltas of one request until it finishes, or one `EngineError` that ends the stream.
@@ -64,11 +63,10 @@ class AsyncEngine:
             yield refusal
             return
         rid = self.engine.new_rid()
-        seq = Sequence(rid, list(request.prompt), request.params, output=list(request.resume))
         queue: asyncio.Queue[Item] = asyncio.Queue()
         self._queues[rid] = queue
         self._sent[rid] = (len(request.resume), len(self.engine.text_of(request.resume)) if request.resume else 0)
-        self._new.append(seq)
+        self._new.append((rid, request))
         self._ensure_loop()
         finished = False
         try:
@@ -108,7 +106,7 @@ class AsyncEngine:
             self._beat, self._idle = time.monotonic(), False
             try:
                 self._admit_and_abort()
-                if len(self.engine.scheduler):
+                if self.engine.pending:
                     t0 = time.perf_counter()
                     await asyncio.to_thread(self.engine.step)
                     self.steps += 1
@@ -129,8 +127,8 @@ class AsyncEngine:
 
     def _pending(self) -> bool:
         """Work the loop has not finished: queued, running, or not yet published."""
-        sched = self.engine.scheduler
-        return bool(len(sched) or self._new or self._aborted or any(r in self._queues for r in sched.finished))
+        return bool(self.engine.pending or self._new or self._aborted
+                    or any(s.finish_reason is not None and s.rid in self._queues for s in self.engine.progress()))
 
     async def _recover(self, exc: Exception, failures: int) -> None:
         log.exception("engine step failed; failing its requests and rebuilding the target", exc_info=exc)
@@ -141,11 +139,9 @@ class AsyncEngine:
         except Exception as fatal:
             log.exception("rebuilding the engine failed; it is down until the replica is replaced")
             self._fatal = f"{type(fatal).__name__}: {fatal}"
-            failed = [*self.engine.scheduler.running, *self.engine.scheduler.waiting]
-        error = EngineError(ErrorKind.UNAVAILABLE, f"a step failed under this request ({type(exc).__name__}); "
-                                                   "retry it")
+            failed = []
         for s in failed:
-            self._deliver(s.rid, error)
+            self._deliver(s.rid, s.error)
         if self._fatal is not None:
             for rid in list(self._queues):
                 self._deliver(rid, EngineError(ErrorKind.UNAVAILABLE, f"the engine is down: {self._fatal}"))
@@ -153,30 +149,29 @@ class AsyncEngine:
     def _deliver(self, rid: int, item: Item) -> None:
         """Put an error in a request's stream; the request is finished for this engine."""
         self._sent.pop(rid, None)
-        self.engine.scheduler.finished.pop(rid, None)
+        self.engine.claim(rid)
         q = self._queues.get(rid)
         if q is not None:
             q.put_nowait(item)
 
     def _admit_and_abort(self) -> None:
-        for seq in self._new:
-            self.engine.scheduler.add(seq)
+        for rid, r in self._new:
+            self.engine.submit(rid, r.prompt, r.params, r.resume)
         self._new.clear()
         aborted, self._aborted = self._aborted, set()
         for rid in aborted:
-            self.engine.scheduler.finished.pop(rid, None)
+            self.engine.claim(rid)
             self._sent.pop(rid, None)
             self.engine.abort(rid)
 
     def _publish(self) -> None:
-        sched = self.engine.scheduler
-        for seq in [*sched.running, *[sched.finished[r] for r in list(sched.finished) if r in self._queues]]:
+        for seq in self.engine.progress():
             if seq.rid not in self._queues:
                 continue
             n_tok, n_txt = self._sent[seq.rid]
             done = seq.finish_reason is not None
-            if done and seq.finish_reason.startswith("error"):
-                self._deliver(seq.rid, EngineError(ErrorKind.INVALID, seq.finish_reason.removeprefix("error: ")))
+            if seq.error is not None:
+                self._deliver(seq.rid, seq.error)
                 continue
             if len(seq.output) == n_tok and not done:
                 continue
@@ -188,7 +183,7 @@ class AsyncEngine:
                 sum(seq.accepted), seq.logprobs[n_tok:] if p.logprobs is not None else None,
                 seq.prompt_logprobs if p.prompt_logprobs is not None and n_tok == 0 else None))
             if done:
-                sched.finished.pop(seq.rid, None)
+                self.engine.claim(seq.rid)
                 self._sent.pop(seq.rid, None)
 
     # -- what the deployment reports ----------------------------------------------------------------
@@ -235,8 +230,8 @@ class AsyncEngine:
             "ep_group_rebuilds": self.engine.degraded["ep_group_rebuilt"],
             "drafter_kinds": {k: dict(c) for k, c in self.engine.drafted_by_kind.items()},
             "verify_tokens_per_step": sum(r.verify_tokens for r in recs) / len(recs) if recs else 0.0,
-            "running": len(self.engine.scheduler.running),
-            "waiting": len(self.engine.scheduler.waiting) + len(self._new),
+            "running": self.engine.counts()[0],
+            "waiting": self.engine.counts()[1] + len(self._new),
             "rank_step_s": [float(np.mean(t)) for t in zip(*(r.rank_compute_s for r in recs if r.rank_compute_s),
                                                            strict=False)],
             "gpus": [dataclasses.asdict(d) for d in device_usage()],

@@ -52,9 +52,9 @@ def run_with_fault(eng, prompts: list[list[int]], max_tokens: int, fault) -> lis
         eng.step()
     assert any(s.output for s in eng.scheduler.running)  # the fault lands mid-stream
     fault()
-    while len(eng.scheduler):
+    while eng.pending:
         eng.step()
-    return [eng.scheduler.finished.pop(rid).output for rid in rids]
+    return [eng.claim(rid).output for rid in rids]
 
 
 @pytest.fixture(scope="session")

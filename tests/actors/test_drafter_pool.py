@@ -62,10 +62,10 @@ def test_mixed_drafters_in_one_batch_are_lossless_for_every_policy(tiny_bundle, 
         mid = eng.held()
         assert all(mid[k] > 0 for k in ("scheduler", "trackers", "drafter_owner", "drafter_replicas",
                                          "target_owner", "rank_requests", "lookahead")), mid
-        while len(eng.scheduler):
+        while eng.pending:
             eng.step()
         for rid in rids:
-            eng.scheduler.finished.pop(rid)
+            eng.claim(rid)
         assert eng.held() == dict.fromkeys(mid, 0)
     finally:
         eng.shutdown()

@@ -11,6 +11,7 @@ from scipy.stats import chisquare
 
 from actors.engine.config import EngineConfig
 from actors.engine.coordinator import Engine
+from actors.engine.errors import ErrorKind
 from actors.engine.sequence import SamplingParams
 from actors.engine.steplog import read_steps
 from actors.target.checkpoint import load_model
@@ -169,9 +170,9 @@ def test_a_dead_ep_rank_is_rebuilt_and_requests_resume_exactly(tiny_bundle, refe
             eng.step()
         on_dead = {s.rid: s.steps for s in eng.scheduler.running if eng.target.rank_of(s.rid) == 1}
         kill_and_wait(eng.target.workers[1])
-        while len(eng.scheduler):
+        while eng.pending:
             eng.step()
-        out = [eng.scheduler.finished.pop(r) for r in rids]
+        out = [eng.claim(r) for r in rids]
         assert [s.output for s in out] == reference[:6]
         assert eng.degraded["ep_group_rebuilt"] == 1 and eng.target.healthy
         # Drafter actors: the next step's drafter could not fetch those features from the dead
@@ -188,9 +189,9 @@ def test_resumed_request_continues_exactly(tiny_bundle, reference, tmp_path):
     eng = engine(tiny_bundle, tmp_path, drafter="ngram", policy="dcut")
     try:
         rids = [eng.add(PROMPTS[i], SamplingParams(max_tokens=MAX_TOKENS), resume=reference[i][:5]) for i in range(3)]
-        while len(eng.scheduler):
+        while eng.pending:
             eng.step()
-        assert [eng.scheduler.finished.pop(r).output for r in rids] == reference[:3]
+        assert [eng.claim(r).output for r in rids] == reference[:3]
     finally:
         eng.shutdown()
 
@@ -203,7 +204,8 @@ def test_kv_admission_queues_instead_of_overflowing(tiny_bundle, reference, tmp_
         assert [s.output for s in out] == reference[:6]
         assert max(r.requests for r in eng.history.recent) <= 2
         big = eng.generate([PROMPTS[0] * 20], [SamplingParams(max_tokens=MAX_TOKENS)])[0]
-        assert big.finish_reason.startswith("error") and not big.output
+        assert big.finish_reason == "error" and big.error.kind is ErrorKind.INVALID and not big.output
+        assert "KV cache" in big.error.message and eng.pending == 0 and eng.claim(big.rid) is None
     finally:
         eng.shutdown()
 

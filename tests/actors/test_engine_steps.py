@@ -68,7 +68,7 @@ def test_prefill_rides_in_the_decode_step_and_long_prompts_span_steps(tiny_bundl
             assert rec.prefill_tokens == min(8, 54 - 8 * (steps_fed - 1))
             assert rec.requests == (1 if eng.scheduler.get(first).finish_reason is None else 0)
         assert steps_fed == 7  # ceil(54 / 8)
-        while len(eng.scheduler):
+        while eng.pending:
             eng.step()
         assert eng.scheduler.finished[first].output == reference[0]
         assert eng.scheduler.finished[late].output == reference[7]
@@ -88,9 +88,9 @@ def test_lazy_drafter_context_drafts_what_eager_context_drafts(tiny_bundle, refe
             for _ in range(4):
                 eng.step()
             held = eng.drafters.backlog.tokens()
-            while len(eng.scheduler):
+            while eng.pending:
                 eng.step()
-            out = [eng.scheduler.finished.pop(r) for r in rids]
+            out = [eng.claim(r) for r in rids]
             assert [s.output for s in out] == reference
             runs[limit] = (held, [s.accepted for s in out], [s.drafted for s in out])
         finally:

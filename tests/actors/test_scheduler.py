@@ -1,0 +1,45 @@
+"""The scheduler as the one owner of a request's state: waiting, running, finished (with a typed
+error when it failed), claimed once."""
+
+from __future__ import annotations
+
+from actors.engine.errors import EngineError, ErrorKind
+from actors.engine.sequence import SamplingParams, Scheduler, Sequence, Status
+
+
+def scheduler(n: int, running: int) -> tuple[Scheduler, list[Sequence]]:
+    sched = Scheduler(max_running=running, detokenize=lambda ids: "".join(chr(97 + t % 26) for t in ids))
+    seqs = [Sequence(rid, [1, 2, 3], SamplingParams(max_tokens=4)) for rid in range(n)]
+    for s in seqs:
+        sched.add(s)
+    sched.admit()
+    return sched, seqs
+
+
+def test_a_failed_request_leaves_its_set_and_is_claimed_once_with_its_error():
+    sched, seqs = scheduler(4, running=2)  # 0, 1 running; 2, 3 waiting
+    error = EngineError(ErrorKind.UNAVAILABLE, "a step failed under this request; retry it")
+    sched.fail([seqs[1], seqs[3]], error)
+    assert [s.rid for s in sched.running] == [0] and [s.rid for s in sched.waiting] == [2] and len(sched) == 2
+    for s in (seqs[1], seqs[3]):
+        assert s.status is Status.FINISHED and s.finish_reason == "error" and s.error is error
+    assert sched.claim(1) is seqs[1] and sched.claim(1) is None and sched.claim(3) is seqs[3]
+    assert not sched.finished
+
+
+def test_an_aborted_request_leaves_and_nobody_claims_it():
+    sched, seqs = scheduler(3, running=1)
+    assert sched.abort(0) is seqs[0] and sched.abort(2) is seqs[2] and sched.abort(7) is None
+    assert seqs[0].finish_reason == seqs[2].finish_reason == "abort" and seqs[0].error is None
+    assert [s.rid for s in [*sched.running, *sched.waiting]] == [1] and sched.claim(0) is None
+
+
+def test_a_request_that_can_never_fit_fails_as_invalid_and_the_queue_moves_on():
+    sched = Scheduler(max_running=4, detokenize=lambda ids: "")
+    big = Sequence(0, list(range(100)), SamplingParams(max_tokens=50))
+    small = Sequence(1, [1, 2], SamplingParams(max_tokens=4))
+    sched.add(big)
+    sched.add(small)
+    assert sched.admit(kv_budget=64, block=8) == [small]
+    assert big.error == EngineError(ErrorKind.INVALID, "request exceeds the KV cache") and not big.error.retryable
+    assert sched.claim(0) is big
