@@ -34,7 +34,6 @@ from actors.engine.stages import (
     Step,
     StepRecord,
     accept_tokens,
-    advance_prefill,
     empty_drafts,
     feed_chunks,
     merge_drafts,
@@ -247,8 +246,7 @@ class Engine:
             self.rebuilding_since = None
         self.drafters.rebind(self.target)
         self.drafters.reset(running)
-        for s in self.scheduler.running:
-            s.fed, s.prefilled = 0, False
+        self.scheduler.refeed()
 
     def fail_running(self, exc: Exception) -> list[Sequence]:
         """A step raised something no single request explains: the running requests finish with
@@ -379,23 +377,13 @@ class Engine:
         tokens of prompts whose prefill ended), retire finished requests, record the step."""
         batch, accepted = st.batch, st.accepted.counts
         self.target.truncate({s.rid: s.cached + 1 + a for s, a in zip(batch, accepted, strict=True)})
-        fed = advance_prefill(st.feeding, st.out, len(batch), self.scheduler, self.eos)
+        fed = self.scheduler.advance_prefill(st, self.eos)
         count_kinds(self.drafted_by_kind, self.kinds, st)
         learnt = learn(st, self.calibrators, self.gate, self.cost, log=self.step_log is not None)
-        committed, held, hidden = [], [], []
-        drafted, kept = st.drafts.counts.tolist(), st.pruned.kept.tolist()
-        kinds = st.drafts.kinds.tolist()
-        logprobs = st.out.logprobs or [None] * len(batch)
-        for i, s in enumerate(batch):
-            s.steps += 1
-            s.drafted.append(drafted[i])
-            s.kinds.append(kinds[i] if drafted[i] else -1)
-            s.kept.append(kept[i])
-            s.accepted.append(accepted[i])
-            committed.append(self.scheduler.append(s, st.accepted.emitted[i], self.eos, logprobs[i]))
-            held.append(s.cached)  # its features exist up to here: on its rank, or here (drafted this step)
-            captured = st.out.captured[i]
-            hidden.append({k: h[: 1 + accepted[i]] for k, h in captured.items()} if captured else {})
+        committed = self.scheduler.record_step(st, self.eos)
+        held = [s.cached for s in batch]  # its features exist up to here: on its rank, or here (drafted this step)
+        hidden = [{k: h[: 1 + a] for k, h in captured.items()} if captured else {}
+                  for captured, a in zip(st.out.captured[:len(batch)], accepted, strict=True)]
         live = [c for c in [*zip(batch, committed, held, hidden, strict=True), *((*f, None) for f in fed)]
                 if c[0].finish_reason is None]
         if live and self.policy.drafts:  # plain decoding keeps no drafter state

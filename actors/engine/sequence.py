@@ -7,12 +7,16 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from actors.engine.detokenize import IncrementalText
 from actors.engine.errors import EngineError, ErrorKind
 from actors.engine.logprobs import entries
+
+if TYPE_CHECKING:
+    from actors.engine.stages import Feed, Step
 
 SAMPLING_EPS = 1e-5  # below this temperature a request decodes greedily (vLLM's threshold too)
 
@@ -269,6 +273,55 @@ class Scheduler:
             seq.grammar.commit(kept)
         return kept
 
+    def record_step(self, st: Step, eos: int | None) -> list[list[int]]:
+        """A decode step's outcome for each request of its batch: its record (drafts made, the
+        kind that made them, kept, accepted) and its new tokens (`append`: stop conditions,
+        log-probabilities, grammar). Returns the tokens each request kept."""
+        drafted, kept, kinds = st.drafts.counts.tolist(), st.pruned.kept.tolist(), st.drafts.kinds.tolist()
+        accepted, emitted = st.accepted.counts, st.accepted.emitted
+        logprobs = st.out.logprobs or [None] * len(st.batch)
+        committed = []
+        for i, s in enumerate(st.batch):
+            s.steps += 1
+            s.drafted.append(drafted[i])
+            s.kinds.append(kinds[i] if drafted[i] else -1)
+            s.kept.append(kept[i])
+            s.accepted.append(accepted[i])
+            committed.append(self.append(s, emitted[i], eos, logprobs[i]))
+        return committed
+
+    def advance_prefill(self, st: Step, eos: int | None) -> list[tuple[Sequence, list[int], int]]:
+        """Advance prefill by the step's chunks (the target's output rows after its decode
+        batch's): a fresh prompt fed to its end draws its first token — the target's argmax, or
+        its draw with the request's first uniform (made on the rank). Returns what the drafters
+        must commit: (request, tokens, positions the target has processed, whose features its
+        rank now holds)."""
+        out, offset = st.out, len(st.batch)
+        commits, fresh = [], []
+        for j, f in enumerate(st.feeding):
+            s, tokens = f.seq, list(f.tokens)
+            if s.params.prompt_logprobs is not None and not s.output:
+                _prompt_logprobs(s, f, out.logprobs[offset + j])
+            s.fed += len(tokens)
+            if s.fed == s.feed_len:
+                s.prefilled = True
+                if s.output:  # resumed: its newest token is appended by its first decode step
+                    tokens.append(s.output[-1])
+                else:
+                    first = out.argmax[offset + j] if s.greedy else out.sampled[offset + j]
+                    lp = out.logprobs[offset + j] if out.logprobs is not None else None
+                    fresh.append((s, int(first[-1]), None if lp is None else lp[-1:]))
+            commits.append((s, tokens, s.fed))
+        for s, tok, lp in fresh:
+            self.append(s, [tok], eos, lp)
+        first = {s.rid: s.output[-1] for s, _, _ in fresh if s.output}  # (max_tokens 0: none)
+        return [(s, [*t, first[s.rid]] if s.rid in first else t, h) for s, t, h in commits]
+
+    def refeed(self) -> None:
+        """Every running request is fed to the target again (a new EP group holds no KV)."""
+        for s in self.running:
+            s.fed, s.prefilled = 0, False
+
     def finish_done(self) -> list[Sequence]:
         done = [s for s in self.running if s.finish_reason is not None]
         for s in done:
@@ -310,3 +363,15 @@ class Scheduler:
 
     def __len__(self) -> int:
         return len(self.waiting) + len(self.running)
+
+
+def _prompt_logprobs(seq: Sequence, feed: Feed, rows: np.ndarray) -> None:
+    """Record the prompt tokens' log-probabilities from a prefill chunk's rows: row r (position
+    start + r) is the target's distribution of the token at start + r + 1; the first prompt
+    token has none (None)."""
+    if feed.start == 0:
+        seq.prompt_logprobs.append(None)
+    end = min(len(feed.tokens), len(seq.prompt) - 1 - feed.start)  # rows that predict a prompt token
+    if end > 0:
+        nxt = seq.prompt[feed.start + 1:feed.start + 1 + end]
+        seq.prompt_logprobs.extend(entries(rows[:end], nxt, seq.params.prompt_logprobs))

@@ -8,9 +8,8 @@ from functools import cached_property
 import numpy as np
 
 from actors.drafter.base import DraftOutput, merge_outputs
-from actors.engine.logprobs import entries
 from actors.engine.lookahead import Lookahead
-from actors.engine.sequence import Scheduler, Sequence
+from actors.engine.sequence import Sequence
 from actors.target.group import TargetOutput
 from dcut_core import rules
 from dcut_core.gate import Plan
@@ -146,45 +145,6 @@ def feed_chunks(seqs: list[Sequence], chunk: int, budget: int) -> list[Feed]:
     return out
 
 
-def advance_prefill(feeding: list[Feed], out, offset: int, scheduler: Scheduler,
-                    eos: int | None) -> list[tuple[Sequence, list[int], int]]:
-    """Advance prefill by this step's chunks (rows offset.. of the target's output `out`): a
-    fresh prompt fed to its end draws its first token. Returns what the drafters must commit:
-    (request, tokens, positions the target has processed, whose features its rank now holds)."""
-    commits, fresh, rows = [], [], {}
-    for j, f in enumerate(feeding):
-        s, tokens = f.seq, list(f.tokens)
-        if s.params.prompt_logprobs is not None and not s.output:
-            prompt_logprobs(s, f, out.logprobs[offset + j])
-        s.fed += len(tokens)
-        if s.fed == s.feed_len:
-            s.prefilled = True
-            if s.output:  # resumed: its newest token is appended by its first decode step
-                tokens.append(s.output[-1])
-            else:
-                fresh.append(s)
-                rows[s.rid] = (out.argmax[offset + j], None if out.sampled is None else out.sampled[offset + j])
-        commits.append((s, tokens, s.fed))
-    lp_rows = {f.seq.rid: out.logprobs[offset + j][-1:] for j, f in enumerate(feeding)
-               if out.logprobs is not None and out.logprobs[offset + j] is not None}
-    for s, tok in zip(fresh, first_tokens(fresh, rows), strict=True):
-        scheduler.append(s, [tok], eos, lp_rows.get(s.rid))
-    first = {s.rid: s.output[-1] for s in fresh if s.output}  # (max_tokens 0: none)
-    return [(s, [*t, first[s.rid]] if s.rid in first else t, h) for s, t, h in commits]
-
-
-def prompt_logprobs(seq: Sequence, feed: Feed, rows: np.ndarray) -> None:
-    """Record the prompt tokens' log-probabilities from a prefill chunk's rows: row r (position
-    start + r) is the target's distribution of the token at start + r + 1; the first prompt
-    token has none (None)."""
-    if feed.start == 0:
-        seq.prompt_logprobs.append(None)
-    end = min(len(feed.tokens), len(seq.prompt) - 1 - feed.start)  # rows that predict a prompt token
-    if end > 0:
-        nxt = seq.prompt[feed.start + 1:feed.start + 1 + end]
-        seq.prompt_logprobs.extend(entries(rows[:end], nxt, seq.params.prompt_logprobs))
-
-
 def empty_drafts(r: int, kinds: np.ndarray) -> Drafts:
     z = np.zeros(0)
     return Drafts(np.zeros(0, dtype=np.int64), np.zeros(r + 1, dtype=np.int64), z, z, kinds)
@@ -199,16 +159,6 @@ def merge_drafts(r: int, parts: list[tuple[list[int], DraftOutput]], kinds: np.n
     for idx, out in parts:
         kinds[idx] = out.kinds
     return Drafts(d.tokens, d.cu, d.confidence, d.margin, kinds, seconds, max(out.compute_s for _, out in parts))
-
-
-def first_tokens(seqs: list[Sequence], last_out: dict) -> list[int]:
-    """The token after each prompt: the target's argmax, or its draw with the request's first
-    uniform (made on the rank: `verification.sampling_rows`)."""
-    out = []
-    for s in seqs:
-        argmax, sampled = last_out[s.rid]
-        out.append(int(argmax[-1] if s.greedy else sampled[-1]))
-    return out
 
 
 def accept_tokens(batch: list[Sequence], drafts: Drafts, kept: np.ndarray, out: TargetOutput) -> Accepted:
