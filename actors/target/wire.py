@@ -5,7 +5,7 @@ numbers, strings, bytes, lists, maps), numpy arrays (an extension type: dtype, s
 buffer), and, as one-key maps under a marker key, tuples, the dataclasses of `DATACLASSES` and the
 exceptions of `EXCEPTIONS` (by name, with their message). Nothing else can be named, so no frame can make a rank
 import or call anything. Calls and answers are maps with a version (`VERSION`); a rank accepts only
-the methods of `METHODS`.
+the calls of `CALLS`, each with its arguments' types.
 """
 
 from __future__ import annotations
@@ -19,11 +19,25 @@ import numpy as np
 VERSION = 1
 MAX_BYTES = 1 << 30  # a larger message is refused (a step's features at 1,024 requests are ~100 MiB)
 
-# The (part, method) calls a driver may make of a rank, and nothing else.
-METHODS = {
-    "target": frozenset({"forward", "truncate", "release", "cache_info", "take_features", "ping"}),
-    "drafter": frozenset({"draft", "commit", "release", "target_layers", "whereabouts", "held"}),
+# The calls a driver may make of a rank, and nothing else: (part, method) -> the type of each
+# argument ("?": None allowed too; after "|" the arguments may be left out). A call whose
+# arguments are not of these types is refused before anything runs.
+CALLS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("target", "forward"): ("RankBatch",),
+    ("target", "truncate"): ("dict",),
+    ("target", "release"): ("list",),
+    ("target", "cache_info"): (),
+    ("target", "take_features"): ("dict", "|", "bool"),
+    ("target", "ping"): (),
+    ("drafter", "draft"): ("list", "list", "list", "|", "CatchUp?", "list?", "list?"),
+    ("drafter", "commit"): ("CatchUp",),
+    ("drafter", "release"): ("list",),
+    ("drafter", "target_layers"): (),
+    ("drafter", "whereabouts"): (),
+    ("drafter", "held"): (),
 }
+METHODS = {part: frozenset(m for p, m in CALLS if p == part) for part, _ in CALLS}
+_PLAIN = {"dict": dict, "list": (list, tuple), "bool": bool}
 
 # Every dataclass that crosses the link, by name (imported when first needed).
 DATACLASSES = {
@@ -134,7 +148,24 @@ def read_call(data: bytes) -> tuple[str, str, tuple, bool]:
     part, method, args, answer = msg.get("part"), msg.get("method"), msg.get("args"), msg.get("answer")
     if method not in METHODS.get(part, ()) or not isinstance(args, list) or not isinstance(answer, bool):
         raise WireError(f"no call {part!r}.{method!r} on this link")
+    _check_args(part, method, args)
     return part, method, tuple(args), answer
+
+
+def _check_args(part: str, method: str, args: list) -> None:
+    """WireError unless `args` fit the call's signature in `CALLS`."""
+    spec = CALLS[(part, method)]
+    required = spec.index("|") if "|" in spec else len(spec)
+    types = [t for t in spec if t != "|"]
+    if not required <= len(args) <= len(types):
+        raise WireError(f"{part}.{method} takes {required}–{len(types)} arguments, not {len(args)}")
+    for i, (arg, name) in enumerate(zip(args, types, strict=False)):
+        if arg is None and name.endswith("?"):
+            continue
+        name = name.rstrip("?")
+        want = _PLAIN.get(name) or _named(DATACLASSES, name)
+        if not isinstance(arg, want):
+            raise WireError(f"{part}.{method}: argument {i} is {type(arg).__name__}, not {name}")
 
 
 def reply(ok: bool, value) -> bytes:

@@ -89,3 +89,24 @@ def test_nothing_outside_the_closed_set_is_built_or_run(tmp_path):
     with pytest.raises(TypeError):  # the sender refuses what the link cannot carry, too
         wire.pack(Trap(trap))
     assert not trap.exists()
+
+
+def test_a_call_must_fit_its_signature_before_anything_runs():
+    """Each call's arguments are typed (`wire.CALLS`): a known method with too few or too many
+    arguments, or one of another type, is refused as a malformed message; the optional ones
+    may be left out or None."""
+    catchup = CatchUp([3], [[5, 6]], [{}], {}, "local")
+    ok = [("target", "truncate", ({3: 40},)), ("target", "take_features", ({3: (0, 2)},)),
+          ("target", "take_features", ({3: (0, 2)}, False)), ("target", "cache_info", ()),
+          ("drafter", "draft", ([3], [7], [4])), ("drafter", "draft", ([3], [7], [4], None, [0], None)),
+          ("drafter", "draft", ([3], [7], [4], catchup, [0], [-1])), ("drafter", "commit", (catchup,)),
+          ("target", "release", ((3, 4),))]
+    for part, method, args in ok:
+        assert wire.read_call(wire.call(part, method, args, True))[:2] == (part, method)
+    bad = [("target", "forward", ()), ("target", "forward", ({"tokens": [1]},)), ("target", "truncate", ([3],)),
+           ("target", "ping", (1,)), ("target", "take_features", ({}, "yes")),
+           ("drafter", "draft", ([3], [7])), ("drafter", "draft", ([3], [7], [4], "catchup")),
+           ("drafter", "draft", ([3], [7], [4], None, None, None, None)), ("drafter", "commit", (None,))]
+    for part, method, args in bad:
+        with pytest.raises(wire.WireError, match=f"{part}.{method}"):
+            wire.read_call(wire.call(part, method, args, True))
