@@ -32,6 +32,8 @@ def learn(st: Step, calibrators: list[Calibrator], gate: DraftingGate, cost, log
     """Calibration (judged drafts only; each drafter kind's own), the drafting gate's acceptance
     trackers and the cost model's correction learn from the step."""
     drafts, kept, accepted = st.drafts, st.pruned.kept, st.accepted.counts
+    if drafts.cu[-1] == 0 and st.lookahead is None and not st.plan.lengths.any():  # nothing drafted or asked
+        return _learn_cost(st, cost, {**Verified.of([], [], [], []).as_dict(), "empty": []} if log else None)
     counts, kinds = drafts.counts, drafts.kinds
     idx, ok = verify_outcomes(drafts.cu, kept, accepted)
     if len(idx):
@@ -46,11 +48,16 @@ def learn(st: Step, calibrators: list[Calibrator], gate: DraftingGate, cost, log
     empty = [(st.batch[i].rid, int(kinds[i])) for i in np.flatnonzero((st.plan.lengths > 0) & (counts == 0)).tolist()]
     gate.learn(verified, empty)
     observed_now = {**verified.as_dict(), "empty": empty} if log else None  # for `dcut_core.gate.replay`
+    return _learn_cost(st, cost, observed_now)
+
+
+def _learn_cost(st: Step, cost, observed: dict | None) -> Learnt:
+    """The cost model's correction learns the step's forward (verification steps only)."""
     if cost is None:
-        return Learnt(float("nan"), observed_now)
+        return Learnt(float("nan"), observed)
     if st.feeding:  # the correction learns verification steps only (pruning's curve)
-        return Learnt(cost.predict(shape(st)), observed_now)
-    return Learnt(cost.observe(shape(st), st.out.wall_s), observed_now)
+        return Learnt(cost.predict(shape(st)), observed)
+    return Learnt(cost.observe(shape(st), st.out.wall_s), observed)
 
 
 def drafted(st: Step) -> Verified:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -98,16 +99,21 @@ class MoETransformer(nn.Module):
         return PagedKVCache(self.cache_spec(capacity_tokens, block_size), dtype=self.lm_head.weight.dtype,
                             device=str(self.lm_head.weight.device))
 
-    def prepare(self, batch: ForwardBatch, cache: PagedKVCache) -> Prepared:
-        """Validate the batch and reserve its KV blocks; nothing is written yet.
+    def prepare(self, batch: ForwardBatch, cache: PagedKVCache, host_tokens: np.ndarray | None = None) -> Prepared:
+        """Validate the batch and reserve its KV blocks; nothing is written yet. `host_tokens`:
+        the batch's tokens as the host array they were uploaded from, where their bounds are
+        checked without reading the device's copy back (a host synchronisation on a GPU).
 
         Raises ValueError or KVCacheFull with the cache unchanged. `undo` gives the blocks back.
         """
         lengths = (batch.cu[1:] - batch.cu[:-1]).tolist()
         if any(n <= 0 for n in lengths):
             raise ValueError("every request in a forward batch must append at least one token")
-        if len(batch.tokens):  # one copy of both bounds (a host synchronisation where tokens are on a GPU)
-            lo, hi = torch.stack([batch.tokens.min(), batch.tokens.max()]).tolist()
+        if len(batch.tokens):
+            if host_tokens is not None:
+                lo, hi = int(host_tokens.min()), int(host_tokens.max())
+            else:  # one copy of both bounds
+                lo, hi = torch.stack([batch.tokens.min(), batch.tokens.max()]).tolist()
             if lo < 0 or hi >= self.cfg.vocab_size:
                 raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size})")
         starts = [cache.length(rid) if rid in cache else 0 for rid in batch.request_ids]

@@ -169,7 +169,7 @@ class TargetRank:
         prepared, error = None, None
         if batch.request_ids:
             try:
-                prepared = self.model.prepare(batch, self.cache)
+                prepared = self.model.prepare(batch, self.cache, rb.tokens)
             except (ValueError, KVCacheFull) as exc:
                 error = exc
         if not self._all_agree(error is None):
