@@ -7,6 +7,7 @@ Verification, prefill chunks and plain decoding are all this one call.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -106,7 +107,8 @@ class MoETransformer(nn.Module):
 
         Raises ValueError or KVCacheFull with the cache unchanged. `undo` gives the blocks back.
         """
-        lengths = (batch.cu[1:] - batch.cu[:-1]).tolist()
+        cu = batch.cu.tolist()  # offsets live on the host (`ForwardBatch`)
+        lengths = [b - a for a, b in itertools.pairwise(cu)]
         if any(n <= 0 for n in lengths):
             raise ValueError("every request in a forward batch must append at least one token")
         if len(batch.tokens):
