@@ -16,6 +16,11 @@ training trace only; the held-out trace is reported, never tuned on.
    survivals left cannot pay for a pass.
 4. **The step's own time**: the same settings with the drafting policy's own time per step (the
    gate, the chooser, learning, bookkeeping; `TraceCosts.own_policy`, `own_drafting`) at zero.
+5. **Whose prediction is the loss**: the engine's gate (every kind) told in hindsight how many
+   drafts of one kind would pass, the other kinds predicted as the engine does.
+
+(Before session 20 experiment 2 replaced a tracker method the gate no longer called, and so
+measured the stock gate twice; it now replaces the gate's predictions.)
 
     .venv/bin/python benchmarks/trace_experiments.py --train runs/train.trace \\
         --heldout runs/trace-validate2/heldout.trace --out runs/trace-experiments
@@ -35,7 +40,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from dcut_core import ragged
 from dcut_core.acceptance import survival
-from dcut_core.trace_sim import SimSettings, _Run, oracle_run, simulate_trace
+from dcut_core.drafting import Predicted
+from dcut_core.gate import DraftingGate, GateInput
+from dcut_core.trace_sim import HindsightGate, SimSettings, _Run, oracle_run, simulate_trace
 
 LEVELS = (1, 4, 16, 32)
 KIND_SETS = (("ngram",), ("mtp",), ("block", "mtp", "ngram"))
@@ -65,30 +72,48 @@ def fit_signal_table(trace) -> np.ndarray:
 
 
 class SignalRun(_Run):
-    """The engine's decisions, its trackers predicting from the n-gram-match table."""
+    """The engine's decisions, its gate predicting from the n-gram-match table (times each
+    request's own factor, which its trackers still learn)."""
 
     def __init__(self, trace, settings, concurrency, table) -> None:
         super().__init__(trace, settings, concurrency)
         self.table, self.ng = table, trace.kinds.index("ngram")
         self.at: dict[int, tuple] = {}
-        for j, tracker in enumerate(self.gate.trackers):
-            tracker.predict_batch = self._predictor(tracker, self.kidx[j])
+        self.gate.predict = self._predict  # in place of the trackers' global rates
 
-    def _predictor(self, tracker, kind: int):
-        def predict_batch(rids, lengths):
-            out = []
-            for rid, n in zip(rids, np.asarray(lengths, dtype=np.int64), strict=True):
-                rt, t = self.at[rid]
-                rate = self.table[kind, bucket(rt.count[self.ng, t]), :n].copy()
+    def _predict(self, g: GateInput) -> Predicted:
+        room = g.room()
+        rates = np.zeros((len(g.rids), len(self.kidx), int(room.max(initial=0))))
+        for i, rid in enumerate(g.rids):
+            rt, t = self.at[rid]
+            b = bucket(rt.count[self.ng, t])
+            for j, tracker in enumerate(self.gate.trackers):
+                n = int(room[i, j])
                 if n:
+                    rate = self.table[self.kidx[j], b, :n].copy()
                     rate[0] = min(0.99, rate[0] * tracker.factor.get(rid, 1.0))
-                out.append(np.clip(rate, 0.0, 0.99))
-            return out
-        return predict_batch
+                    rates[i, j, :len(rate)] = np.clip(rate, 0.0, 0.99)
+        return Predicted(rates, room)
 
     def _plan(self, batch):
         self.at = {x.rid: (self.trace.requests[x.q], x.t) for x in batch}
         return super()._plan(batch)
+
+
+class ToldRun(_Run):
+    """The engine's gate told in hindsight how many drafts of some kinds (`told`) would pass,
+    the others predicted as the engine predicts them: whose prediction `auto`'s loss is."""
+
+    def __init__(self, trace, settings, concurrency, told: tuple[str, ...]) -> None:
+        super().__init__(trace, dataclasses.replace(settings, hindsight=True), concurrency)
+        self.told = [j for j, k in enumerate(settings.kinds) if k in told]
+        self.gate.predict = self._predict
+
+    def _predict(self, g: GateInput) -> Predicted:
+        own = DraftingGate.predict(self.gate, g)
+        rates = own.rates.copy()
+        rates[:, self.told] = HindsightGate.predict(self.gate, g).rates[:, self.told]
+        return Predicted(rates, own.lengths)
 
 
 class EarlyStopRun(_Run):
@@ -151,7 +176,7 @@ def ratios(trace, run, kinds) -> list[float]:
 
 def experiments(train, trace) -> dict:
     table = fit_signal_table(train)
-    out: dict = {"oracle": {}, "signal": {}, "early_stop": {}, "own_time_zero": {}}
+    out: dict = {"oracle": {}, "signal": {}, "early_stop": {}, "own_time_zero": {}, "told": {}}
     for kinds in (("ngram",), ("mtp",), ("block",), ("mtp", "ngram"), ("block", "mtp", "ngram")):
         out["oracle"]["+".join(kinds)] = ratios(trace, lambda c, k=kinds: oracle_run(trace, k, c, 8), kinds)
     quiet = dataclasses.replace(trace, costs=dataclasses.replace(trace.costs, own_policy=(0.0, 0.0),
@@ -164,6 +189,10 @@ def experiments(train, trace) -> dict:
                                                             kinds)}
         out["early_stop"][name] = ratios(trace, lambda c, s=s: EarlyStopRun(trace, s, c).run(), kinds)
         out["own_time_zero"][name] = ratios(quiet, lambda c, s=s: simulate_trace(quiet, s, c), kinds)
+    every = KIND_SETS[-1]
+    for told in (("ngram",), ("mtp",), ("block",), every):
+        out["told"]["+".join(told)] = ratios(trace, lambda c, t=told: ToldRun(trace, SimSettings(kinds=every, block=8),
+                                                                              c, t).run(), every)
     return out
 
 
@@ -179,6 +208,9 @@ def render(name: str, res: dict) -> str:
         lines.append(f"| early-stopped chains | {kinds} | " + " | ".join(f"{x:.2f}" for x in row) + " |")
     for kinds, row in res["own_time_zero"].items():
         lines.append(f"| policy's own time at 0 | {kinds} | " + " | ".join(f"{x:.2f}" for x in row) + " |")
+    for told, row in res["told"].items():
+        lines.append(f"| gate told {told}'s accepted lengths | block+mtp+ngram | " +
+                     " | ".join(f"{x:.2f}" for x in row) + " |")
     return "\n".join(lines)
 
 
