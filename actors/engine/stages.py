@@ -171,13 +171,12 @@ def accept_tokens(batch: list[Sequence], drafts: Drafts, kept: np.ndarray, out: 
     if not batch:
         return Accepted([], [])
     k = np.asarray(kept, dtype=np.int64)
+    target = [out.argmax[i] if s.greedy else out.sampled[i] for i, s in enumerate(batch)]
     if not k.any():  # no draft kept (a plain step): each request emits its one row, the same as below
-        rows = [out.argmax[i] if s.greedy else out.sampled[i] for i, s in enumerate(batch)]
-        return Accepted([0] * len(batch), [[int(r[0])] for r in rows])
+        return Accepted([0] * len(batch), [[int(t[0])] for t in target])
     cu = np.zeros(len(batch) + 1, dtype=np.int64)
     np.cumsum(k, out=cu[1:])
     d = drafts.tokens[np.repeat(np.asarray(drafts.cu[:-1], dtype=np.int64) - cu[:-1], k) + np.arange(cu[-1])]
-    target = [out.argmax[i] if s.greedy else out.sampled[i] for i, s in enumerate(batch)]
     res = rules.greedy(d.astype(np.int64), cu, np.concatenate([np.asarray(t) for t in target]).astype(np.int64))
     toks, ends = res.tokens.tolist(), res.cu_tokens.tolist()
     return Accepted(res.accepted.tolist(), [toks[ends[i]:ends[i + 1]] for i in range(len(batch))])
