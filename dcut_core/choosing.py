@@ -193,6 +193,57 @@ class KindChooser:
         return kind.astype(np.int64), use
 
 
+class StickyChoice:
+    """Each request's kind (and fallback) as the chooser last picked it, kept for up to `steps`
+    decisions so the chooser need not run every step: `recall` answers for the whole batch or not
+    at all (a choice is made for the batch together: the kinds in use share their passes). A
+    choice is dropped when its term ends, when its kind cannot draft for the request now, and when
+    evidence says otherwise (`doubt`: a verification under it with nothing accepted)."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+        self._kept: dict[int, list[int]] = {}  # rid -> [kind, fallback, decisions left]
+
+    def recall(self, rids: list[int], usable: np.ndarray | None) -> tuple[np.ndarray, np.ndarray] | None:
+        """(kind [R], fallback [R]) kept for every request of the batch, or None if any has none
+        (then the chooser runs for all, and `keep` starts a new term for each)."""
+        if self.steps <= 1 or not rids:
+            return None
+        kept = self._kept
+        rows = [kept.get(rid) for rid in rids]
+        if any(row is None or row[2] <= 0 for row in rows):
+            return None
+        kind = np.array([row[0] for row in rows], dtype=np.int64)
+        if usable is not None and not usable[np.arange(len(rids)), kind].all():
+            return None
+        for row in rows:
+            row[2] -= 1
+        return kind, np.array([row[1] for row in rows], dtype=np.int64)
+
+    def keep(self, rids: list[int], kind: np.ndarray, fallback: np.ndarray) -> None:
+        if self.steps <= 1:
+            return
+        left = self.steps - 1
+        for rid, k, f in zip(rids, kind.tolist(), fallback.tolist(), strict=True):
+            self._kept[rid] = [k, f, left]
+
+    def doubt(self, rids: np.ndarray, kinds: np.ndarray, accepted: np.ndarray) -> None:
+        """Verifications (request, kind, accepted): a request whose kept kind had nothing
+        accepted chooses again at its next step."""
+        if not self._kept:
+            return
+        for rid, k, a in zip(rids.tolist(), kinds.tolist(), accepted.tolist(), strict=True):
+            row = self._kept.get(rid)
+            if row is not None and row[0] == k and a == 0:
+                row[2] = 0
+
+    def forget(self, rid: int) -> None:
+        self._kept.pop(rid, None)
+
+    def held(self) -> int:
+        return len(self._kept)
+
+
 @dataclass(frozen=True)
 class Support:
     """What the chooser's estimates rest on: the verifications each kind's tracker has learnt

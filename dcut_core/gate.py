@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dcut_core.choosing import KindChooser, Support
+from dcut_core.choosing import KindChooser, StickyChoice, Support
 from dcut_core.drafting import (
     AcceptanceTracker,
     DraftCost,
@@ -165,11 +165,14 @@ class DraftingGate:
     bonus: float = 1.0  # the kind chooser's optimism for a kind the unit has seldom verified (tokens)
     teach_empty: bool = True  # `empty` teaches the trackers
     caution: float = 1.0  # the kind chooser's doubt of a kind a request has not verified (tokens)
+    stick: int = 2  # decisions a request's kind is kept for before the chooser runs again (1: every step)
     chooser: KindChooser = field(init=False)
+    sticky: StickyChoice = field(init=False)
 
     def __post_init__(self) -> None:
         self.trackers = list(self.trackers)
         self.chooser = KindChooser(len(self.trackers), self.bonus, caution=self.caution)
+        self.sticky = StickyChoice(self.stick if len(self.trackers) > 1 else 1)
 
     def decide(self, g: GateInput) -> Plan:
         """Which kind drafts for each request and how far: the chooser picks the kinds (an
@@ -179,8 +182,7 @@ class DraftingGate:
         found nothing is worth nothing to that request this step."""
         rids, verify, costs = g.rids, g.verify(), g.costs
         predicted = self.predict(g)
-        kinds, exploring, fallback = self.chooser.choose(predicted, verify, costs, g.usable(), held=g.lag,
-                                                         remaining=g.remaining, support=self.support(rids))
+        kinds, exploring, fallback = self.kinds(g, predicted)
         survival = predicted.survival(kinds)
         mine = survival.lengths
         charge = self.catch_up_charge(survival, g.lag[np.arange(len(rids)), kinds], g.remaining)
@@ -195,6 +197,18 @@ class DraftingGate:
         for k, tracker in enumerate(self.trackers):
             tracker.skipped([rid for rid, i in zip(rids, idle & (kinds == k), strict=True) if i])
         return Plan(kinds, lengths, fallback, g)
+
+    def kinds(self, g: GateInput, predicted: Predicted) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(kind, exploring, fallback) [R]: the kinds kept from an earlier decision (`sticky`) if
+        every request of the batch has one, else the chooser's for the whole batch."""
+        usable = g.usable()
+        kept = self.sticky.recall(g.rids, usable)
+        if kept is not None:
+            return kept[0], np.zeros(len(g.rids), dtype=bool), kept[1]
+        kinds, exploring, fallback = self.chooser.choose(predicted, g.verify(), g.costs, usable, held=g.lag,
+                                                         remaining=g.remaining, support=self.support(g.rids))
+        self.sticky.keep(g.rids, kinds, fallback)
+        return kinds, exploring, fallback
 
     def choose(self, g: GateInput) -> Plan:
         """The kinds `decide` would choose, every request drafting to its cap: for a policy that
@@ -249,6 +263,7 @@ class DraftingGate:
             mine = verified.of_kind(k)
             if len(mine):
                 tracker.learn(mine)
+        self.sticky.doubt(verified.rids, verified.kinds, verified.accepted)
 
     def observe(self, rid: int, kind: int, kept: int, accepted: int, beyond: np.ndarray | None = None) -> None:
         """One verification of request rid's drafts by drafter `kind` (`learn` of one)."""
@@ -257,10 +272,11 @@ class DraftingGate:
     def forget(self, rid: int) -> None:
         for t in self.trackers:
             t.forget(rid)
+        self.sticky.forget(rid)
 
     def held(self) -> dict[str, int]:
         """Request records it keeps, by owner (all 0 once every request is forgotten)."""
-        return {"trackers": sum(t.held() for t in self.trackers)}
+        return {"trackers": sum(t.held() for t in self.trackers), "sticky_choices": self.sticky.held()}
 
     @staticmethod
     def catch_up_charge(survival: Survival, backlog: np.ndarray, remaining: np.ndarray) -> np.ndarray:

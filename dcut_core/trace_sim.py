@@ -57,6 +57,7 @@ class SimSettings:
     hindsight: bool = False
     caution: float = 1.0  # the kind chooser's doubt of a kind a request has not verified (`DraftingGate.caution`)
     shrink: float = 4.0  # the trackers' pull of a request's factor toward 1 (`AcceptanceTracker.shrink`)
+    stick: int = 2  # decisions a request's kind is kept for (`DraftingGate.stick`)
 
 
 @dataclass
@@ -130,7 +131,7 @@ class _Run:
             [AcceptanceTracker(block=self.block, shrink=s.shrink) for _ in range(k)],
             Exploration(s.explore_every, s.explore_requests, s.explore_warmup),
             DraftPlanner(s.max_budget, s.draft_slack, s.draft_extend), bonus=s.bonus, teach_empty=k > 1,
-            caution=s.caution)
+            caution=s.caution, stick=s.stick)
         self.costs = costs = trace.costs.for_kinds(k)  # the own time of an engine hosting k kinds
         self.draft = [costs.draft[i] for i in self.kidx]
         # The engine looks the n-gram kind up for every request before its gate decides (it knows

@@ -391,3 +391,67 @@ def test_the_replicas_call_is_priced_once_and_only_for_the_kinds_drafted_there()
     unpaid = planner.plan(survival, verify, DraftingCosts([cost, cost], 0.0, 0.0, remote), mixed)
     assert paid.lengths.tolist() == unpaid.lengths.tolist() and paid.lengths[1] > 0
     assert paid.predicted_seconds == pytest.approx(unpaid.predicted_seconds + 1e-4, rel=1e-12)
+
+
+def two_kind_input(rids, available=None):
+    costs = [DraftCost(1e-4, 1e-4, 1e-5), DraftCost(1e-4, 1e-4, 1e-5)]
+    r = len(rids)
+    return GateInput.capture(rids, np.full(r, 7), np.full(r, 40), KindReach(np.zeros((r, 2)), None, available),
+                             linear(0.01, 1e-5), DraftingCosts(costs))
+
+
+class CountingChooser(KindChooser):
+    calls = 0
+
+    def choose(self, *args, **kwargs):
+        CountingChooser.calls += 1
+        return super().choose(*args, **kwargs)
+
+
+def counting_gate(stick):
+    gate = DraftingGate([AcceptanceTracker(block=8), AcceptanceTracker(block=8)],
+                        Exploration(every=50, requests=2, warmup=0), bonus=0.0, stick=stick)
+    gate.chooser = CountingChooser(2, 0.0, caution=gate.caution)
+    for _ in range(40):  # kind 1 accepts more: the chooser's pick for everyone
+        gate.trackers[0].observe(9, 7, 2)
+        gate.trackers[1].observe(9, 7, 6)
+    CountingChooser.calls = 0
+    return gate
+
+
+def test_a_kind_sticks_for_its_term_and_the_chooser_runs_again_after_it():
+    gate = counting_gate(stick=3)
+    kinds = [gate.decide(two_kind_input([0, 1])).kinds.tolist() for _ in range(7)]
+    assert kinds == [[1, 1]] * 7
+    assert CountingChooser.calls == 3  # decisions 1, 4, 7: each choice kept for two more
+    plain = counting_gate(stick=1)
+    for _ in range(4):
+        plain.decide(two_kind_input([0, 1]))
+    assert CountingChooser.calls == 4 and plain.held()["sticky_choices"] == 0
+
+
+def test_a_new_request_an_unusable_kind_or_a_miss_makes_the_whole_batch_choose_again():
+    gate = counting_gate(stick=10)
+    gate.decide(two_kind_input([0, 1]))
+    gate.decide(two_kind_input([0, 1]))
+    assert CountingChooser.calls == 1
+    gate.decide(two_kind_input([0, 1, 2]))  # request 2 has no kept kind: all choose (a batch's kinds share passes)
+    assert CountingChooser.calls == 2
+    plan = gate.decide(two_kind_input([0, 1, 2], available=np.array([[-1, -1], [-1, 0], [-1, -1]])))
+    assert CountingChooser.calls == 3 and plan.kinds.tolist() == [1, 0, 1]  # kind 1 has nothing for request 1 now
+    calls = CountingChooser.calls
+    plan = gate.decide(two_kind_input([0, 1, 2]))  # kept for its term, though kind 1 could draft again
+    assert CountingChooser.calls == calls and plan.kinds.tolist() == [1, 0, 1]
+    gate.learn(Verified.of([0], [1], [3], [0]))  # request 0's kept kind had nothing accepted: evidence
+    gate.decide(two_kind_input([0, 1, 2]))
+    assert CountingChooser.calls == calls + 1
+    for rid in (0, 1, 2):
+        gate.forget(rid)
+    assert gate.held()["sticky_choices"] == 0
+
+
+def test_one_kind_keeps_no_choices():
+    gate = DraftingGate([AcceptanceTracker(block=8)], Exploration(every=50, requests=2, warmup=0), stick=5)
+    costs = DraftingCosts([DraftCost(1e-4, 1e-4, 1e-5)])
+    gate.decide(GateInput.capture([0], [7], [40], KindReach(np.zeros((1, 1))), linear(0.01, 1e-5), costs))
+    assert gate.held()["sticky_choices"] == 0
