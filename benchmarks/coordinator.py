@@ -38,6 +38,7 @@ from actors.ray_env import set_local_env
 set_local_env()
 
 STAGES = ("schedule", "look", "plan", "propose", "prune", "verify", "accept", "commit")
+OVERLAP_NAMES = {None: "", True: " (overlap)", False: " (sequential)"}  # as served; forced on; forced off
 POLICIES = "ar:8,full:5,full:16,tetris:8,dcut-buckets:8,dcut:8"  # policy:block (block − 1 drafts at most)
 
 
@@ -94,6 +95,7 @@ class Workload:
     forward: object  # StepShape -> seconds, or None
     cache: str
     real: bool = False  # the real target (as `dcut serve` builds it: on the GPU with DCUT_GPUS_PER_RANK=1)
+    overlap: bool | None = None  # learning a step behind the next step's forward (`EngineConfig.overlap`)
 
 
 def one_wave(policy: str, block: int, r: int, w: Workload, drafter: str = "ngram") -> dict:
@@ -112,7 +114,7 @@ def one_wave(policy: str, block: int, r: int, w: Workload, drafter: str = "ngram
     # Every prompt prefilled in the first step, which takes no time here: the steps measured are
     # decode steps (a decode step verifies at most 17 tokens a request; a prefill step ~100).
     cfg = dataclasses.replace(cfg, kv_capacity_tokens=max(cfg.kv_capacity_tokens, 400 * r), prefill_chunk=1 << 20,
-                              prefill_budget=1 << 24)
+                              prefill_budget=1 << 24, overlap=w.overlap)
     timed = None if w.forward is None else (lambda shape: 0.0 if shape.tokens > 17 * shape.requests else
                                             w.forward(shape))
     eng = Engine(cfg) if w.real else ReplayEngine(cfg, w.table, timed)
@@ -140,7 +142,7 @@ def one_wave(policy: str, block: int, r: int, w: Workload, drafter: str = "ngram
         raise AssertionError(f"{policy} at R = {r}: no step decoded 90 % of the requests without prefill")
     med = {k: 1e3 * statistics.median(s[k] for s in steps) for k in ("wall", "own", "forward", "draft", *STAGES)}
     med["verify"] -= med["forward"]  # the stage's own part: building the batch, the group's bookkeeping
-    name = policy if drafter == "ngram" else f"{policy} {drafter}"
+    name = (policy if drafter == "ngram" else f"{policy} {drafter}") + OVERLAP_NAMES[w.overlap]
     return {"policy": name, "block": block, "requests": r, "steps": len(steps),
             **{f"{k}_ms": v for k, v in med.items()},
             "drafted_per_request": statistics.fmean(s["drafted"] for s in steps),
@@ -163,6 +165,10 @@ def main() -> int:
     p.add_argument("--drafters", default="ngram",
                    help="drafter settings, comma-separated: ngram (the n-gram kind alone), auto (every kind; "
                         "--target real only)")
+    p.add_argument("--overlap", default="served",
+                   help="served (as `dcut serve` builds the engine: on with GPU ranks), on (a step learnt behind "
+                        "the next forward), off, or a comma list (each in turn per cell, alternating by round)")
+    p.add_argument("--rounds", type=int, default=1, help="every cell this many times, in order (medians of rows)")
     p.add_argument("--out", default="runs/coordinator")
     args = p.parse_args()
     if args.target == "replay" and set(args.drafters.split(",")) - {"ngram"}:
@@ -185,15 +191,20 @@ def main() -> int:
     cache = tempfile.mkdtemp(prefix="coordinator-")
     for f in pathlib.Path(ServeSettings().cost_model_cache).glob("cost_model_*.json"):
         shutil.copy(f, cache)
-    for r in (int(x) for x in args.requests.split(",")):
-        for spec in args.policies.split(","):
-            policy, block = spec.split(":")
-            for drafter in drafters[:1] if policy == "ar" else drafters:  # `ar` drafts nothing
-                row = one_wave(policy, int(block), r, Workload(prompts, table, args.max_tokens, forward, cache,
-                                                               args.target == "real"), drafter)
-                row["forward"] = "real" if args.target == "real" else args.forward
-                rows.append(row)
-                print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    overlaps = [{"on": True, "off": False, "served": None}[x] for x in args.overlap.split(",")]
+    for rnd in range(args.rounds):
+        for r in (int(x) for x in args.requests.split(",")):
+            for spec in args.policies.split(","):
+                policy, block = spec.split(":")
+                for drafter in drafters[:1] if policy == "ar" else drafters:  # `ar` drafts nothing
+                    for overlap in overlaps[::-1] if rnd % 2 else overlaps:  # alternating which goes first
+                        w = Workload(prompts, table, args.max_tokens, forward, cache, args.target == "real", overlap)
+                        row = one_wave(policy, int(block), r, w, drafter)
+                        row["forward"] = "real" if args.target == "real" else args.forward
+                        row["round"] = rnd
+                        rows.append(row)
+                        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}),
+                              flush=True)
     shutil.rmtree(cache, ignore_errors=True)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

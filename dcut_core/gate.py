@@ -292,10 +292,11 @@ class DraftingGate:
 def replay(gate: DraftingGate, steps) -> list[tuple[np.ndarray, np.ndarray]]:
     """Run `gate` over a step log's records in order (dicts as `StepLog` writes them): each
     logged decision's input is decided again, and each step's verification outcomes are observed
-    as the engine observed them. Returns (logged, replayed) plans, each [2, R] (kinds; drafts):
-    a gate with the engine's settings reproduces every plan exactly; another setting shows what
-    it would have asked for on the same history."""
-    plans = []
+    as the engine observed them (a step marked `late` after the next step's decision, as the
+    engine learns a step while the next one's forward runs). Returns (logged, replayed) plans,
+    each [2, R] (kinds; drafts): a gate with the engine's settings reproduces every plan exactly;
+    another setting shows what it would have asked for on the same history."""
+    plans, later = [], None  # later: a step's outcome the engine learnt after the next decision
     for rec in steps:
         if rec.get("gate"):
             plan = gate.decide(GateInput.from_dict(rec["gate"]["input"]))
@@ -303,11 +304,23 @@ def replay(gate: DraftingGate, steps) -> list[tuple[np.ndarray, np.ndarray]]:
             kinds = rec["gate"].get("kinds")
             logged_kinds = np.zeros_like(logged) if kinds is None else np.asarray(kinds, dtype=np.int64)
             plans.append((np.stack([logged_kinds, logged]), np.stack([plan.kinds, plan.lengths])))
+        if later is not None:
+            _learn_logged(gate, later)
+            later = None
         obs = rec.get("observed")
-        if obs:
-            verified = Verified.from_dict(obs)
-            shadow = obs.get("shadow")  # logs before one step was learnt as one batch
-            if shadow:
-                verified = verified.then(Verified.of(*zip(*shadow, strict=True)))
-            gate.learn(verified, [tuple(e) for e in obs.get("empty") or ()])
+        if rec.get("late"):
+            later = obs
+        elif obs:
+            _learn_logged(gate, obs)
     return plans
+
+
+def _learn_logged(gate: DraftingGate, obs: dict) -> None:
+    """What the trackers learnt from one logged step (`Verified.as_dict`, its `empty` tries)."""
+    if not obs:
+        return
+    verified = Verified.from_dict(obs)
+    shadow = obs.get("shadow")  # logs before one step was learnt as one batch
+    if shadow:
+        verified = verified.then(Verified.of(*zip(*shadow, strict=True)))
+    gate.learn(verified, [tuple(e) for e in obs.get("empty") or ()])

@@ -58,6 +58,7 @@ class SimSettings:
     caution: float = 1.0  # the kind chooser's doubt of a kind a request has not verified (`DraftingGate.caution`)
     shrink: float = 4.0  # the trackers' pull of a request's factor toward 1 (`AcceptanceTracker.shrink`)
     stick: int = 2  # decisions a request's kind is kept for (`DraftingGate.stick`)
+    overlap: bool = False  # a step is learnt after the next step's plan (`EngineConfig.overlap`: GPU ranks)
 
 
 @dataclass
@@ -139,6 +140,7 @@ class _Run:
         self.ngram = s.kinds.index("ngram") if s.lookahead and "ngram" in s.kinds else None
         self.remote = np.array([k != "ngram" for k in s.kinds])  # the kinds drafted on the replicas
         self._available: np.ndarray | None = None
+        self._unlearnt: tuple | None = None  # the last step's learning, and the requests that finished in it
         self.queue: deque[int] = deque(range(len(trace.requests)))
         self.running: list[_Live] = []
         self.next_rid = 0
@@ -159,12 +161,25 @@ class _Run:
         batch = [r for r in self.running if r.t > 0]
         feeding = self._feed([r for r in self.running if r.t == 0])
         lengths, kinds, fallback = self._plan(batch)
+        self._settle()  # the step before, learnt while this step's forward runs (the engine's overlap)
         drafts, used = self._propose(batch, lengths, kinds, fallback)
         kept, estimate = self._prune(batch, drafts, used)
         accepted = np.minimum(drafts["accepted"], kept)
-        self._learn(batch, drafts, used, lengths, kept, accepted, estimate)
+        learn = (batch, [x.t for x in batch], self._available, drafts, used, lengths, kept, accepted, estimate)
         self._advance_time(batch, feeding, kept, drafts, used)
-        self._commit(batch, feeding, accepted)
+        self._unlearnt = (learn, self._commit(batch, feeding, accepted))
+        if not self.s.overlap or not (self.queue or self.running):
+            self._settle()
+
+    def _settle(self) -> None:
+        """The last step's learning, then the gate forgets the requests that finished in it."""
+        if self._unlearnt is None:
+            return
+        learn, done = self._unlearnt
+        self._unlearnt = None
+        self._learn(*learn)
+        for rid in done:
+            self.gate.forget(rid)
 
     def _feed(self, fresh: list[_Live]) -> list[tuple[_Live, int, int]]:
         """(request, start, tokens) prefill chunks of this step (`feed_chunks`)."""
@@ -249,8 +264,9 @@ class _Run:
         decision = self.policy.choose(DraftBatch(survival(p, cu), cu, truth), self._curve(batch))
         return decision.kept, p
 
-    def _learn(self, batch, drafts, used, lengths, kept, accepted, estimate) -> None:
-        """As `actors.engine.learning.learn`: calibration of judged drafts, the gate's trackers."""
+    def _learn(self, batch, at, available, drafts, used, lengths, kept, accepted, estimate) -> None:
+        """As `actors.engine.learning.learn`: calibration of judged drafts, the gate's trackers
+        (`at`: each request's output position in the step, `available` the step's look-ahead)."""
         cu = drafts["cu"]
         idx, ok = verify_outcomes(cu, kept, accepted)
         if len(idx):
@@ -264,14 +280,14 @@ class _Run:
         verified = Verified.of([batch[i].rid for i in idx.tolist()], np.asarray(used)[idx], np.asarray(kept)[idx],
                                np.asarray(accepted)[idx], beyond)
         empty = [(x.rid, int(used[i])) for i, x in enumerate(batch) if lengths[i] > 0 and cu[i + 1] == cu[i]]
-        if self._available is not None:
+        if available is not None:
             ng = self.ngram  # the look-ahead of the requests it did not draft for, judged by what they emitted
             shadow = []
             for i, x in enumerate(batch):
-                n = min(int(self._available[i, ng]), int(accepted[i]) + 1)
+                n = min(int(available[i, ng]), int(accepted[i]) + 1)
                 if n > 0 and not (used[i] == ng and cu[i + 1] > cu[i]):
                     rt = self.trace.requests[x.q]
-                    shadow.append((x.rid, ng, n, min(n, int(rt.accepted[self.kidx[ng], x.t]))))
+                    shadow.append((x.rid, ng, n, min(n, int(rt.accepted[self.kidx[ng], at[i]]))))
             if shadow:
                 verified = verified.then(Verified.of(*zip(*shadow, strict=True)))
         self.gate.learn(verified, empty)
@@ -311,7 +327,8 @@ class _Run:
             name = self.s.kinds[j]
             o.chosen[name] = o.chosen.get(name, 0) + 1
 
-    def _commit(self, batch, feeding, accepted) -> None:
+    def _commit(self, batch, feeding, accepted) -> list[int]:
+        """Advance every request; returns the rids that finished."""
         o = self.out
         for x, a in zip(batch, accepted, strict=True):
             made = min(int(a) + 1, self.trace.requests[x.q].length - x.t)
@@ -324,10 +341,9 @@ class _Run:
             if x.fed == self.trace.requests[x.q].prompt_len:
                 x.t = 1  # prefill's token
                 o.tokens += 1
-        done = [x for x in self.running if x.t >= self.trace.requests[x.q].length]
-        for x in done:
-            self.gate.forget(x.rid)
+        done = [x.rid for x in self.running if x.t >= self.trace.requests[x.q].length]
         self.running = [x for x in self.running if x.t < self.trace.requests[x.q].length]
+        return done
 
 
 @dataclass

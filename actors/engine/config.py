@@ -46,6 +46,10 @@ class EngineConfig:
     guard_threshold: float = 0.02
     max_budget: int | None = None
     step_log: str | None = None  # msgpack file of every step's drafts and decisions
+    # The estimators learn from a step on a thread while the next step's forward runs. None: on when
+    # the ranks are on GPUs (there the forward waits on the device); on this machine's CPU ranks torch
+    # keeps every core busy and the learner only contends with it (docs/benchmarks.md, session 21).
+    overlap: bool | None = None
     unit_placement: bool = False  # True: run inside the unit's placement group (Serve), ranks and
     # drafters pinned to its bundles (actors/engine/placement.py); False: the EP group reserves its own
     coordinator_cpus: float = COORDINATOR_CPUS
@@ -53,6 +57,11 @@ class EngineConfig:
     # control group; each rank hosts a drafter replica (at EP 1 a step is function calls). False: every rank
     # and `drafters` drafter replicas are Ray actors, called per step (fault tests of a lone drafter's death)
     drafter_dirs: tuple[tuple[str, str], ...] = ()  # (kind, weights folder) of each kind hosted beside others
+
+    @property
+    def learns_behind(self) -> bool:
+        """Whether a step is learnt while the next one's forward runs (`overlap` resolved)."""
+        return self.overlap if self.overlap is not None else self.gpus_per_rank > 0
 
     def __post_init__(self) -> None:
         if self.gpus_per_rank and self.ep > 1 and self.gpus_per_rank != int(self.gpus_per_rank):

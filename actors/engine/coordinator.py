@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 
@@ -22,7 +23,7 @@ from actors.engine.errors import EngineError, ErrorKind
 from actors.engine.grammar import Grammars
 from actors.engine.history import StepHistory
 from actors.engine.kinds import count_kinds, learn_kind_costs
-from actors.engine.learning import learn, record
+from actors.engine.learning import learn, plain, predicted_s, record
 from actors.engine.lookahead import LOCAL_KIND, Lookahead, NgramLookahead
 from actors.engine.placement import unit_placement_group
 from actors.engine.sequence import SamplingParams, Scheduler, Sequence
@@ -100,6 +101,11 @@ class Engine:
         self.step_log = StepLog(cfg.step_log) if cfg.step_log else None
         self._next_rid = 0
         self._grammars: Grammars | None = None
+        # The last committed step whose outcome the estimators have not learnt yet (`settle`), and
+        # the requests that finished in it (forgotten by the gate once it is learnt). With
+        # `overlap`, a step is learnt on `_learner`'s thread while the next step's forward runs.
+        self._unlearnt: tuple[Step, list[int]] | None = None
+        self._learner = ThreadPoolExecutor(1, thread_name_prefix="dcut-learn") if cfg.learns_behind else None
 
     def set_policy(self, name: str) -> None:
         """Switch the pruning policy between runs (same engine, same drafter; benchmarks)."""
@@ -210,6 +216,7 @@ class Engine:
         try:
             batch, feeding = self.schedule()
             if not batch and not feeding:
+                self.settle()
                 return None
             context = sum(s.cached for s in batch)
             curve = self.cost.verify_curve(len(batch), context) if self.cost else FLAT_CURVE
@@ -231,6 +238,7 @@ class Engine:
         and committed tokens) through the ordinary prefill path, and its drafter state rebuilt
         from that — even a request that had lost it (orphaned). Outputs stay those of an
         uninterrupted run."""
+        self.settle()
         running = [s.rid for s in self.scheduler.running]
         log.warning("EP group failed (%s); rebuilding it and resuming %d requests", exc, len(running))
         self.rebuilt += 1
@@ -254,6 +262,7 @@ class Engine:
         and drafters are rebuilt as after an EP-group failure, since the step may have left
         their state half-changed. Waiting requests stay queued. Returns the requests that
         failed."""
+        self.settle()
         failed = list(self.scheduler.running)
         log.error("step failed (%s: %s); %d running requests fail, the target is rebuilt", type(exc).__name__,
                   exc, len(failed))
@@ -353,8 +362,19 @@ class Engine:
         return Pruned(kept, p, db.survival, time.perf_counter() - t0 - probe, probe)
 
     def verify(self, st: Step):
-        """One forward for the step (`actors/engine/verification.py`)."""
-        return self._verify(st.batch, st.drafts, st.pruned.kept, st.feeding)
+        """One forward for the step (`actors/engine/verification.py`); while it runs, the
+        estimators learn from the step before on the learner thread (`settle`). The forward stays
+        on this thread: the learner's wake-up (0.5 ms on these machines) is hidden behind it, and
+        it runs while the forward waits (a GPU's kernels, the other ranks, the GIL released)."""
+        if self._unlearnt is None or self._learner is None:
+            return self._verify(st.batch, st.drafts, st.pruned.kept, st.feeding)
+        learning = self._learner.submit(self.settle, True)
+        try:
+            out = self._verify(st.batch, st.drafts, st.pruned.kept, st.feeding)
+        finally:
+            wait([learning])  # nothing of the next step runs beside it
+        learning.result()
+        return out
 
     def _verify(self, batch: list[Sequence], drafts: Drafts, kept: np.ndarray, feeding: list[Feed] = ()):
         capture = self.drafters.layers if self.policy.drafts else ()
@@ -378,8 +398,7 @@ class Engine:
         batch, accepted = st.batch, st.accepted.counts
         self.target.truncate({s.rid: s.cached + 1 + a for s, a in zip(batch, accepted, strict=True)})
         fed = self.scheduler.advance_prefill(st, self.eos)
-        count_kinds(self.drafted_by_kind, self.kinds, st)
-        learnt = learn(st, self.calibrators, self.gate, self.cost, log=self.step_log is not None)
+        predicted = predicted_s(st, self.cost)  # before the cost model learns from this step
         committed = self.scheduler.record_step(st, self.eos)
         held = [s.cached for s in batch]  # its features exist up to here: on its rank, or here (drafted this step)
         hidden = [{k: h[: 1 + a] for k, h in captured.items()} if captured else {}
@@ -388,14 +407,37 @@ class Engine:
                 if c[0].finish_reason is None]
         if live and self.policy.drafts:  # plain decoding keeps no drafter state
             self.drafters.commit(*map(list, zip(*live, strict=True)), self.target)
-        self._release(self.scheduler.finish_done())
-        rec = record(st, learnt, self.history, self.overhead, self.step_log, self.policy.name)
+        done = self.scheduler.finish_done()
+        self._release(done, forget=False)
+        rec = record(st, predicted, self.history, self.overhead)
+        self._unlearnt = (st, [s.rid for s in done])
+        # Learnt now if there is no next forward to hide it behind, or little to learn (a plain
+        # step: handing it to the learner thread would cost more than learning it).
+        if self._learner is None or not self.pending or plain(st):
+            self.settle()
         if self.history.steps % SAVE_EVERY == 0 and self.policy.drafts:
             self.save_learned()
         return rec
 
+    def settle(self, late: bool = False) -> None:
+        """The estimators learn from the last committed step (calibration, the gate's trackers,
+        the cost model's correction, the per-kind counters), the step log records it, and the gate
+        forgets the requests that finished in it. `late`: the next step's gate has decided
+        already (the step log says so, and `dcut_core.gate.replay` learns it in that order)."""
+        if self._unlearnt is None:
+            return
+        st, done = self._unlearnt
+        self._unlearnt = None
+        count_kinds(self.drafted_by_kind, self.kinds, st)
+        learnt = learn(st, self.calibrators, self.gate, self.cost, log=self.step_log is not None)
+        if self.step_log is not None:
+            self.step_log.write(self.policy.name, st, learnt, late)
+        for rid in done:
+            self.gate.forget(rid)
+
     def save_learned(self) -> None:
         """Save what the estimators learnt, for the next engine of this deployment (`warm.py`)."""
+        self.settle()
         try:
             self.warm_start.save(snapshot(self))
         except OSError as exc:  # a full or read-only disk must not stop serving
@@ -437,7 +479,9 @@ class Engine:
             return EPGroup(cfg)
         return InProcessGroup(cfg) if self.cfg.ep == 1 else DriverGroup(cfg)
 
-    def _release(self, seqs: list[Sequence]) -> None:
+    def _release(self, seqs: list[Sequence], forget: bool = True) -> None:
+        """Free finished or aborted requests' KV and drafter state; the gate forgets them now
+        (`forget`), or once their last step is learnt (`settle`)."""
         if not seqs:
             return
         rids = [s.rid for s in seqs]
@@ -445,12 +489,15 @@ class Engine:
         self.drafters.release(rids)
         if self.lookahead is not None:
             self.lookahead.release(rids)
-        for rid in rids:
-            self.gate.forget(rid)
+        if forget:
+            self.settle()  # an aborted request may be in the step not learnt yet
+            for rid in rids:
+                self.gate.forget(rid)
 
     def held(self) -> dict[str, int]:
         """Request state each owner keeps, the ranks' and replicas' too (all 0 when nothing is in
         flight: a leak shows here). Between steps only."""
+        self.settle()
         return {"scheduler": len(self.scheduler) + len(self.scheduler.finished), **self.gate.held(),
                 **self.drafters.held(), **self.target.held(),
                 "lookahead": self.lookahead.held() if self.lookahead is not None else 0}
@@ -462,6 +509,9 @@ class Engine:
         return {"coordinator": whereabouts(), "ranks": ranks, "drafters": drafters}
 
     def shutdown(self) -> None:
+        self.settle()
+        if self._learner is not None:
+            self._learner.shutdown(wait=True)
         if self.policy.drafts and self.history.steps:
             self.save_learned()
         if self.step_log is not None:

@@ -10,7 +10,6 @@ import numpy as np
 
 from actors.engine.history import StepHistory
 from actors.engine.stages import Step, StepRecord
-from actors.engine.steplog import StepLog
 from dcut_core import ragged
 from dcut_core.acceptance import Calibrator, verify_outcomes
 from dcut_core.cost_model import StepShape
@@ -32,7 +31,7 @@ def learn(st: Step, calibrators: list[Calibrator], gate: DraftingGate, cost, log
     """Calibration (judged drafts only; each drafter kind's own), the drafting gate's acceptance
     trackers and the cost model's correction learn from the step."""
     drafts, kept, accepted = st.drafts, st.pruned.kept, st.accepted.counts
-    if drafts.cu[-1] == 0 and st.lookahead is None and not st.plan.lengths.any():  # nothing drafted or asked
+    if plain(st):
         return _learn_cost(st, cost, {**Verified.of([], [], [], []).as_dict(), "empty": []} if log else None)
     counts, kinds = drafts.counts, drafts.kinds
     idx, ok = verify_outcomes(drafts.cu, kept, accepted)
@@ -49,6 +48,12 @@ def learn(st: Step, calibrators: list[Calibrator], gate: DraftingGate, cost, log
     gate.learn(verified, empty)
     observed_now = {**verified.as_dict(), "empty": empty} if log else None  # for `dcut_core.gate.replay`
     return _learn_cost(st, cost, observed_now)
+
+
+def plain(st: Step) -> bool:
+    """Nothing drafted, asked for or looked ahead: the trackers and calibrators have nothing to
+    learn from the step (the cost model's correction still does)."""
+    return st.drafts.cu[-1] == 0 and st.lookahead is None and not st.plan.lengths.any()
 
 
 def _learn_cost(st: Step, cost, observed: dict | None) -> Learnt:
@@ -94,11 +99,18 @@ def shape(st: Step) -> StepShape:
                      st.context + sum(f.start for f in st.feeding))
 
 
-def record(st: Step, learnt: Learnt, history: StepHistory, overhead: StepOverhead, step_log: StepLog | None,
-           policy: str) -> StepRecord:
+def predicted_s(st: Step, cost) -> float:
+    """The verify time the cost model predicts for the step's forward (before it learns from it:
+    what `learn` then records as `Learnt.predicted_s`)."""
+    return float("nan") if cost is None else cost.predict(shape(st))
+
+
+def record(st: Step, predicted: float, history: StepHistory, overhead: StepOverhead) -> StepRecord:
+    """The step's `StepRecord`, into the bounded history; the overhead the gate charges drafting
+    for learns from it."""
     drafts, pruned, out = st.drafts, st.pruned, st.out
     rec = StepRecord(len(st.batch), int(drafts.cu[-1]), int(pruned.kept.sum()), int(sum(st.accepted.counts)),
-                     st.verify_tokens, learnt.predicted_s, out.wall_s, drafts.seconds, pruned.seconds,
+                     st.verify_tokens, predicted, out.wall_s, drafts.seconds, pruned.seconds,
                      pruned.probe_seconds, step_s=time.perf_counter() - st.started,
                      target_compute_s=max((r.total_s for r in out.rank_stats), default=0.0),
                      draft_compute_s=drafts.compute_seconds + (st.lookahead.seconds if st.lookahead else 0.0),
@@ -107,6 +119,4 @@ def record(st: Step, learnt: Learnt, history: StepHistory, overhead: StepOverhea
     history.append(rec)
     if not st.feeding:  # what drafting adds outside the passes (prefill chunks would blur it)
         overhead.observe(rec.drafted > 0, rec.step_s - rec.target_compute_s - rec.draft_s)
-    if step_log is not None:
-        step_log.write(policy, st, learnt)
     return rec

@@ -25,9 +25,10 @@ class StepLog:
         self._f = open(path, "ab")  # noqa: SIM115 - lives as long as the engine
         self._pack = msgpack.Packer()
 
-    def write(self, policy: str, st, learnt) -> None:
+    def write(self, policy: str, st, learnt, late: bool = False) -> None:
         """One step (`Step`), with what the estimators took from it (`Learnt`): the drafting
-        gate's input and plan when it decided, and what the trackers learnt."""
+        gate's input and plan when it decided, and what the trackers learnt — `late`: after the
+        next step's gate decided (the engine learns a step while the next one's forward runs)."""
         seen = st.plan.seen if st.plan is not None else None
         self._f.write(self._pack.pack({
             "policy": policy,
@@ -43,6 +44,7 @@ class StepLog:
                                                "lengths": st.plan.lengths.astype(np.int64).tolist(),
                                                "kinds": st.plan.kinds.astype(np.int64).tolist()},
             "observed": learnt.observed,
+            "late": late,
         }))
 
     def close(self) -> None:

@@ -102,7 +102,7 @@ def test_a_request_drafts_only_with_the_kinds_it_names(tiny_bundle, reference, t
 
 def test_a_mixed_pool_step_log_replays_every_plan(tiny_bundle, tmp_path):
     log = tmp_path / "steps.msgpack"
-    eng = engine(tiny_bundle, tmp_path, step_log=str(log))
+    eng = engine(tiny_bundle, tmp_path, step_log=str(log), overlap=True)  # as on GPU ranks: learnt a step late
     try:
         eng.generate(PROMPTS[:12], [SamplingParams(max_tokens=MAX_TOKENS)] * 12)
     finally:
@@ -112,6 +112,7 @@ def test_a_mixed_pool_step_log_replays_every_plan(tiny_bundle, tmp_path):
                          Exploration(cfg.explore_every, cfg.explore_requests, cfg.explore_warmup),
                          cfg.planner())
     steps = list(read_steps(log))
+    assert any(rec["late"] for rec in steps) and not all(rec["late"] for rec in steps)  # learnt behind a forward
     plans = replay(fresh, steps)
     assert plans and all(np.array_equal(logged, got) for logged, got in plans)
     assert len({int(k) for logged, _ in plans for k, n in zip(*logged, strict=True) if n}) >= 2
@@ -149,3 +150,31 @@ def test_an_ngram_engine_drafts_in_the_coordinator_with_no_drafter_replica(tiny_
         assert set(eng.held().values()) == {0}
     finally:
         eng.shutdown()
+
+
+def test_learning_behind_the_next_forward_changes_no_output(tiny_bundle, tmp_path):
+    """With `overlap` a step's outcome is learnt on the learner thread while the next step's
+    forward runs; outputs equal the sequential engine's, greedy and seeded sampling alike, for
+    every policy, and the learning did run there."""
+    import threading
+
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0 if i % 2 else 0.8, seed=i) for i in range(7)]
+    outputs = {}
+    for overlap in (False, True):
+        eng = engine(tiny_bundle, tmp_path, overlap=overlap)
+        threads, inner = set(), eng.settle
+
+        def settle(late=False, _inner=inner, _threads=threads):
+            _threads.add(threading.current_thread().name)
+            return _inner(late)
+
+        eng.settle = settle
+        try:
+            for policy in POLICIES:
+                eng.set_policy(policy)
+                outputs[overlap, policy] = [s.output for s in eng.generate(PROMPTS[:7], params)]
+            assert set(eng.held().values()) == {0}
+        finally:
+            eng.shutdown()
+        assert any(n.startswith("dcut-learn") for n in threads) == overlap, threads
+    assert all(outputs[True, p] == outputs[False, p] for p in POLICIES)

@@ -455,3 +455,37 @@ def test_one_kind_keeps_no_choices():
     costs = DraftingCosts([DraftCost(1e-4, 1e-4, 1e-5)])
     gate.decide(GateInput.capture([0], [7], [40], KindReach(np.zeros((1, 1))), linear(0.01, 1e-5), costs))
     assert gate.held()["sticky_choices"] == 0
+
+
+def test_a_history_learnt_a_step_late_replays_exactly():
+    """The engine may learn step t after its gate decided step t + 1 (the learning hidden behind
+    the forward); a log whose records say so (`late`) replays every plan exactly."""
+    rng = np.random.default_rng(3)
+
+    def fresh():
+        return DraftingGate([AcceptanceTracker(block=8), AcceptanceTracker(block=8)],
+                            Exploration(every=50, requests=2, warmup=0))
+
+    live, log, pending = fresh(), [], None
+    rids = [0, 1, 2]
+    for step in range(80):
+        caps = rng.integers(0, 8, len(rids))
+        costs = [DraftCost(rng.uniform(0, 0.01), 1e-4, 1e-5, 1e-6), DraftCost(rng.uniform(0, 0.01), 2e-4, 1e-5, 1e-6)]
+        plan = live.decide(GateInput.capture(rids, caps, np.full(3, 40), KindReach(rng.integers(0, 20, (3, 2))),
+                                             linear(0.01, 2e-4), DraftingCosts(costs, 1e-3)))
+        if pending is not None:
+            live.learn(pending)
+        kept = np.minimum(plan.lengths, rng.integers(0, 8, 3))
+        accepted = [int(rng.integers(0, k + 1)) for k in kept]
+        late = step % 5 != 4  # now and then learnt before the next decision (an idle engine settles at once)
+        pending = Verified.of(rids, plan.kinds, kept, accepted)
+        if not late:
+            live.learn(pending)
+            pending = None
+        log.append({"gate": {"input": plan.seen.as_dict(), "lengths": plan.lengths.tolist(),
+                             "kinds": plan.kinds.tolist()},
+                    "observed": {**Verified.of(rids, plan.kinds, kept, accepted).as_dict(), "empty": []},
+                    "late": late})
+    plans = replay(fresh(), log)
+    assert len(plans) == 80 and all(np.array_equal(a, b) for a, b in plans)
+    assert sum(int(p[0][1].sum()) for p in plans) > 0
