@@ -12,7 +12,9 @@
 #               serving is checked in cuda-tests (divergences from `ar` only at near-ties)
 #   coordinator the engine's own time per step next to the real GPU forward at 1, 64 and 256
 #               requests (benchmarks/coordinator.py --target real; outputs checked against greedy),
-#               then `dcut simulate` of DeepSeek-V3 on H200 at EP 32 with those times
+#               with the learning behind the forward (as served on GPUs) and without (`(sequential)`
+#               rows: whether the overlap pays on a GPU), then `dcut simulate` of DeepSeek-V3 on H200
+#               at EP 32 with those times
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-runs/gpu}
@@ -59,11 +61,11 @@ fi
 
 # coordinator: the engine's own time beside a real GPU forward, and what it means at EP 32.
 if "$python" -c 'import ray' 2>/dev/null; then
-  DCUT_GPUS_PER_RANK=1 DCUT_DTYPE=float32 timeout 240 "$python" benchmarks/coordinator.py --target real \
-    --requests 1,64,256 --policies ar:8,dcut:8 --max-tokens 32 --num-prompts 32 --out "$out/coordinator" \
-    > "$out/coordinator.log" 2>&1
+  DCUT_GPUS_PER_RANK=1 DCUT_DTYPE=float32 timeout 300 "$python" benchmarks/coordinator.py --target real \
+    --requests 1,64,256 --policies ar:8,dcut:8 --max-tokens 32 --num-prompts 32 --overlap served,off \
+    --out "$out/coordinator" > "$out/coordinator.log" 2>&1
   rc=$?
-  if [ "$rc" = 124 ]; then record coordinator FAIL "timed out after 240 s; see coordinator.log"
+  if [ "$rc" = 124 ]; then record coordinator FAIL "timed out after 300 s; see coordinator.log"
   elif [ "$rc" != 0 ]; then record coordinator FAIL "benchmarks/coordinator.py exit $rc; see coordinator.log"
   elif ! timeout 120 "$python" -m deployments.cli simulate --model-config cluster_configs/models/deepseek-v3.json \
       --hardware h200 --ep 32 --batch 64,256,1024 --policies dcut --coordinator-times "$out/coordinator/results.json" \
