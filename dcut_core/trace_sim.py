@@ -111,6 +111,23 @@ class _Live:
         return prompt_len + self.t - 1
 
 
+@dataclass(frozen=True)
+class _Outcome:
+    """What one simulated step leaves for the estimators to learn: its requests and their output
+    positions then (`at`), the look-ahead, the drafts and the kind that made each request's, the
+    drafts asked, kept and accepted, and the calibrated estimates."""
+
+    batch: list
+    at: list[int]
+    available: np.ndarray | None
+    drafts: dict
+    used: np.ndarray
+    lengths: np.ndarray
+    kept: np.ndarray
+    accepted: np.ndarray
+    estimate: np.ndarray | None
+
+
 class _Run:
     """The state of one simulated engine (the parts `Engine` owns that decide)."""
 
@@ -165,7 +182,8 @@ class _Run:
         drafts, used = self._propose(batch, lengths, kinds, fallback)
         kept, estimate = self._prune(batch, drafts, used)
         accepted = np.minimum(drafts["accepted"], kept)
-        learn = (batch, [x.t for x in batch], self._available, drafts, used, lengths, kept, accepted, estimate)
+        learn = _Outcome(batch, [x.t for x in batch], self._available, drafts, used, lengths, kept, accepted,
+                         estimate)
         self._advance_time(batch, feeding, kept, drafts, used)
         self._unlearnt = (learn, self._commit(batch, feeding, accepted))
         if not self.s.overlap or not (self.queue or self.running):
@@ -177,7 +195,7 @@ class _Run:
             return
         learn, done = self._unlearnt
         self._unlearnt = None
-        self._learn(*learn)
+        self._learn(learn)
         for rid in done:
             self.gate.forget(rid)
 
@@ -264,9 +282,11 @@ class _Run:
         decision = self.policy.choose(DraftBatch(survival(p, cu), cu, truth), self._curve(batch))
         return decision.kept, p
 
-    def _learn(self, batch, at, available, drafts, used, lengths, kept, accepted, estimate) -> None:
-        """As `actors.engine.learning.learn`: calibration of judged drafts, the gate's trackers
-        (`at`: each request's output position in the step, `available` the step's look-ahead)."""
+    def _learn(self, o: _Outcome) -> None:
+        """As `actors.engine.learning.learn`: calibration of judged drafts, the gate's trackers."""
+        batch, drafts, used, lengths, kept, accepted, estimate = (o.batch, o.drafts, o.used, o.lengths, o.kept,
+                                                                 o.accepted, o.estimate)
+        available = o.available
         cu = drafts["cu"]
         idx, ok = verify_outcomes(cu, kept, accepted)
         if len(idx):
@@ -287,7 +307,7 @@ class _Run:
                 n = min(int(available[i, ng]), int(accepted[i]) + 1)
                 if n > 0 and not (used[i] == ng and cu[i + 1] > cu[i]):
                     rt = self.trace.requests[x.q]
-                    shadow.append((x.rid, ng, n, min(n, int(rt.accepted[self.kidx[ng], at[i]]))))
+                    shadow.append((x.rid, ng, n, min(n, int(rt.accepted[self.kidx[ng], o.at[i]]))))
             if shadow:
                 verified = verified.then(Verified.of(*zip(*shadow, strict=True)))
         self.gate.learn(verified, empty)
