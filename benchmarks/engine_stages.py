@@ -64,8 +64,8 @@ def main() -> None:
         reference = None
         for policy in args.policies.split(","):
             eng.set_policy(policy)
-            forward = eng.target.forward
-            eng.target.forward = timed("target.forward (wall)", forward)
+            forward = eng.target.run
+            eng.target.run = timed("target.run (wall)", forward)
             spent.clear()
             prof = cProfile.Profile() if args.profile else None
             if prof:
@@ -73,7 +73,7 @@ def main() -> None:
             run = closed_loop(eng, prompts, c, args.max_tokens)
             if prof:
                 prof.disable()
-            eng.target.forward = forward
+            eng.target.run = forward
             s = summarize(run)
             reference = reference or run.outputs
             print(f"== {policy} C={c}: {s['output_tok_s']:.0f} tok/s, {s['steps']} steps of {s['step_ms_mean']:.1f} ms "

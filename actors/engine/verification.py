@@ -9,38 +9,63 @@ import numpy as np
 from actors.engine.constraints import grammar_allowed, request_controls
 from actors.engine.sequence import Sequence
 from actors.engine.stages import Drafts, Feed, accept_tokens
+from actors.target.batch import VerifyBatch, row_sampling
+from dcut_core import ragged
 
 
 def verify_forward(target, pool, capture: tuple[int, ...], batch: list[Sequence], drafts: Drafts,
                    kept: np.ndarray, feeding: list[Feed] = ()):
-    """One forward for the step: each decoding request's last token and kept drafts (every row
-    judged), then this step's prefill chunks (a row only where a fresh prompt ends). `capture`:
-    the target layers whose outputs the drafters read (none under `ar`); the features come back
-    for requests that drafted this step when drafters are actors (`keep_features`)."""
-    tokens, cu, kept = drafts.tokens.tolist(), drafts.cu.tolist(), np.asarray(kept).tolist()  # Python from here
-    chunks = [[s.last, *tokens[cu[i]:cu[i] + kept[i]]] for i, s in enumerate(batch)]
-    rows = [list(range(len(c))) for c in chunks] + [f.logit_rows for f in feeding]
+    """One forward for the step, as one flat batch (`VerifyBatch`): each decoding request's last
+    token and kept drafts (every row judged), then this step's prefill chunks (a row only where a
+    fresh prompt ends). `capture`: the target layers whose outputs the drafters read (none under
+    `ar`); the features come back for requests that drafted this step when drafters are actors
+    (`keep_features`)."""
+    return target.run(verify_batch(pool, capture, batch, drafts, kept, feeding))
+
+
+def verify_batch(pool, capture: tuple[int, ...], batch: list[Sequence], drafts: Drafts, kept: np.ndarray,
+                 feeding: list[Feed] = ()) -> VerifyBatch:
+    """The step's `VerifyBatch`, its decoding part built with whole-array operations."""
+    r, kept = len(batch), np.asarray(kept, dtype=np.int64)
+    counts = 1 + kept  # the last token, then the kept drafts
+    cu = np.zeros(r + 1 + len(feeding), dtype=np.int64)
+    np.cumsum([*counts.tolist(), *(len(f.tokens) for f in feeding)], out=cu[1:])
+    tokens = np.empty(int(cu[-1]), dtype=np.int64)
+    tokens[cu[:r]] = np.fromiter((s.last for s in batch), dtype=np.int64, count=r)
+    if kept.any():  # each request's first kept drafts, after its last token
+        starts = np.asarray(drafts.cu[:-1], dtype=np.int64)
+        within = ragged.positions(ragged.offsets_from_lengths(kept))
+        tokens[np.repeat(cu[:r] + 1, kept) + within] = drafts.tokens[np.repeat(starts, kept) + within]
+    rows, rows_cu = np.arange(int(cu[r]), dtype=np.int64), cu  # every decoding row
+    if feeding:  # a prefill chunk's rows: where a fresh prompt ends (or all, for its log-probabilities)
+        chunks = [f.logit_rows for f in feeding]
+        for j, f in enumerate(feeding):
+            tokens[cu[r + j]:cu[r + j + 1]] = f.tokens
+        rows = np.concatenate([rows, *(cu[r + j] + np.asarray(c, dtype=np.int64) for j, c in enumerate(chunks))])
+        rows_cu = np.concatenate([cu[:r + 1], cu[r] + np.cumsum([len(c) for c in chunks], dtype=np.int64)])
     seqs = [*batch, *(f.seq for f in feeding)]
-    sampling = sampling_rows(batch, chunks, feeding)
+    sampling = row_sampling(sampling_rows(batch, counts.tolist(), feeding), np.diff(rows_cu)) \
+        if any(not s.greedy for s in seqs) else {}
     logprobs = [s.params.logprobs is not None for s in batch] + [f.wants_logprobs for f in feeding]
-    controls = [request_controls(s, drafts=chunks[i][1:]) for i, s in enumerate(batch)]
-    controls += [request_controls(f.seq, feed=f) for f in feeding]
-    return target.forward([s.rid for s in seqs], chunks + [f.tokens for f in feeding], logits=rows,
-                          capture_layers=capture,
-                          sampling=sampling if any(t > 0 for t, _, _ in sampling) else None,
-                          keep_features=keep_features(pool, batch, drafts, feeding) if capture else None,
-                          logprobs=logprobs if any(logprobs) else None,
-                          controls=controls if any(c is not None for c in controls) else None)
+    controls = None
+    if any(s.controls is not None or s.grammar is not None for s in seqs):
+        drafted = tokens.tolist()
+        controls = tuple([request_controls(s, drafts=drafted[cu[i] + 1:cu[i + 1]]) for i, s in enumerate(batch)]
+                         + [request_controls(f.seq, feed=f) for f in feeding])
+    keep = np.asarray(keep_features(pool, batch, drafts, feeding), dtype=bool) if capture else None
+    return VerifyBatch([s.rid for s in seqs], tokens, cu, rows, rows_cu, False, tuple(capture),
+                       **sampling, keep_features=keep, logprobs=np.array(logprobs) if any(logprobs) else None,
+                       controls=None if controls is None or all(c is None for c in controls) else controls)
 
 
-def sampling_rows(batch: list[Sequence], chunks: list[list[int]], feeding: list[Feed]) -> list[tuple]:
+def sampling_rows(batch: list[Sequence], rows: list[int], feeding: list[Feed]) -> list[tuple]:
     """(temperature, top_p, uniforms or None) of each forward request: a sampling request's rows
     carry the uniforms of the output positions they may fill (a decoding request: the next ones,
     one per row; a prefill chunk: the first output position at its last row, where a fresh
     prompt ends), so its rank draws the target's token there and hands back a token a row."""
     out = []
-    for s, chunk in zip(batch, chunks, strict=True):
-        out.append((*s.params.sampling, None if s.greedy else s.uniforms(len(s.output), len(chunk))))
+    for s, n in zip(batch, rows, strict=True):
+        out.append((*s.params.sampling, None if s.greedy else s.uniforms(len(s.output), n)))
     for f in feeding:
         s, n = f.seq, len(f.logit_rows)
         u = None if s.greedy or not n else np.concatenate([np.zeros(n - 1), s.uniforms(0, 1)])

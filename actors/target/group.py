@@ -29,9 +29,10 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.inprocess import InProcess
+from actors.target.batch import VerifyBatch
 from actors.target.gpu import local_rank_device, release_gpu
 from actors.target.moe import StepStats
-from actors.target.worker import BatchRejected, RankBatch, TargetRank, TargetWorker, WorkerSpec
+from actors.target.worker import BatchRejected, TargetRank, TargetWorker, WorkerSpec
 
 
 class EPGroupError(RuntimeError):
@@ -139,37 +140,35 @@ class EPGroup:
     # -- one step -------------------------------------------------------------------------------
 
     def forward(self, request_ids: list[int], chunks: list[list[int]], logits: str | list[list[int]] = "all",
-                with_logits: bool = False, capture_layers: tuple[int, ...] = (),
-                sampling: list[tuple[float, float, np.ndarray | None]] | None = None,
-                keep_features: list[bool] | None = None, logprobs: list[bool] | None = None,
-                controls: list | None = None) -> TargetOutput:
+                **per_request) -> TargetOutput:
         """Append chunks[i] to request_ids[i] on its rank; rows at `logits` ("all", "last", or
-        per-request positions inside the chunk). `sampling[i]` = (temperature, top_p, uniforms):
-        a request with temperature > 0 gets the target's draw at each of its rows (`sampled`),
-        made on its rank with that row's uniform. With
+        per-request positions inside the chunk). The rest (`VerifyBatch.of`): `sampling[i]` =
+        (temperature, top_p, uniforms): a request with temperature > 0 gets the target's draw at
+        each of its rows (`sampled`), made on its rank with that row's uniform. With
         `keep_features`, the states at `capture_layers` of request i stay on its rank when
         keep_features[i] (fetched later by `features`; its `captured` is then empty) and come
         back in `captured` otherwise. With `logprobs[i]`, request i's rows also come back as the
         log-softmax of the raw logits (`TargetOutput.logprobs`). `controls[i]` (a
         `sampling.RequestControls`, or None) adjusts request i's rows before the argmax and the
-        sampling distribution are taken."""
+        sampling distribution are taken. `with_logits`: the rows' logits too."""
+        return self.run(VerifyBatch.of(request_ids, chunks, logits, **per_request))
+
+    def run(self, batch: VerifyBatch) -> TargetOutput:
+        """One step's forward (`forward`'s, as one flat batch): each rank gets its requests'
+        share (`VerifyBatch.share`); the answers come back in the batch's request order."""
         t0 = time.perf_counter()
-        if len(request_ids) != len(chunks) or len(set(request_ids)) != len(request_ids):
+        request_ids = batch.request_ids
+        if len(set(request_ids)) != len(request_ids):
             raise ValueError("one chunk per request, each request once")
         new = [rid for rid in request_ids if rid not in self._owner]
-        per_rank: list[list[int]] = [[] for _ in range(self.cfg.world)]
-        owner = self._owner
-        for i, rid in enumerate(request_ids):
-            per_rank[owner[rid] if rid in owner else self.rank_of(rid)].append(i)
-        if logits == "all":
-            rows = [len(c) for c in chunks]
-        elif logits == "last":
-            rows = [1] * len(chunks)
+        if self.cfg.world == 1:  # one rank: all of it (None), as it is
+            for rid in new:
+                self.rank_of(rid)
+            per_rank: list[np.ndarray | None] = [None]
         else:
-            rows = [len(p) for p in logits]
-        batches = [self._rank_batch(idx, request_ids, chunks, logits, with_logits, capture_layers, rows, sampling,
-                                    truncate, keep_features, logprobs, controls)
-                   for idx, truncate in zip(per_rank, self._truncate, strict=True)]
+            owner = np.fromiter((self.rank_of(rid) for rid in request_ids), dtype=np.int64, count=len(request_ids))
+            per_rank = [np.flatnonzero(owner == r) for r in range(self.cfg.world)]
+        batches = [batch.share(idx, truncate) for idx, truncate in zip(per_rank, self._truncate, strict=True)]
         self._truncate = [{} for _ in range(self.cfg.world)]  # applied by every rank first, even on rejection
         try:
             results = self._each("forward", [(b,) for b in batches])
@@ -177,28 +176,42 @@ class EPGroup:
             for rid in new:  # the rejected batch placed nothing
                 del self._owner[rid]
             raise
-        out = TargetOutput([], [] if with_logits else None, [], [r.stats for r in results],
-                           time.perf_counter() - t0, [] if any(r.sampled is not None for r in results) else None,
-                           [] if logprobs is not None and any(logprobs) else None)
-        slots: list[tuple[int, int, int, int, int, int]] = [(0, 0, 0, 0, 0, 0)] * len(request_ids)
+        return self._assemble(batch, per_rank, results, time.perf_counter() - t0)
+
+    @staticmethod
+    def _assemble(batch: VerifyBatch, per_rank: list[np.ndarray | None], results: list,
+                  started_s: float) -> TargetOutput:
+        """Each request's rows of its rank's answer, in the batch's order."""
+        logprobs = batch.logprobs
+        out = TargetOutput([], [] if batch.with_logits else None, [], [r.stats for r in results], started_s,
+                           [] if any(r.sampled is not None for r in results) else None,
+                           [] if logprobs is not None and logprobs.any() else None)
+        rows, lengths = batch.row_counts.tolist(), np.diff(batch.cu).tolist()
+        kept = [False] * len(batch) if batch.keep_features is None else batch.keep_features.tolist()
+        samples = None  # each request's temperature (its first row's)
+        if batch.temperature is not None and len(batch.temperature):
+            samples = batch.temperature[np.minimum(batch.rows_cu[:-1], len(batch.temperature) - 1)].tolist()
+        flags = None if logprobs is None else logprobs.tolist()
+        slots: list[tuple[int, int, int, int, int, int]] = [(0, 0, 0, 0, 0, 0)] * len(batch)
         for r, idx in enumerate(per_rank):
             row = tok = lp = 0
-            for i in idx:
-                n = 0 if keep_features is not None and keep_features[i] else len(chunks[i])  # rows shipped back
+            for i in range(len(batch)) if idx is None else idx.tolist():
+                n = 0 if kept[i] else lengths[i]  # rows shipped back
                 slots[i] = (r, row, row + rows[i], tok, tok + n, lp)
                 row, tok = row + rows[i], tok + n
-                lp += rows[i] if logprobs is not None and logprobs[i] else 0
+                lp += rows[i] if flags is not None and flags[i] else 0
         argmax, captured = out.argmax.append, out.captured.append  # 1,024 requests a step
         for i, (r, a, b, ta, tb, lp) in enumerate(slots):
             res = results[r]
             argmax(res.argmax[a:b])
-            if with_logits:
+            if out.logits is not None:
                 out.logits.append(res.logits[a:b])
             if out.sampled is not None:
-                out.sampled.append(res.sampled[a:b] if res.sampled is not None and sampling[i][0] > 0 else None)
+                sampling = samples is not None and b > a and samples[i] > 0
+                out.sampled.append(res.sampled[a:b] if res.sampled is not None and sampling else None)
             captured({layer: h[ta:tb] for layer, h in res.captured.items()} if tb > ta else {})
             if out.logprobs is not None:
-                out.logprobs.append(res.logprobs[lp:lp + b - a] if logprobs[i] else None)
+                out.logprobs.append(res.logprobs[lp:lp + b - a] if flags[i] else None)
         return out
 
     def features(self, spans: dict[int, tuple[int, int]]) -> list:
@@ -211,34 +224,6 @@ class EPGroup:
         for rid, span in spans.items():
             per_rank[self._owner[rid]][rid] = span
         return [w.take_features.remote(p) for w, p in zip(self.workers, per_rank, strict=True) if p]
-
-    @staticmethod
-    def _rank_batch(idx: list[int], request_ids, chunks, logits, with_logits, capture_layers, rows,
-                    sampling, truncate: dict[int, int], keep_features: list[bool] | None,
-                    logprobs: list[bool] | None = None, controls: list | None = None) -> RankBatch:
-        lengths = [len(chunks[i]) for i in idx]
-        cu = np.zeros(len(idx) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=cu[1:])
-        tokens = np.fromiter((t for i in idx for t in chunks[i]), dtype=np.int64, count=int(cu[-1]))
-        if logits == "all":
-            index = np.arange(int(cu[-1]), dtype=np.int64)
-        elif logits == "last":
-            index = cu[1:] - 1
-        else:
-            index = np.fromiter((cu[j] + p for j, i in enumerate(idx) for p in logits[i]), dtype=np.int64)
-        temp = top_p = uniform = None
-        if sampling is not None:
-            temp = np.repeat([sampling[i][0] for i in idx], [rows[i] for i in idx]).astype(np.float32)
-            top_p = np.repeat([sampling[i][1] for i in idx], [rows[i] for i in idx]).astype(np.float32)
-            uniform = np.concatenate([np.zeros(rows[i]) if sampling[i][2] is None else sampling[i][2] for i in idx]
-                                     or [np.zeros(0)]).astype(np.float64)
-        keep = None if keep_features is None else np.array([keep_features[i] for i in idx], dtype=bool)
-        lp = None if logprobs is None else np.repeat(np.array([bool(logprobs[i]) for i in idx], dtype=bool),
-                                                     [rows[i] for i in idx])
-        ctl = None if controls is None or not any(controls[i] is not None for i in idx) else \
-            tuple(controls[i] for i in idx)
-        return RankBatch([request_ids[i] for i in idx], tokens, cu, index, with_logits, capture_layers, temp, top_p,
-                         truncate or None, keep, lp, ctl, uniform)
 
     # -- cache management -----------------------------------------------------------------------
 

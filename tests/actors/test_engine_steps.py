@@ -40,13 +40,13 @@ def engine(bundle: str, tmp_path, **kw) -> Engine:
 
 def count_forwards(eng: Engine) -> list[int]:
     calls = [0]
-    inner = eng.target.forward
+    inner = eng.target.run  # the engine's one forward a step (a `VerifyBatch`)
 
-    def forward(*a, **k):
+    def run(*a, **k):
         calls[0] += 1
         return inner(*a, **k)
 
-    eng.target.forward = forward
+    eng.target.run = run
     return calls
 
 
@@ -106,8 +106,8 @@ def test_plain_decoding_keeps_no_drafter_state(tiny_bundle, reference, tmp_path)
     try:
         eng.set_policy("ar")
         calls = []
-        forward = eng.target.forward
-        eng.target.forward = lambda *a, **k: calls.append(k.get("capture_layers")) or forward(*a, **k)
+        run = eng.target.run
+        eng.target.run = lambda batch: calls.append(batch.capture_layers) or run(batch)
         out = eng.generate(PROMPTS, [SamplingParams(max_tokens=MAX_TOKENS)] * len(PROMPTS))
         assert [s.output for s in out] == reference
         assert calls and all(c == () for c in calls)  # no hidden states captured
