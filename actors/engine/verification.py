@@ -9,7 +9,7 @@ import numpy as np
 from actors.engine.constraints import grammar_allowed, request_controls
 from actors.engine.sequence import Sequence
 from actors.engine.stages import Drafts, Feed, accept_tokens
-from actors.target.batch import VerifyBatch, row_sampling
+from actors.target.batch import VerifyBatch, per_row_sampling
 from dcut_core import ragged
 
 
@@ -44,7 +44,7 @@ def verify_batch(pool, capture: tuple[int, ...], batch: list[Sequence], drafts: 
         rows = np.concatenate([rows, *(cu[r + j] + np.asarray(c, dtype=np.int64) for j, c in enumerate(chunks))])
         rows_cu = np.concatenate([cu[:r + 1], cu[r] + np.cumsum([len(c) for c in chunks], dtype=np.int64)])
     seqs = [*batch, *(f.seq for f in feeding)]
-    sampling = row_sampling(sampling_rows(batch, counts.tolist(), feeding), np.diff(rows_cu)) \
+    sampling = per_row_sampling(sampling_rows(batch, counts.tolist(), feeding), np.diff(rows_cu)) \
         if any(not s.greedy for s in seqs) else {}
     logprobs = [s.params.logprobs is not None for s in batch] + [f.wants_logprobs for f in feeding]
     controls = None

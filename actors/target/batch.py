@@ -55,7 +55,7 @@ class VerifyBatch:
             rows = inside + np.repeat(cu[:-1], np.diff(rows_cu))
         return cls(list(request_ids), tokens, cu, rows, rows_cu, bool(per_request.get("with_logits", False)),
                    tuple(per_request.get("capture_layers", ())),
-                   **row_sampling(per_request.get("sampling"), np.diff(rows_cu)),
+                   **per_row_sampling(per_request.get("sampling"), np.diff(rows_cu)),
                    keep_features=_flags(per_request.get("keep_features")), logprobs=_flags(per_request.get("logprobs")),
                    controls=None if per_request.get("controls") is None else tuple(per_request["controls"]))
 
@@ -93,7 +93,7 @@ class VerifyBatch:
                          pick(self.top_p), truncate or None, keep, logprobs, controls, pick(self.uniform))
 
 
-def row_sampling(sampling: list[tuple] | None, rows: np.ndarray) -> dict:
+def per_row_sampling(sampling: list[tuple] | None, rows: np.ndarray) -> dict:
     """Per-row temperature, top-p and uniforms from per-request (temperature, top_p, uniforms or
     None: rows[i] zeros), or none of them when no request samples."""
     if sampling is None or not any(s[0] > 0 for s in sampling):
