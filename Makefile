@@ -80,8 +80,10 @@ demo-model: setup
 	OMP_NUM_THREADS=2 $(BIN)/python -m actors.demo.train_drafter --threads 2 --out models/demo/drafter
 	OMP_NUM_THREADS=2 $(BIN)/python -m actors.demo.train_mtp --threads 2 --out models/demo/mtp
 	$(BIN)/python -m actors.demo.evaluate --out runs/demo/eval.json
-	$(BIN)/dcut trace --workload mixed --num-prompts 32 --seed 23 --block 8 --out runs/demo/train.trace \
-		--prior models/demo/prior.json
+	for seed in 23 29 31; do $(BIN)/dcut trace --workload mixed --num-prompts 32 --seed $$seed --block 8 \
+		--out runs/demo/train$$seed.trace || exit 1; done
+	$(BIN)/dcut prior --traces runs/demo/train23.trace,runs/demo/train29.trace,runs/demo/train31.trace \
+		--out models/demo/prior.json
 	cd models/demo && sha256sum tokenizer.json tokenizer_config.json target/* drafter/* mtp/* prior.json > SHA256SUMS
 
 clean:

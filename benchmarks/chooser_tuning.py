@@ -36,17 +36,14 @@ runs/…/heldout.trace.)
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import pathlib
 import sys
 
-import numpy as np
-
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from dcut_core.trace_sim import SimSettings, simulate_trace
+from dcut_core.trace_sim import SimSettings, shuffled, simulate_trace
 
 LEVELS = (1, 4, 16)
 ORDERS = 3
@@ -54,21 +51,11 @@ VARIANTS = {"before": {"lookahead": False, "shrink": 0.0}, "look-ahead": {"looka
             "now": {"lookahead": True, "shrink": 4.0}, "no bonus": {"bonus": 0.0}}
 
 
-def orders(trace, n: int) -> list:
-    """The trace, then n − 1 shuffles of its requests (fixed seeds)."""
-    out = [trace]
-    for o in range(1, n):
-        reqs = list(trace.requests)
-        np.random.default_rng(o).shuffle(reqs)
-        out.append(dataclasses.replace(trace, requests=tuple(reqs)))
-    return out
-
-
 def cells(traces: list, variant: dict, prior, levels=LEVELS, n_orders: int = ORDERS) -> list[dict]:
     """Per (trace, order, C): auto, each single kind and `ar` (tok/s) under one variant."""
     out = []
     for t, trace in enumerate(traces):
-        for o, tr in enumerate(orders(trace, n_orders)):
+        for o, tr in enumerate(shuffled(trace, n_orders)):
             for c in levels:
                 row = {"trace": t, "order": o, "concurrency": c}
                 for name, kinds in (*((k, (k,)) for k in tr.kinds), ("auto", tuple(tr.kinds))):

@@ -6,10 +6,11 @@ Same bundled checkpoint, same held-out prompts, greedy, same new-token count:
 - `hf-lookup`: its prompt-lookup speculative decoding (`prompt_lookup_num_tokens=10`, batch 1);
 - `engine-ar`: our engine at EP 1 (closed loop, C in flight), plain decoding;
 - `engine-dcut-<kind>-cold` / `-warm`, for each drafter kind of `--kinds` (`auto`: every kind,
-  chosen per request): a freshly built engine, as a fresh `dcut serve` process builds it (nothing
-  learned saved, so it starts from the bundle's prior; start-up profiles of the target copied in
-  so a round does not spend minutes on them), its first run of the prompts (`cold`) and its
-  second (`warm`); the serving default's kind is marked in the table;
+  chosen per request; `tuned`: the kinds the bundle's prior names, chosen per request): a freshly
+  built engine, as a fresh `dcut serve` process builds it (nothing learned saved, so it starts
+  from the bundle's prior; start-up profiles of the target copied in so a round does not spend
+  minutes on them), its first run of the prompts (`cold`) and its second (`warm`); the serving
+  default's kind is marked in the table;
 - `engine-ar`, `engine-dcut` at EP 2 — driven from rank 0 (the default), and with every rank a
   Ray actor called per step (EP `2-actors`).
 Rounds alternate the order of the systems; each level's ratios are taken within a round, and the
@@ -115,7 +116,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--concurrency", default="1,4,16")
-    p.add_argument("--kinds", default="ngram,block,mtp,auto",
+    p.add_argument("--kinds", default="ngram,block,mtp,auto,tuned",
                    help="drafter kinds run cold and warm on fresh EP-1 engines ('' to skip)")
     p.add_argument("--ep2-concurrency", default="1,16", help="levels also run at EP 2 ('' to skip)")
     p.add_argument("--ep2-actors", action=argparse.BooleanOptionalAction, default=True,

@@ -10,6 +10,11 @@ tried) is not kept: requests do not outlive the process.
 
 Kinds are matched by name, so a state saved by a unit hosting block, mtp and ngram warms one
 hosting only ngram; positions past a saved block keep their priors.
+
+A bundle's prior also names the kinds `--drafter tuned` hosts (`tuned`): the set of two or more
+kinds whose per-request choice replays fastest over the model's training traces
+(`dcut_core.trace_sim.choose_hosted`, `dcut prior`); empty, `tuned` hosts every kind the bundle
+holds, as `--drafter auto` always does.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ class LearnedState:
     overhead: dict[str, float] = field(default_factory=dict)  # "plain", "drafting": the step's own time
     cost_log_ratio: float = 0.0  # the verify cost model's online correction (log measured / predicted)
     explored: int = 0  # the gate's exploration counter
+    tuned: tuple[str, ...] = ()  # a prior's kinds for `--drafter tuned` (empty: every kind the bundle holds)
 
     def as_dict(self) -> dict:
         def kind(k: KindState) -> dict:
@@ -67,7 +73,8 @@ class LearnedState:
             return d
 
         return {"version": VERSION, "kinds": {n: kind(k) for n, k in self.kinds.items()}, "shared": self.shared,
-                "overhead": dict(self.overhead), "cost_log_ratio": self.cost_log_ratio, "explored": self.explored}
+                "overhead": dict(self.overhead), "cost_log_ratio": self.cost_log_ratio, "explored": self.explored,
+                "tuned": list(self.tuned)}
 
     @classmethod
     def from_dict(cls, d: dict) -> LearnedState:
@@ -80,7 +87,7 @@ class LearnedState:
                                     tuple(map(float, k["accepted"])), tuple(map(float, k["judged"])),
                                     int(k["observations"]), draft)
         return cls(kinds, float(d.get("shared", 0.0)), {k: float(v) for k, v in (d.get("overhead") or {}).items()},
-                   float(d.get("cost_log_ratio", 0.0)), int(d.get("explored", 0)))
+                   float(d.get("cost_log_ratio", 0.0)), int(d.get("explored", 0)), tuple(d.get("tuned") or ()))
 
     def restore(self, names: tuple[str, ...], calibrators: list[Calibrator], trackers: list[AcceptanceTracker],
                 exploration: Exploration) -> list[str]:

@@ -16,8 +16,10 @@ exactly that many drafts, where that pays (`oracle_step`).
 
 from __future__ import annotations
 
+import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from itertools import combinations
 
 import numpy as np
 
@@ -482,3 +484,53 @@ def prior_from_trace(trace: Trace, concurrency: int = 4, runs: int = 2) -> Learn
     kinds = {name: KindState.of(cal, tracker) for name, cal, tracker in
              zip(trace.kinds, run.calibrators, run.gate.trackers, strict=True)}
     return LearnedState(kinds, explored=run.gate.exploration.steps)
+
+
+def shuffled(trace: Trace, n: int) -> list[Trace]:
+    """The trace, then n − 1 shuffles of its requests (fixed seeds). A closed loop over one draw
+    of prompts in one order is chaotic (a cell moves ±3 % with the order alone), so a setting is
+    judged over several orders."""
+    out = [trace]
+    for o in range(1, n):
+        reqs = list(trace.requests)
+        np.random.default_rng(o).shuffle(reqs)
+        out.append(replace(trace, requests=tuple(reqs)))
+    return out
+
+
+@dataclass(frozen=True)
+class HostedChoice:
+    """Which kinds `--drafter tuned` hosts, and why: every candidate set's score."""
+
+    kinds: tuple[str, ...]
+    scores: dict[tuple[str, ...], float]  # each set's tok/s over `ar`'s, geometric mean over the cells
+
+
+def choose_hosted(traces: list[Trace], prior: LearnedState | None = None, levels: tuple[int, ...] = (1, 4, 16, 64),
+                  orders: int = 2) -> HostedChoice:
+    """The kinds a unit hosts for per-request choice (`--drafter tuned`): of every set of two or more of the
+    traces' kinds, the one whose choice replays fastest — its tok/s over plain decoding's in each
+    cell (trace, request order, concurrency), geometric mean; ties go to the smaller set, then
+    the traces' order. A kind that only ever takes requests from better ones costs a unit its
+    memory, its replicas' calls and the chooser's mistakes; the training traces say whether it
+    earns them. Every set pays the own time of an engine of several kinds (the trace's), so a
+    smaller set is not credited cheaper steps. One kind traced: that kind."""
+    kinds = traces[0].kinds
+    if any(t.kinds != kinds for t in traces):
+        raise ValueError("the traces hold different kinds: " + "; ".join(",".join(t.kinds) for t in traces))
+    sets = [c for n in range(2, len(kinds) + 1) for c in combinations(kinds, n)] or [kinds]
+    logs = {s: 0.0 for s in sets}
+    cells = 0
+    for trace in traces:
+        for tr in shuffled(trace, orders):
+            for c in levels:
+                ar = simulate_trace(tr, SimSettings(policy="ar", kinds=kinds[:1]), c, prior).tok_s
+                for s in sets:
+                    logs[s] += math.log(simulate_trace(tr, SimSettings(kinds=s), c, prior).tok_s / ar)
+                cells += 1
+    scores = {s: math.exp(v / cells) for s, v in logs.items()}
+    best = sets[0]
+    for s in sets[1:]:
+        if scores[s] > scores[best] * (1 + 1e-9):
+            best = s
+    return HostedChoice(best, scores)

@@ -34,8 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/bench")
     p.add_argument("--url", help="OpenAI-compatible endpoint to measure instead of the embedded engine")
     p.add_argument("--model", default="dcut-demo", help="model name to ask for with --url")
-    p.add_argument("--drafter", default="block", help="block, mtp, ngram, several (block,mtp), or auto: every "
-                                                     "kind the bundle holds, chosen per request each step")
+    p.add_argument("--drafter", default="block", help="block, mtp, ngram, several (block,mtp), auto (every kind the "
+                   "bundle holds, chosen per request each step) or tuned (the kinds the bundle's prior names)")
     p.add_argument("--workload", choices=["heldout", "mixed"], default="heldout",
                    help="heldout: code and docstrings; mixed: code, docstring, comment and documentation prose, "
                         "run mixed and each domain alone (rows by `workload`, embedded engine only)")

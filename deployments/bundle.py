@@ -54,12 +54,32 @@ class Bundle:
         config = {"eagle3": "config.json"}.get(kind)
         return config is None or pathlib.Path(self.drafter_dir(kind), config).exists()
 
+    def held(self) -> tuple[str, ...]:
+        """Every drafter kind this bundle can serve (`--drafter auto`)."""
+        return tuple(k for k in ("block", "mtp", "eagle3", "ngram") if self.has(k))
+
     def kinds(self, drafter: str) -> tuple[str, ...]:
-        """The drafter kinds a `--drafter` value names: one kind, a comma list, or `auto` (every
-        kind this bundle can serve)."""
+        """The drafter kinds a `--drafter` value names: one kind, a comma list, `auto` (every kind
+        this bundle can serve: the command-line contract) or `tuned`: the kinds the bundle's prior
+        names for per-request choice (`LearnedState.tuned`, chosen by `dcut prior` from the
+        model's training traces), every kind it can serve where the prior names none or one it
+        lacks."""
         if drafter == "auto":
-            return tuple(k for k in ("block", "mtp", "eagle3", "ngram") if self.has(k))
+            return self.held()
+        if drafter == "tuned":
+            held = self.held()
+            chosen = self.prior_tuned()
+            return tuple(k for k in held if k in chosen) if chosen and set(chosen) <= set(held) else held
         return tuple(drafter.split(","))
+
+    def prior_tuned(self) -> tuple[str, ...]:
+        """The kinds the bundle's prior names for `tuned` (empty: no prior, or it names none)."""
+        import json
+
+        from actors.engine.warm import prior_of
+
+        path = prior_of(self.target)
+        return tuple(json.loads(path.read_text()).get("tuned") or ()) if path else ()
 
     def eos_token_id(self) -> int | None:
         """The checkpoint's end of sequence: its generation_config.json's first, else config.json's."""

@@ -18,7 +18,7 @@ from dcut_core.pruning import POLICY_NAMES
 def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="settings file (JSON object of ServeSettings fields)")
     p.add_argument("--model", help="a Hugging Face folder or a model bundle to serve (settings' model_root)")
-    p.add_argument("--drafter", help="block, mtp, eagle3, ngram, several (block,ngram) or auto")
+    p.add_argument("--drafter", help="block, mtp, eagle3, ngram, several (block,ngram), auto or tuned")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
 
@@ -32,7 +32,8 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
                    help="block (trained block drafter), mtp (DeepSeek next-n module in ROOT/mtp), eagle3 (an "
                         "EAGLE-3 drafter in ROOT/eagle3, speculators or SpecForge layout), ngram, several "
                         "(block,mtp: the replicas host each and every request drafts with the kind chosen for it "
-                        "each step), or auto (every kind the bundle holds)")
+                        "each step), auto (every kind the bundle holds) or tuned (the kinds the bundle's prior "
+                        "names for per-request choice: dcut prior)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int)
@@ -57,6 +58,8 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = 
                  lambda p: _lazy("deployments.simulate_command").add_arguments(p)),
     "trace": ("record a counterfactual trace: every drafter kind's drafts at every position of a workload",
               lambda p: _lazy("deployments.trace_command").add_arguments(p)),
+    "prior": ("make a bundle prior from traces: acceptance rates, and the kinds --drafter tuned hosts",
+              lambda p: _lazy("deployments.prior_command").add_arguments(p)),
 }
 
 
@@ -75,7 +78,8 @@ def _lazy(module: str):
 
 IMPLEMENTED = {"profile": "deployments.profile_command", "generate": "deployments.generate_command",
                "serve": "deployments.serve_command", "bench": "deployments.bench_command",
-               "simulate": "deployments.simulate_command", "trace": "deployments.trace_command"}
+               "simulate": "deployments.simulate_command", "trace": "deployments.trace_command",
+               "prior": "deployments.prior_command"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

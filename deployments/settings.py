@@ -25,7 +25,8 @@ class ServeSettings(BaseModel):
     # The serving default is what won end to end on held-out prompts and in the trace simulator
     # (docs/benchmarks.md, "Which configuration serves by default"): n-gram lookup, block 8.
     drafter: str = Field("ngram", description="block, mtp, eagle3 or ngram; several (block,mtp), chosen per "
-                                              "request; or auto: every kind the bundle holds")
+                                              "request; auto: every kind the bundle holds; tuned: the "
+                                              "kinds its prior names for per-request choice (dcut prior)")
     policy: str = "dcut"
     block: int = Field(8, ge=2, le=16)
     ep: int = Field(1, ge=1)
@@ -74,8 +75,8 @@ class ServeSettings(BaseModel):
 
         policy_from_name(self.policy, self.block)  # raises ValueError on an unknown policy
         kinds = self.drafter.split(",")
-        if self.drafter != "auto" and (not set(kinds) <= set(KINDS) or len(set(kinds)) != len(kinds)):
-            raise ValueError(f"drafter must be auto, or one or more of {', '.join(KINDS)} (comma-separated, "
+        if self.drafter not in ("auto", "tuned") and (not set(kinds) <= set(KINDS) or len(set(kinds)) != len(kinds)):
+            raise ValueError(f"drafter must be auto, tuned, or one or more of {', '.join(KINDS)} (comma-separated, "
                              f"each once), not {self.drafter!r}")
         return self
 

@@ -42,8 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cost-model-cache", default="runs/cache")
     p.add_argument("--out", default="runs/trace.msgpack")
     p.add_argument("--prior", help="also write a bundle prior (what an engine hosting every traced kind learns "
-                                   "serving these prompts: calibration and acceptance rates per kind), e.g. "
-                                   "models/demo/prior.json")
+                                   "serving these prompts: calibration and acceptance rates per kind; the kinds "
+                                   "--drafter tuned hosts, `dcut prior`), e.g. models/demo/prior.json")
 
 
 def workload(kind: str, n: int, seed: int, exclude_seed: int) -> list[str]:
@@ -90,8 +90,10 @@ def run(args: argparse.Namespace) -> int:
           f"in {time.time() - t0:.0f} s")
     if args.prior:
         from dcut_core.trace_sim import prior_from_trace
+        from deployments.prior_command import with_hosted
 
-        pathlib.Path(args.prior).write_text(json.dumps(prior_from_trace(trace).as_dict(), indent=1) + "\n")
+        prior = with_hosted(prior_from_trace(trace), [trace])
+        pathlib.Path(args.prior).write_text(json.dumps(prior.as_dict(), indent=1) + "\n")
         print(f"wrote the prior {args.prior}")
     return 0
 

@@ -303,3 +303,30 @@ def test_auto_told_in_hindsight_drafts_with_the_kind_that_would_be_accepted():
     assert told.tokens == guessed.tokens == sum(r.length for r in reqs)
     assert told.mat > guessed.mat and told.mat > 4.0
     assert told.tok_s > guessed.tok_s
+
+
+def test_tuned_hosts_the_set_of_kinds_whose_choice_replays_fastest():
+    """`choose_hosted`: a kind that never has a draft accepted is left out of `tuned` (its pass
+    costs and it teaches nothing); the scores are each set's own replay over `ar`'s."""
+    import math
+
+    from dcut_core.trace_sim import choose_hosted, shuffled
+
+    rng = np.random.default_rng(5)
+    reqs = []
+    for i in range(6):  # mtp accepts on even requests, n-gram on odd ones, block never
+        good, poor = rng.integers(3, 5, size=24).tolist(), rng.integers(0, 2, size=24).tolist()
+        reqs.append(request(8, [[0] * 24, good if i % 2 == 0 else poor, poor if i % 2 == 0 else good], 5))
+    trace = Trace(("block", "mtp", "ngram"), 5, 25, tuple(reqs), costs(kinds=3))
+    choice = choose_hosted([trace], levels=(1, 2), orders=2)
+    assert set(choice.scores) == {("block", "mtp"), ("block", "ngram"), ("mtp", "ngram"), ("block", "mtp", "ngram")}
+    assert choice.kinds == ("mtp", "ngram")
+    assert choice.scores[choice.kinds] == max(choice.scores.values())
+    cells = [simulate_trace(t, SimSettings(kinds=("mtp", "ngram")), c).tok_s
+             / simulate_trace(t, SimSettings(policy="ar", kinds=("block",)), c).tok_s
+             for t in shuffled(trace, 2) for c in (1, 2)]
+    assert choice.scores[("mtp", "ngram")] == pytest.approx(math.exp(np.mean(np.log(cells))))
+    one = Trace(("ngram",), 5, 25, (request(8, [[2] * 24], 5),), costs())
+    assert choose_hosted([one], levels=(1,), orders=1).kinds == ("ngram",)
+    with pytest.raises(ValueError, match="different kinds"):
+        choose_hosted([trace, one], levels=(1,), orders=1)

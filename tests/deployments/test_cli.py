@@ -15,7 +15,7 @@ from deployments.cli import IMPLEMENTED, SUBCOMMANDS, build_parser, main
 
 def test_every_contract_subcommand_is_declared():
     assert {"serve", "generate", "bench", "profile", "simulate"} <= set(SUBCOMMANDS)  # the contract only adds
-    assert set(SUBCOMMANDS) == {"serve", "generate", "bench", "profile", "simulate", "trace"}
+    assert set(SUBCOMMANDS) == {"serve", "generate", "bench", "profile", "simulate", "trace", "prior"}
     assert set(IMPLEMENTED) == set(SUBCOMMANDS)
 
 
@@ -202,7 +202,32 @@ def test_trace_then_simulate_over_it_and_a_prior(tmp_path, tiny_bundle):
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert set(json.loads(prior.read_text())["kinds"]) == {"block", "ngram"}
+    assert json.loads(prior.read_text())["tuned"] == ["block", "ngram"]  # `tuned`: the one set of two or more
+    again = tmp_path / "again.json"
+    again.write_text(prior.read_text().replace('"tuned": [', '"tuned": ["mtp", '))
+    assert main(["prior", "--traces", f"{trace},{trace}", "--out", str(again), "--keep-rates", "--levels", "1",
+                 "--orders", "1"]) == 0
+    kept = json.loads(again.read_text())
+    assert kept["tuned"] == ["block", "ngram"] and kept["kinds"] == json.loads(prior.read_text())["kinds"]
     assert main(["simulate", "--trace", str(trace), "--batch", "1,2", "--out", str(out)]) == 0
     rows = json.loads((out / "results.json").read_text())
     assert {r["setting"] for r in rows} == {"ar", "block", "ngram", "auto", "auto, hindsight predictions", "oracle"}
     assert all(r["tok_s"] > 0 for r in rows) and "oracle" in (out / "tables.md").read_text()
+
+
+def test_tuned_hosts_the_kinds_the_bundles_prior_names(tmp_path, tiny_bundle):
+    """`--drafter tuned`: the kinds the bundle's prior names (`dcut prior`), in the bundle's order;
+    every kind it holds where the prior names none or one it lacks; `auto`: every kind."""
+    from deployments.bundle import Bundle
+    from deployments.settings import ServeSettings
+
+    for part in ("target", "drafter", "mtp", "eagle3", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / part).symlink_to(pathlib.Path(tiny_bundle) / part)
+    bundle, every = Bundle(tmp_path), ("block", "mtp", "eagle3", "ngram")
+    assert bundle.kinds("tuned") == bundle.kinds("auto") == every  # no prior
+    (tmp_path / "prior.json").write_text(json.dumps({"version": 1, "kinds": {}, "tuned": ["ngram", "mtp"]}))
+    assert bundle.kinds("tuned") == ("mtp", "ngram") and bundle.kinds("auto") == every
+    cfg = ServeSettings(model_root=str(tmp_path), drafter="tuned").engine_config()
+    assert cfg.kinds == ("mtp", "ngram")
+    (tmp_path / "prior.json").write_text(json.dumps({"version": 1, "kinds": {}, "tuned": ["mtp", "medusa"]}))
+    assert bundle.kinds("tuned") == every
