@@ -117,7 +117,7 @@ def main() -> int:
     target = load_model(bundle.target).eval()
     for q in target.parameters():
         q.requires_grad_(False)
-    model = DraftModel.load(bundle.drafter, target.embed_tokens, target.lm_head).eval()
+    model = DraftModel.load(bundle.drafter_dir("block"), target.embed_tokens, target.lm_head).eval()
     for q in model.parameters():
         q.requires_grad_(False)
     layers = tuple(model.cfg.target_layers)

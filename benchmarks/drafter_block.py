@@ -32,7 +32,7 @@ def main() -> None:
     from actors.drafter.block import BlockDrafter
     from actors.drafter.model import DraftModel
     from actors.drafter.speculate import speculative_greedy
-    from actors.engine.replica import shared_embeddings
+    from actors.drafter.target_parts import shared_embeddings
     from actors.target.checkpoint import load_model
     from actors.target.local import LocalTarget
     from deployments.bundle import BUNDLED, Bundle
@@ -42,7 +42,7 @@ def main() -> None:
     tok = Tokenizer.from_file(b.tokenizer)
     prompts = [tok.encode(t).ids for t in heldout_prompts(args.prompts)]
     target = load_model(b.target)
-    model = DraftModel.load(b.drafter, *shared_embeddings(b.target))
+    model = DraftModel.load(b.drafter_dir("block"), *shared_embeddings(b.target))
     full = model.cfg.block_size
     rng = np.random.default_rng(0)
     rids = list(range(args.requests))

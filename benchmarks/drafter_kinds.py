@@ -89,7 +89,7 @@ def pass_cost(bundle, target, context: int = 200, repeats: int = 200) -> dict:
     from actors.engine.replica import DrafterSpec, build_drafter
     from actors.target.local import LocalTarget
 
-    mtp = build_drafter(DrafterSpec("mtp", bundle.target, bundle.mtp, 16))
+    mtp = build_drafter(DrafterSpec("mtp", bundle.target, bundle.drafter_dir("mtp"), 16))
     local = LocalTarget(target)
     prompt = list(range(10, 10 + context))
     layer = mtp.target_layers[0]

@@ -13,6 +13,9 @@ from __future__ import annotations
 import pathlib
 from dataclasses import dataclass
 
+from actors.drafter.kinds import REGISTRY
+from actors.drafter.kinds import kind as drafter_kind
+
 BUNDLED = pathlib.Path(__file__).resolve().parents[1] / "models" / "demo"
 
 
@@ -25,38 +28,24 @@ class Bundle:
         nested = self.root / "target"
         return str(self.root if (self.root / "config.json").exists() and not nested.exists() else nested)
 
-    @property
-    def drafter(self) -> str:
-        return str(self.root / "drafter")
-
-    @property
-    def mtp(self) -> str:
-        return str(self.root / "mtp")
-
-    def drafter_dir(self, kind: str) -> str:
-        """The folder of a drafter kind's weights (none needed for ngram)."""
-        return str(self.root / kind) if kind in ("mtp", "eagle3") else self.drafter
+    def drafter_dir(self, kind: str) -> str | None:
+        """The folder of a drafter kind's weights (None: the kind needs none)."""
+        k = drafter_kind(kind)
+        return str(self.root / k.folder) if k.folder else None
 
     @property
     def tokenizer(self) -> str:
         return str(self.root / "tokenizer.json")
 
     def has(self, kind: str) -> bool:
-        """Whether the bundle holds drafter kind `kind`'s weights (n-gram needs none)."""
-        if kind == "block":  # our own format, or a DFlash drafter (config.json with DFlashDraftModel)
-            from actors.drafter import is_dflash
-
-            return pathlib.Path(self.drafter, "drafter_config.json").exists() or is_dflash(self.drafter)
-        if kind == "mtp" and not pathlib.Path(self.mtp, "mtp_config.json").exists():
-            from actors.drafter import has_nextn
-
-            return pathlib.Path(self.target, "config.json").exists() and has_nextn(self.target)  # its own next-n
-        config = {"eagle3": "config.json"}.get(kind)
-        return config is None or pathlib.Path(self.drafter_dir(kind), config).exists()
+        """Whether the bundle can serve drafter kind `kind` (its weights, or for MTP the
+        checkpoint's own next-n layer; n-gram needs none)."""
+        k = drafter_kind(kind)
+        return k.holds(self.root / k.folder if k.folder else None, self.target)
 
     def held(self) -> tuple[str, ...]:
         """Every drafter kind this bundle can serve (`--drafter auto`)."""
-        return tuple(k for k in ("block", "mtp", "eagle3", "ngram") if self.has(k))
+        return tuple(k for k in REGISTRY if self.has(k))
 
     def kinds(self, drafter: str) -> tuple[str, ...]:
         """The drafter kinds a `--drafter` value names: one kind, a comma list, `auto` (every kind

@@ -110,7 +110,7 @@ class ServeSettings(BaseModel):
         kinds = bundle.kinds(s.drafter)
         return EngineConfig(
             bundle.target, bundle.tokenizer, ",".join(kinds), bundle.drafter_dir(kinds[0]), s.block, s.policy, ep=s.ep,
-            drafter_dirs=tuple((k, bundle.drafter_dir(k)) for k in kinds if k != "ngram"),
+            drafter_dirs=tuple((k, bundle.drafter_dir(k)) for k in kinds if bundle.drafter_dir(k)),
             drafters=s.drafters, max_running=s.max_running, kv_capacity_tokens=s.kv_capacity_tokens, dtype=s.dtype,
             gpu_memory_utilization=s.gpu_memory_utilization,
             threads_per_rank=s.threads_per_rank, cpus_per_rank=s.cpus_per_rank, gpus_per_rank=s.gpus_per_rank,

@@ -95,7 +95,7 @@ def tiny_mtp(target_dir: str, out, seed: int = 0):
     import torch
 
     from actors.drafter.mtp import MTPConfig, MTPModule
-    from actors.engine.replica import shared_embeddings
+    from actors.drafter.target_parts import shared_embeddings
 
     torch.manual_seed(seed)
     embed, head = shared_embeddings(target_dir)
@@ -116,7 +116,7 @@ def tiny_eagle3(target_dir: str, out, seed: int = 0, draft_vocab: int = 64):
     import torch
 
     from actors.drafter.eagle3 import Eagle3Config, Eagle3Module
-    from actors.engine.replica import shared_embeddings
+    from actors.drafter.target_parts import shared_embeddings
     from actors.target.rope import Rotary
 
     torch.manual_seed(seed)

@@ -4,7 +4,9 @@ n-gram lookup."""
 import json
 import pathlib
 
-KINDS = ("block", "mtp", "eagle3", "ngram")  # the drafter kinds a replica can host (`--drafter`, per request)
+from actors.drafter.kinds import REGISTRY
+
+KINDS = tuple(REGISTRY)  # the drafter kinds a unit can host (`--drafter`, per request), in the registry's order
 
 
 def is_dflash(folder: str | pathlib.Path) -> bool:

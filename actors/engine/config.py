@@ -78,7 +78,9 @@ class EngineConfig:
     def replica_kinds(self) -> tuple[str, ...]:
         """The kinds the drafter replicas host: all but n-gram, which the coordinator drafts itself
         (actors/engine/lookahead.py). Empty: the engine has no drafter replica."""
-        return tuple(k for k in self.kinds if k != "ngram")
+        from actors.drafter.kinds import REGISTRY
+
+        return tuple(k for k in self.kinds if not REGISTRY[k].local)
 
     @property
     def drafts(self) -> bool:

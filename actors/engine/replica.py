@@ -3,26 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import pathlib
 import time
 from dataclasses import dataclass
 
 import numpy as np
 import ray
 import torch
-from safetensors import safe_open
 
-from actors.drafter import KINDS
 from actors.drafter.base import DraftOutput, cat_rows, merge_outputs
-from actors.drafter.block import BlockDrafter
-from actors.drafter.ngram import NgramDrafter
+from actors.drafter.kinds import BuildArgs
+from actors.drafter.kinds import kind as drafter_kind
 from actors.drafter.pending import PendingContext
 from actors.engine.backlog import CatchUp
 from actors.inprocess import resolve
 from actors.ray_env import whereabouts
-from actors.target.config import MoEConfig
 
 log = logging.getLogger(__name__)
 
@@ -46,80 +41,10 @@ class DrafterSpec:
         return dict(self.dirs).get(kind, self.drafter_dir)
 
 
-def shared_embeddings(target_dir: str) -> tuple[torch.nn.Embedding, torch.nn.Linear]:
-    """The target's token embedding and LM head, without loading the rest of the target."""
-    cfg = MoEConfig.load(target_dir)
-    index = None
-    path = pathlib.Path(target_dir)
-    if (path / "model.safetensors.index.json").exists():
-        index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
-
-    def get(key: str) -> torch.Tensor:
-        f = path / (index[key] if index else "model.safetensors")
-        with safe_open(str(f), framework="pt") as h:
-            return h.get_tensor(key).float()
-
-    embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-    embed.weight = torch.nn.Parameter(get("model.embed_tokens.weight"), requires_grad=False)
-    head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-    head.weight = embed.weight if cfg.tie_word_embeddings else torch.nn.Parameter(get("lm_head.weight"),
-                                                                                    requires_grad=False)
-    return embed, head
-
-
-def target_final_norm(target_dir: str):
-    """The target's final RMSNorm (`model.norm`): the MTP drafter conditions on normed states."""
-    from actors.target.layers import RMSNorm
-
-    cfg = MoEConfig.load(target_dir)
-    path = pathlib.Path(target_dir)
-    index = path / "model.safetensors.index.json"
-    f = path / (json.loads(index.read_text())["weight_map"]["model.norm.weight"] if index.exists()
-                else "model.safetensors")
-    norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-    with safe_open(str(f), framework="pt") as h:
-        norm.weight = torch.nn.Parameter(h.get_tensor("model.norm.weight").float(), requires_grad=False)
-    return norm
-
-
 def build_drafter(spec: DrafterSpec, kind: str | None = None):
-    """The drafter of `kind` (default: the spec's only kind)."""
+    """The drafter of `kind` (default: the spec's only kind), built as the kind registry says."""
     kind = kind or spec.kind
-    folder = spec.dir_of(kind)
-    if kind == "ngram":
-        return NgramDrafter(block_size=spec.block)
-    if kind == "mtp":
-        from actors.drafter import has_nextn
-        from actors.drafter.mtp import CONFIG, MTPDrafter, MTPModule
-        from actors.drafter.nextn import NextNModule
-
-        embed, head = shared_embeddings(spec.target_dir)
-        if folder and (pathlib.Path(folder) / CONFIG).exists():
-            module = MTPModule.load(folder, embed, head)
-        elif has_nextn(spec.target_dir):  # the checkpoint's own next-n layer (DeepSeek-V3, GLM-4-MoE)
-            module = NextNModule.load(spec.target_dir, embed, head)
-        else:
-            raise ValueError(f"the mtp drafter needs a folder with {CONFIG} and its weights (drafter_dir), or a "
-                             "target checkpoint with a next-n layer")
-        return MTPDrafter(module, target_final_norm(spec.target_dir),
-                          MoEConfig.load(spec.target_dir).num_hidden_layers, spec.capacity_tokens, spec.block)
-    if kind == "eagle3":
-        from actors.drafter.eagle3 import CONFIG as EAGLE3_CONFIG
-        from actors.drafter.eagle3 import Eagle3Drafter, Eagle3Module
-
-        if not folder or not (pathlib.Path(folder) / EAGLE3_CONFIG).exists():
-            raise ValueError(f"the eagle3 drafter needs a folder with {EAGLE3_CONFIG} and its weights (drafter_dir)")
-        embed, _ = shared_embeddings(spec.target_dir)
-        module = Eagle3Module.load(folder, embed, MoEConfig.load(spec.target_dir).num_hidden_layers)
-        return Eagle3Drafter(module, spec.capacity_tokens, spec.block)
-    if kind == "block":
-        if not folder:
-            raise ValueError("the block drafter needs drafter weights (drafter_dir)")
-        from actors.drafter.dflash import load_block_model
-
-        embed, head = shared_embeddings(spec.target_dir)
-        return BlockDrafter(load_block_model(folder, embed, head), spec.capacity_tokens, spec.block)
-    raise ValueError(f"unknown drafter {kind!r}; choose from {', '.join(KINDS)}")
+    return drafter_kind(kind).build(BuildArgs(spec.target_dir, spec.dir_of(kind), spec.capacity_tokens, spec.block))
 
 
 LOCAL = "local"  # a catch-up's `sources` when the features are in the hosting rank's own store

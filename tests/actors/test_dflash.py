@@ -16,9 +16,9 @@ from safetensors import safe_open
 from actors.drafter import is_dflash
 from actors.drafter.block import BlockDrafter
 from actors.drafter.dflash import load_block_model, load_dflash
+from actors.drafter.target_parts import shared_embeddings
 from actors.engine.config import EngineConfig
 from actors.engine.coordinator import Engine
-from actors.engine.replica import shared_embeddings
 from actors.engine.sequence import SamplingParams
 from actors.target.checkpoint import load_model
 from actors.target.decode import greedy_decode

@@ -16,9 +16,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from actors.drafter.eagle3 import Eagle3Drafter, Eagle3Module
+from actors.drafter.target_parts import shared_embeddings
 from actors.engine.config import EngineConfig
 from actors.engine.coordinator import Engine
-from actors.engine.replica import shared_embeddings
 from actors.engine.sequence import SamplingParams
 from actors.target.checkpoint import load_model
 from actors.target.decode import greedy_decode

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from actors.drafter.mtp import WEIGHTS, MTPConfig, MTPDrafter, MTPModule
+from actors.drafter.target_parts import shared_embeddings, target_final_norm
 from actors.engine.config import EngineConfig
 from actors.engine.coordinator import Engine
-from actors.engine.replica import shared_embeddings, target_final_norm
 from actors.engine.sequence import SamplingParams
 from actors.target.checkpoint import load_model
 from actors.target.decode import greedy_decode

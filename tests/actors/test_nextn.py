@@ -16,9 +16,9 @@ from safetensors.torch import save_file
 from actors.drafter import has_nextn
 from actors.drafter.mtp import MTPDrafter
 from actors.drafter.nextn import NextNModule
+from actors.drafter.target_parts import shared_embeddings, target_final_norm
 from actors.engine.config import EngineConfig
 from actors.engine.coordinator import Engine
-from actors.engine.replica import shared_embeddings, target_final_norm
 from actors.engine.sequence import SamplingParams
 from actors.target.checkpoint import load_model
 from actors.target.config import MoEConfig
