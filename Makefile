@@ -75,11 +75,11 @@ bench-full: setup
 
 # Rebuild the bundled demo model from scratch (about 2 hours on 2 cores; see docs/model.md).
 demo-model: setup
-	$(BIN)/python -m actors.demo.tokenizer --out models/demo/tokenizer.json
-	OMP_NUM_THREADS=2 $(BIN)/python -m actors.demo.train_target --steps 1800 --threads 2 --out models/demo/target
-	OMP_NUM_THREADS=2 $(BIN)/python -m actors.demo.train_drafter --threads 2 --out models/demo/drafter
-	OMP_NUM_THREADS=2 $(BIN)/python -m actors.demo.train_mtp --threads 2 --out models/demo/mtp
-	$(BIN)/python -m actors.demo.evaluate --out runs/demo/eval.json
+	$(BIN)/python -m tools.demo.tokenizer --out models/demo/tokenizer.json
+	OMP_NUM_THREADS=2 $(BIN)/python -m tools.demo.train_target --steps 1800 --threads 2 --out models/demo/target
+	OMP_NUM_THREADS=2 $(BIN)/python -m tools.demo.train_drafter --threads 2 --out models/demo/drafter
+	OMP_NUM_THREADS=2 $(BIN)/python -m tools.demo.train_mtp --threads 2 --out models/demo/mtp
+	$(BIN)/python -m tools.demo.evaluate --out runs/demo/eval.json
 	for seed in 23 29 31; do $(BIN)/dcut trace --workload mixed --num-prompts 32 --seed $$seed --block 8 \
 		--out runs/demo/train$$seed.trace || exit 1; done
 	$(BIN)/dcut prior --traces runs/demo/train23.trace,runs/demo/train29.trace,runs/demo/train31.trace \

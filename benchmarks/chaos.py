@@ -113,7 +113,7 @@ def request_set(tokenizer_path: str, n: int, seed: int) -> list[Request]:
     streaming and not, 8–48 new tokens."""
     from tokenizers import Tokenizer
 
-    from actors.demo.prompts import mixed_prompts
+    from deployments.workload import mixed_prompts
 
     rng = random.Random(seed)
     tok = Tokenizer.from_file(tokenizer_path)

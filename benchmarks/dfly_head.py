@@ -107,11 +107,11 @@ def main() -> int:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    from actors.demo.data import token_array
-    from actors.demo.distill import DistillSet, generate
     from actors.drafter.model import DraftModel
     from actors.target.checkpoint import load_model
     from deployments.bundle import BUNDLED, Bundle
+    from tools.demo.data import token_array
+    from tools.demo.distill import DistillSet, generate
 
     bundle = Bundle(BUNDLED)
     target = load_model(bundle.target).eval()

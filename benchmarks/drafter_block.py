@@ -28,7 +28,6 @@ def main() -> None:
 
     from tokenizers import Tokenizer
 
-    from actors.demo.prompts import heldout_prompts
     from actors.drafter.block import BlockDrafter
     from actors.drafter.model import DraftModel
     from actors.drafter.speculate import speculative_greedy
@@ -36,6 +35,7 @@ def main() -> None:
     from actors.target.checkpoint import load_model
     from actors.target.local import LocalTarget
     from deployments.bundle import BUNDLED, Bundle
+    from deployments.workload import heldout_prompts
 
     torch.set_num_threads(1)
     b = Bundle(pathlib.Path(BUNDLED))

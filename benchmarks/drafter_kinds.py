@@ -47,13 +47,13 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    from actors.demo.data import token_array, windows
     from actors.drafter.speculate import speculative_greedy
     from actors.engine.replica import DrafterSpec, build_drafter
     from actors.target.checkpoint import load_model
     from actors.target.decode import greedy_decode
     from actors.target.local import LocalTarget
     from deployments.bundle import BUNDLED, Bundle
+    from tools.demo.data import token_array, windows
 
     bundle = Bundle(BUNDLED)
     target = load_model(bundle.target).eval()

@@ -41,13 +41,13 @@ def main() -> int:
 
     from tokenizers import Tokenizer
 
-    from actors.demo.prompts import DOMAINS, mixed_prompts
     from actors.engine.coordinator import Engine
     from actors.engine.loadgen import closed_loop
     from actors.ray_env import start_local_ray
     from deployments.bench_command import kinds_chosen
     from deployments.bundle import BUNDLED, Bundle
     from deployments.settings import ServeSettings
+    from deployments.workload import DOMAINS, mixed_prompts
 
     root = pathlib.Path(args.model) if args.model else BUNDLED
     if Bundle(root).has("eagle3"):

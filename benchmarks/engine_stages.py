@@ -33,11 +33,11 @@ def main() -> None:
 
     from tokenizers import Tokenizer
 
-    from actors.demo.prompts import heldout_prompts
     from actors.engine.coordinator import Engine
     from actors.engine.loadgen import closed_loop, summarize
     from actors.ray_env import start_local_ray
     from deployments.settings import ServeSettings
+    from deployments.workload import heldout_prompts
 
     c = args.concurrency
     n = args.num_prompts or 3 * c

@@ -37,13 +37,13 @@ def main() -> int:
     args = p.parse_args()
     from tokenizers import Tokenizer
 
-    from actors.demo.prompts import heldout_prompts
     from actors.engine.coordinator import Engine
     from actors.engine.loadgen import closed_loop
     from actors.ray_env import start_local_ray
     from actors.target.driver import DriverGroup
     from actors.target.group import EPConfig
     from deployments.settings import ServeSettings
+    from deployments.workload import heldout_prompts
 
     start_local_ray(num_cpus=6)
     driven = ServeSettings(ep=2, max_running=16).engine_config()

@@ -32,11 +32,11 @@ def main() -> int:
     args = p.parse_args()
     from tokenizers import Tokenizer
 
-    from actors.demo.prompts import heldout_prompts
     from actors.engine.coordinator import Engine
     from actors.engine.loadgen import closed_loop
     from actors.ray_env import start_local_ray
     from deployments.settings import ServeSettings
+    from deployments.workload import heldout_prompts
 
     start_local_ray(num_cpus=4)
     base = ServeSettings(max_running=16, threads_per_rank=2).engine_config()

@@ -45,12 +45,12 @@ def main() -> int:
 
     from tokenizers import Tokenizer
 
-    from actors.demo.prompts import mixed_prompts
     from actors.engine.coordinator import Engine
     from actors.engine.loadgen import closed_loop
     from actors.ray_env import start_local_ray
     from deployments.bundle import BUNDLED
     from deployments.settings import ServeSettings
+    from deployments.workload import mixed_prompts
 
     levels = [int(c) for c in args.concurrency.split(",")]
     tok = Tokenizer.from_file(str(BUNDLED / "tokenizer.json"))

@@ -130,10 +130,10 @@ def main() -> int:
 
     from tokenizers import Tokenizer
 
-    from actors.demo.prompts import heldout_prompts
     from actors.engine.coordinator import Engine
     from actors.ray_env import start_local_ray
     from deployments.settings import ServeSettings
+    from deployments.workload import heldout_prompts
 
     levels = [int(c) for c in args.concurrency.split(",")]
     kinds = [k for k in args.kinds.split(",") if k]

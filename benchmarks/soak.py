@@ -32,7 +32,7 @@ def ray_processes() -> dict[int, tuple[str, int]]:
 async def soak(args) -> dict:
     import httpx
 
-    from actors.demo.prompts import heldout_prompts
+    from deployments.workload import heldout_prompts
 
     prompts = heldout_prompts(256, seed=3)
     rng = random.Random(0)

@@ -43,7 +43,6 @@ def main() -> int:
 
     from tokenizers import Tokenizer
 
-    from actors.demo.prompts import mixed_prompts
     from actors.engine.coordinator import Engine
     from actors.engine.loadgen import closed_loop
     from actors.engine.trace_record import record_trace
@@ -54,6 +53,7 @@ def main() -> int:
     from deployments.bundle import BUNDLED
     from deployments.settings import ServeSettings
     from deployments.trace_command import settings_of, write_trace
+    from deployments.workload import mixed_prompts
 
     levels = [int(c) for c in args.concurrency.split(",")]
     pairs = mixed_prompts(args.prompts + 8, seed=11)[8:]  # drafter_mix.py's held-out workload (its first 8 warm up)

@@ -55,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from actors.demo.prompts import heldout_prompts, mixed_prompts
+    from deployments.workload import heldout_prompts, mixed_prompts
 
     if args.request_rate and args.url:
         raise SystemExit("--request-rate drives the embedded engine; use --concurrency with --url")

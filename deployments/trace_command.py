@@ -29,7 +29,7 @@ from dcut_core.trace_sim import SimSettings, oracle_run, simulate_trace
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts-file", help="one prompt a line (\\n escapes a newline)")
     p.add_argument("--workload", choices=("mixed", "heldout"), default="mixed",
-                   help="without --prompts-file: the demo workload's prompts (actors/demo/prompts.py)")
+                   help="without --prompts-file: the demo workload's prompts (deployments/workload.py)")
     p.add_argument("--num-prompts", type=int, default=24)
     p.add_argument("--seed", type=int, default=23, help="which prompts of the workload (23: training; the "
                                                         "benchmarks report seed 11's)")
@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def workload(kind: str, n: int, seed: int, exclude_seed: int) -> list[str]:
-    from actors.demo.prompts import heldout_prompts, mixed_prompts
+    from deployments.workload import heldout_prompts, mixed_prompts
 
     pick = (lambda m, s: [t for _, t in mixed_prompts(m, seed=s)]) if kind == "mixed" else heldout_prompts
     held = set(pick(n + 64, exclude_seed)) if exclude_seed >= 0 else set()

@@ -13,10 +13,10 @@ import json  # noqa: E402
 
 import pytest  # noqa: E402  (after set_local_env on purpose)
 
-from actors.demo.tokenizer import tokenizer_config  # noqa: E402
 from actors.target.checkpoint import save_model  # noqa: E402
 from actors.target.config import MoEConfig  # noqa: E402
 from actors.target.model import MoETransformer  # noqa: E402
+from tools.demo.tokenizer import tokenizer_config  # noqa: E402
 
 
 def tiny_config(**overrides) -> MoEConfig:

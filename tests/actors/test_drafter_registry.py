@@ -16,7 +16,7 @@ from deployments.bundle import Bundle
 
 def test_every_kind_a_bundle_holds_builds_from_its_folder(tiny_bundle):
     bundle = Bundle(pathlib.Path(tiny_bundle))
-    assert KINDS == tuple(REGISTRY) and bundle.held() == KINDS  # the tiny bundle holds every kind
+    assert tuple(REGISTRY) == KINDS and bundle.held() == KINDS  # the tiny bundle holds every kind
     built = {name: build_drafter(DrafterSpec(name, bundle.target, bundle.drafter_dir(name), 4)) for name in KINDS}
     assert {n: type(d).__name__ for n, d in built.items()} == {
         "block": "BlockDrafter", "mtp": "MTPDrafter", "eagle3": "Eagle3Drafter", "ngram": "NgramDrafter"}

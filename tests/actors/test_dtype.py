@@ -125,8 +125,8 @@ def test_bf16_serving_parts_from_plain_decoding_only_at_near_ties(tiny_bundle, t
     else:
         from tokenizers import Tokenizer
 
-        from actors.demo.prompts import mixed_prompts
         from deployments.bundle import BUNDLED
+        from deployments.workload import mixed_prompts
 
         tok = Tokenizer.from_file(f"{BUNDLED}/tokenizer.json")
         target, prompts, n = f"{BUNDLED}/target", [tok.encode(t).ids[:120] for _, t in mixed_prompts(16, seed=23)], 48

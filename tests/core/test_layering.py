@@ -38,3 +38,14 @@ def test_importing_core_loads_neither_ray_nor_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_imports_run_one_way():
+    """`tools → deployments → actors → dcut_core`: no layer imports one above it (lazy imports
+    inside functions included)."""
+    root = CORE.parent
+    above = {"actors": {"deployments", "tools"}, "deployments": {"tools"}}
+    for layer, banned in above.items():
+        for f in sorted((root / layer).rglob("*.py")):
+            bad = imported_roots(f) & banned
+            assert not bad, f"{f.relative_to(root)} imports {sorted(bad)}"

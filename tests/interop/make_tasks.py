@@ -13,7 +13,7 @@ import pathlib
 
 import numpy as np
 
-from actors.demo.prompts import functions
+from deployments.workload import functions
 
 TASKS = pathlib.Path(__file__).parent / "tasks"
 

@@ -1,6 +1,6 @@
 """Measure the demo pair for docs/model.md: target quality, drafter MAT, calibration, cost.
 
-    .venv/bin/python -m actors.demo.evaluate [--prompts 48] [--out runs/demo/eval.json]
+    .venv/bin/python -m tools.demo.evaluate [--prompts 48] [--out runs/demo/eval.json]
 
 Held-out prompts are windows of the corpus's validation split (files neither model trained on).
 """
@@ -15,8 +15,6 @@ import time
 import numpy as np
 import torch
 
-from actors.demo.data import token_array, windows
-from actors.demo.train_target import validation_loss
 from actors.drafter.block import BlockDrafter
 from actors.drafter.model import DraftModel
 from actors.drafter.ngram import NgramDrafter
@@ -26,6 +24,8 @@ from actors.target.decode import greedy_decode
 from actors.target.local import LocalTarget
 from dcut_core.acceptance import Calibrator, expected_calibration_error, verify_outcomes
 from dcut_core.ragged import offsets_from_lengths
+from tools.demo.data import token_array, windows
+from tools.demo.train_target import validation_loss
 
 
 def distinct_4gram_ratio(tokens: list[int]) -> float:

@@ -1,6 +1,6 @@
 """Train the demo target (DEMO_TARGET shape) on the corpus, on CPU, reproducibly.
 
-    .venv/bin/python -m actors.demo.train_target --steps 3000 --out models/demo/target
+    .venv/bin/python -m tools.demo.train_target --steps 3000 --out models/demo/target
 
 Fixed seeds and a fixed step count make the run reproducible on the same machine kind (thread
 scheduling aside). Every `--eval-every` steps the validation loss is logged to
@@ -21,10 +21,10 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from actors.demo.data import token_array, windows
 from actors.target.checkpoint import save_model
 from actors.target.demo import DEMO_TARGET
 from actors.target.model import MoETransformer
+from tools.demo.data import token_array, windows
 
 
 def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:

@@ -1,6 +1,6 @@
 """Train the block drafter by self-distillation from the trained demo target.
 
-    OMP_NUM_THREADS=2 .venv/bin/python -m actors.demo.train_drafter     # the shipped drafter, ≈ 45 min
+    OMP_NUM_THREADS=2 .venv/bin/python -m tools.demo.train_drafter     # the shipped drafter, ≈ 45 min
 
 1. The target continues corpus prompts (75 % greedy, 25 % sampled at temperature 0.8) and its
    hidden states after layers `--target-layers` are captured (`distill.py`).
@@ -22,11 +22,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from actors.demo.data import token_array
-from actors.demo.distill import DistillSet, generate
-from actors.demo.train_target import lr_at
 from actors.drafter.model import DraftConfig, DraftModel
 from actors.target.checkpoint import load_model
+from tools.demo.data import token_array
+from tools.demo.distill import DistillSet, generate
+from tools.demo.train_target import lr_at
 
 BLOCKS = (4, 8, 16)
 

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from actors.demo.corpus import texts
+from deployments.corpus import texts
 
 
 def heldout_prompts(n: int, seed: int = 0, max_chars: int = 400) -> list[str]:

@@ -1,6 +1,6 @@
 """Train the MTP drafter (DeepSeek-V3 next-n module) by self-distillation from the demo target.
 
-    OMP_NUM_THREADS=2 .venv/bin/python -m actors.demo.train_mtp     # the shipped module, ≈ 10 min
+    OMP_NUM_THREADS=2 .venv/bin/python -m tools.demo.train_mtp     # the shipped module, ≈ 10 min
 
 1. The target continues corpus prompts (75 % greedy, 25 % sampled at temperature 0.8), and its
    last layer's states are captured; the module sees them through the target's final norm, as
@@ -25,11 +25,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from actors.demo.data import token_array
-from actors.demo.distill import DistillSet, generate
-from actors.demo.train_target import lr_at
 from actors.drafter.mtp import MTPConfig, MTPModule
 from actors.target.checkpoint import load_model
+from tools.demo.data import token_array
+from tools.demo.distill import DistillSet, generate
+from tools.demo.train_target import lr_at
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, heads: int) -> torch.Tensor:

@@ -13,8 +13,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from actors.demo.data import windows
 from actors.target.model import ForwardBatch, MoETransformer
+from tools.demo.data import windows
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Train an EAGLE-3 drafter for the demo target by self-distillation, written in the speculators
 layout (so it loads as any published EAGLE-3 folder does).
 
-    OMP_NUM_THREADS=2 .venv/bin/python -m actors.demo.train_eagle3 --out runs/demo/eagle3   # ≈ 15 min
+    OMP_NUM_THREADS=2 .venv/bin/python -m tools.demo.train_eagle3 --out runs/demo/eagle3   # ≈ 15 min
 
 Data: the target's own continuations of corpus prompts with its states after layers 2, 4 and 6
 (the block drafter's layers; `distill.py`, cached as the DFly head experiment caches them). The
@@ -18,9 +18,9 @@ import pathlib
 
 import torch
 
-from actors.demo.train_mtp import distilled, fit, frozen_target, training_arguments
 from actors.drafter.eagle3 import Eagle3Config, Eagle3Module
 from actors.target.rope import Rotary
+from tools.demo.train_mtp import distilled, fit, frozen_target, training_arguments
 
 LAYERS = (2, 4, 6)
 

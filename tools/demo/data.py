@@ -7,8 +7,8 @@ import pathlib
 import numpy as np
 from tokenizers import Tokenizer
 
-from actors.demo.corpus import texts
-from actors.demo.tokenizer import EOS
+from deployments.corpus import texts
+from tools.demo.tokenizer import EOS
 
 
 def token_array(tokenizer_path: str, split: str, cache_dir: str = "runs/demo") -> np.ndarray:

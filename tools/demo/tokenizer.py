@@ -10,7 +10,7 @@ import pathlib
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from actors.demo.corpus import texts
+from deployments.corpus import texts
 
 EOS = "<|endoftext|>"
 CHAT_TEMPLATE = ("{% for message in messages %}"
