@@ -58,19 +58,21 @@ class KindChooser:
         """Whether `choose` reads each request's evidence (several kinds, caution on)."""
         return self.kinds > 1 and self.caution > 0
 
-    def values(self, table: GainTable, verify: StepCost, costs: DraftingCosts, rate: float | None = None,
-               held: np.ndarray | None = None, remaining: np.ndarray | None = None,
+    def values(self, q: KindQuestion, rate: float | None = None,
                sharing: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
-        """(v, gain, n) [R, K] and ρ: `table` holds every request's expected accepted tokens at
-        n drafts under each kind (`GainTable.of` the predictions), costs.draft[k] the kind's DraftCost,
-        ρ the rate a second of drafting is charged at (default: plain decoding's). v_ik is the
-        best net gain in tokens, at n_ik drafts expected to yield gain_ik accepted. held [R, K]:
-        context tokens kind k has not seen of request i — catching up costs d_context,k per
-        token, charged in the share of the request's `remaining` output this step may make (as
-        the gate does). sharing [K]: requests drafting with each kind this step — a chain's
-        passes run once for all of them, so each is charged its share (default 1: the whole
-        chain). Every kind at once: one [R, K, n] array, no loop over kinds."""
-        return self._values(Choice.of(table, verify, costs, held if self.switch else None, remaining), rate, sharing)
+        """(v, gain, n) [R, K] and ρ: every request's expected accepted tokens at n drafts under
+        each kind (from `q.predicted`), each kind's DraftCost (`q.costs`), ρ the rate a second of
+        drafting is charged at (default: plain decoding's). v_ik is the best net gain in tokens,
+        at n_ik drafts expected to yield gain_ik accepted. `q.held` [R, K]: context tokens kind k
+        has not seen of request i — catching up costs d_context,k per token, charged in the share
+        of the request's `q.remaining` output this step may make (as the gate does). sharing [K]:
+        requests drafting with each kind this step — a chain's passes run once for all of them,
+        so each is charged its share (default 1: the whole chain). Every kind at once: one
+        [R, K, n] array, no loop over kinds."""
+        return self._values(self._choice(q), rate, sharing)
+
+    def _choice(self, q: KindQuestion) -> Choice:
+        return Choice.of(GainTable.of(q.predicted), q.verify, q.costs, q.held if self.switch else None, q.remaining)
 
     def _values(self, ch: Choice, rate: float | None,
                 sharing: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
@@ -92,17 +94,12 @@ class KindChooser:
         v = np.where(drafts, net[rows, kinds, best], 0.0)
         return v, np.where(drafts, table.gain[rows, kinds, best], 0.0), np.where(drafts, best + 1.0, 0.0), rate
 
-    def choose(self, predicted: Predicted, verify: StepCost, costs: DraftingCosts, allowed: np.ndarray | None = None,
-               held: np.ndarray | None = None, remaining: np.ndarray | None = None,
-               support: Support | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def choose(self, q: KindQuestion) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(kind [R], exploring [R], fallback [R]): the kind (index) each request drafts with this
         step; whether that choice is the bonus's rather than the estimates' — an exploring request
         must draft to teach anything, even where the estimates alone would not draft (the gate
         sees to it); and the kind to draft with instead if the chosen one makes no drafts (-1:
-        none). predicted: each request's conditional acceptance by position under each kind (up
-        to its cap). allowed [R, K]: the kinds each request may use (its own choice); held,
-        remaining: what a switch of kind costs (`values`); support: the verifications the estimates
-        rest on, the unit's per kind (the bonus) and each request's per kind (the caution).
+        none). `q` holds what it reads (`KindQuestion`).
 
         A kind's pass costs its `fixed` seconds once for all the requests it drafts for, and the
         call to the drafter replicas its `call` once for every kind drafted there, so the kinds
@@ -113,18 +110,16 @@ class KindChooser:
         tokens the step would otherwise make in it — at the speculative rate, not the plain one
         — so ρ is refined (Dinkelbach): the choice's own predicted tokens per second, then choose
         again, a few times; the round whose choice is predicted fastest stands."""
-        r = predicted.rates.shape[0]
+        r = q.predicted.rates.shape[0]
         if r == 0 or self.kinds == 1:  # nothing to choose: every request drafts with the one kind
             return np.zeros(r, dtype=np.int64), np.zeros(r, dtype=bool), np.full(r, -1, dtype=np.int64)
-        support = Support() if support is None else support
+        support = Support() if q.support is None else q.support
         obs = np.zeros(self.kinds) if support.unit is None else np.asarray(support.unit, dtype=np.float64)
         bonus = self.bonus * np.sqrt(np.log(2.0 + obs.sum()) / (1.0 + obs))[None, :]  # [1, K]: the same for all
         doubt = 0.0 if not self.caution or support.request is None else \
             self.caution / np.sqrt(1.0 + np.asarray(support.request, dtype=np.float64))  # [R, K]
-        table = GainTable.of(predicted)  # once for every round
-        ch = Choice.of(table, verify, costs, held if self.switch else None, remaining)
-        c = ch.costs
-        fixed_s, calls = c[0], costs.calling
+        ch = self._choice(q)  # once for every round
+        fixed_s, call, calls = ch.costs[0], q.costs.call, q.costs.calling
         rate, sharing = None, np.full(self.kinds, r)  # first as if every request drafted with each kind
         rows = np.arange(r)
         best = None  # (predicted rate, kind, use, value, score, rate charged) of the best round so far
@@ -132,22 +127,13 @@ class KindChooser:
             value, gain, n, rate = self._values(ch, rate, sharing)
             value = np.where(value > 0, value - doubt, value)
             score = value + bonus
-            if allowed is not None:
-                value, score = np.where(allowed, value, -np.inf), np.where(allowed, score, -np.inf)
-            kind, use = self._assign(score, rate * fixed_s, rate * costs.call, calls)
+            if q.allowed is not None:
+                value, score = np.where(q.allowed, value, -np.inf), np.where(q.allowed, score, -np.inf)
+            kind, use = self._assign(score, rate * fixed_s, rate * call, calls)
             drafts = value[rows, kind] > 0  # the requests whose drafts are predicted to pay
             achieved = r / ch.base if ch.base > 0 else 0.0  # plain decoding's, when nobody's drafts pay
-            if rate > 0.0 and drafts.any():
-                k = kind[drafts]
-                sharing = np.bincount(k, minlength=self.kinds)  # the next round charges each its share of a chain
-                tokens = r + gain[rows, kind][drafts].sum()
-                m = n[rows, kind][drafts]
-                longest = np.where(k[None, :] == np.arange(self.kinds)[:, None], m[None, :], 0.0).max(axis=1)
-                seconds = (float(verify.seconds(np.array([r + int(m.sum())]))[0])
-                           + float(((fixed_s + c[4] * longest) * (sharing > 0)).sum())
-                           + float((c[1][k] + c[2][k] * m).sum())
-                           + costs.shared_fixed + costs.call * bool((calls & (sharing > 0)).any()))
-                achieved = tokens / seconds
+            if rate > 0.0 and drafts.any():  # the next round charges each kind its share of a chain
+                achieved, sharing = ch.predicted_rate(kind, drafts, gain[rows, kind], n[rows, kind])
             # A round at a higher rate may pick, by the bonus, a kind whose drafts do not pay where
             # an earlier round's did: the best round's choice stands, not the last one's.
             if best is None or achieved > best[0] * (1 + 1e-6):
@@ -157,7 +143,7 @@ class KindChooser:
             rate = achieved
         _, kind, use, value, score, rate = best
         # Exploring: chosen by the bonus, not by the estimates (the choice without it).
-        plain = kind if not self.bonus else self._assign(value, rate * fixed_s, rate * costs.call, calls)[0]
+        plain = kind if not self.bonus else self._assign(value, rate * fixed_s, rate * call, calls)[0]
         exploring = (kind != plain) & (score[rows, kind] > 0)
         if not self.fallback:
             return kind, exploring, np.full(r, -1, dtype=np.int64)
@@ -245,6 +231,24 @@ class StickyChoice:
 
 
 @dataclass(frozen=True)
+class KindQuestion:
+    """What one choice of kinds reads (`KindChooser.choose`): each request's conditional
+    acceptance by position under each kind, up to its cap (`predicted`); the step's verify cost;
+    each kind's drafting costs; the kinds each request may use ([R, K], its own choice; None:
+    all); the context each kind has not seen of each request ([R, K]) with the request's
+    remaining output — what a switch of kind costs (None: not charged); the verifications the
+    estimates rest on (`Support`)."""
+
+    predicted: Predicted
+    verify: StepCost
+    costs: DraftingCosts
+    allowed: np.ndarray | None = None
+    held: np.ndarray | None = None
+    remaining: np.ndarray | None = None
+    support: Support | None = None
+
+
+@dataclass(frozen=True)
 class Support:
     """What the chooser's estimates rest on: the verifications each kind's tracker has learnt
     from (`unit` [K], a warm start's included: the bonus's measure of how sure the unit is) and
@@ -289,6 +293,8 @@ class Choice:
     tau: float
     costs: np.ndarray
     switching: np.ndarray | None
+    verify: StepCost
+    drafting: DraftingCosts
 
     @classmethod
     def of(cls, table: GainTable, verify: StepCost, costs: DraftingCosts, held: np.ndarray | None,
@@ -297,7 +303,7 @@ class Choice:
         token in the share of its `remaining` output the step may make."""
         c = costs.table.T
         if not table.width.any():  # nobody may draft (a captured verify table may hold R alone)
-            return cls(table, 0.0, 0.0, c, None)
+            return cls(table, 0.0, 0.0, c, None, verify, costs)
         r = table.gain.shape[0]
         base, more = verify.seconds(np.array([r, r + 1])).tolist()
         switching = None
@@ -305,7 +311,24 @@ class Choice:
             left = np.maximum(1.0, np.asarray(remaining, dtype=np.float64))[:, None, None]
             switching = c[3][None, :, None] * np.asarray(held, dtype=np.float64)[:, :, None] * np.minimum(
                 1.0, (1.0 + table.gain) / left)
-        return cls(table, base, more - base, c, switching)
+        return cls(table, base, more - base, c, switching, verify, costs)
+
+    def predicted_rate(self, kind: np.ndarray, drafts: np.ndarray, gain: np.ndarray,
+                       n: np.ndarray) -> tuple[float, np.ndarray]:
+        """(tokens a second, requests drafting with each kind [K]) of one assignment: request i
+        drafting n[i] drafts with kind[i] where drafts[i], expecting gain[i] of them accepted —
+        the step's verify of every token, each kind in use's pass (its chain as long as its
+        longest request's) and per-request costs, the drafting call's shared cost and, if any
+        kind drafted on the replicas is in use, their call."""
+        r, c, d = len(kind), self.costs, self.drafting
+        k, m = kind[drafts], n[drafts]
+        sharing = np.bincount(k, minlength=c.shape[1])
+        longest = np.where(k[None, :] == np.arange(c.shape[1])[:, None], m[None, :], 0.0).max(axis=1)
+        seconds = (float(self.verify.seconds(np.array([r + int(m.sum())]))[0])
+                   + float(((c[0] + c[4] * longest) * (sharing > 0)).sum())
+                   + float((c[1][k] + c[2][k] * m).sum())
+                   + d.shared_fixed + d.call * bool((d.calling & (sharing > 0)).any()))
+        return (r + gain[drafts].sum()) / seconds, sharing
 
 
 @cache

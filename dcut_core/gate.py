@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dcut_core.choosing import KindChooser, StickyChoice, Support
+from dcut_core.choosing import KindChooser, KindQuestion, StickyChoice, Support
 from dcut_core.drafting import (
     AcceptanceTracker,
     DraftCost,
@@ -205,8 +205,8 @@ class DraftingGate:
         kept = self.sticky.recall(g.rids, usable)
         if kept is not None:
             return kept[0], np.zeros(len(g.rids), dtype=bool), kept[1]
-        kinds, exploring, fallback = self.chooser.choose(predicted, g.verify(), g.costs, usable, held=g.lag,
-                                                         remaining=g.remaining, support=self.support(g.rids))
+        kinds, exploring, fallback = self.chooser.choose(KindQuestion(
+            predicted, g.verify(), g.costs, usable, g.lag, g.remaining, self.support(g.rids)))
         self.sticky.keep(g.rids, kinds, fallback)
         return kinds, exploring, fallback
 
@@ -214,8 +214,8 @@ class DraftingGate:
         """The kinds `decide` would choose, every request drafting to its cap: for a policy that
         drafts without gating (its requests still teach the trackers)."""
         predicted = self.predict(g)
-        kinds, _, fallback = self.chooser.choose(predicted, g.verify(), g.costs, g.usable(),
-                                                 support=Support(self.observed()))
+        kinds, _, fallback = self.chooser.choose(KindQuestion(predicted, g.verify(), g.costs, g.usable(),
+                                                              support=Support(self.observed())))
         return Plan(kinds, predicted.lengths[np.arange(len(g.rids)), kinds], fallback, g)
 
     def predict(self, g: GateInput) -> Predicted:

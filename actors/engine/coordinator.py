@@ -354,7 +354,7 @@ class Engine:
         accepted_len, probe = None, 0.0
         if self.policy.needs_truth:
             t_probe = time.perf_counter()
-            accepted_len = oracle_lengths(self._verify, self.target, batch, drafts)
+            accepted_len = oracle_lengths(self._verify, self.target, st)
             probe = time.perf_counter() - t_probe
         db = DraftBatch(survival(p, drafts.cu), drafts.cu, accepted_len)
         kept = self.policy.choose(db, st.verify_cost).kept
@@ -367,18 +367,17 @@ class Engine:
         on this thread: the learner's wake-up (0.5 ms on these machines) is hidden behind it, and
         it runs while the forward waits (a GPU's kernels, the other ranks, the GIL released)."""
         if self._unlearnt is None or self._learner is None:
-            return self._verify(st.batch, st.drafts, st.pruned.kept, st.feeding)
+            return self._verify(st)
         learning = self._learner.submit(self.settle, True)
         try:
-            out = self._verify(st.batch, st.drafts, st.pruned.kept, st.feeding)
+            out = self._verify(st)
         finally:
             wait([learning])  # nothing of the next step runs beside it
         learning.result()
         return out
 
-    def _verify(self, batch: list[Sequence], drafts: Drafts, kept: np.ndarray, feeding: list[Feed] = ()):
-        capture = self.drafters.layers if self.policy.drafts else ()
-        return verify_forward(self.target, self.drafters, capture, batch, drafts, kept, feeding)
+    def _verify(self, st: Step):
+        return verify_forward(self.target, self.drafters, self.drafters.layers if self.policy.drafts else (), st)
 
     def grammars(self) -> Grammars:
         """The compiler of structured-output constraints for this model's tokenizer (built at the

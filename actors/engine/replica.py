@@ -110,29 +110,29 @@ class Drafter:
                                        kind_context={0: catchup.size if catchup is not None else 0})
         kinds = [0] * len(request_ids) if kinds is None else kinds
         parts, kind_s, context, used = [], {}, {}, np.asarray(kinds, dtype=np.int64).copy()
+
+        def by_kind(k: int, idx: list[int]):
+            """(batch indices, drafts) of kind k for requests idx, its held context given to it first."""
+            t1 = time.perf_counter()
+            context[k] = context.get(k, 0) + self.pending.flush(k, [request_ids[i] for i in idx if lengths[i] > 0])
+            out = self.drafters[k].draft([request_ids[i] for i in idx], [last_tokens[i] for i in idx],
+                                         [lengths[i] for i in idx])
+            kind_s[k] = kind_s.get(k, 0.0) + time.perf_counter() - t1
+            return idx, out
+
         for k in sorted(set(kinds)):
-            parts.append(self._draft_kind(k, [i for i, kk in enumerate(kinds) if kk == k], request_ids, last_tokens,
-                                          lengths, kind_s, context))
+            parts.append(by_kind(k, [i for i, kk in enumerate(kinds) if kk == k]))
         if fallback is not None:  # a second pass for the requests whose kind drafted nothing
             drafted = np.diff(merge_outputs(len(request_ids), parts).cu)
             missed = [i for i in range(len(request_ids)) if lengths[i] > 0 and not drafted[i]
                       and 0 <= fallback[i] != kinds[i] and request_ids[i] not in self.lost]
             for k in sorted({fallback[i] for i in missed}):
                 idx = [i for i in missed if fallback[i] == k]
-                parts.append(self._draft_kind(k, idx, request_ids, last_tokens, lengths, kind_s, context))
+                parts.append(by_kind(k, idx))
                 used[idx] = k
         out = merge_outputs(len(request_ids), parts)  # a fallback's rows replace the empty ones
         return dataclasses.replace(out, compute_s=time.perf_counter() - t0, lost=lost, kind_s=kind_s, kinds=used,
                                    kind_context=context)
-
-    def _draft_kind(self, k: int, idx: list[int], request_ids, last_tokens, lengths, kind_s: dict, context: dict):
-        """(batch indices, drafts) of kind k for requests idx, its held context given to it first."""
-        t1 = time.perf_counter()
-        context[k] = context.get(k, 0) + self.pending.flush(k, [request_ids[i] for i in idx if lengths[i] > 0])
-        out = self.drafters[k].draft([request_ids[i] for i in idx], [last_tokens[i] for i in idx],
-                                     [lengths[i] for i in idx])
-        kind_s[k] = kind_s.get(k, 0.0) + time.perf_counter() - t1
-        return idx, out
 
     def _catch_up(self, c: CatchUp) -> None:
         """Commit a catch-up: per request, the rows sent along, then those fetched from the

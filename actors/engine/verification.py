@@ -4,23 +4,24 @@ where they stay)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from actors.engine.constraints import grammar_allowed, request_controls
 from actors.engine.sequence import Sequence
-from actors.engine.stages import Drafts, Feed, accept_tokens
+from actors.engine.stages import Drafts, Feed, Pruned, Step, accept_tokens
 from actors.target.batch import VerifyBatch, per_row_sampling
 from dcut_core import ragged
 
 
-def verify_forward(target, pool, capture: tuple[int, ...], batch: list[Sequence], drafts: Drafts,
-                   kept: np.ndarray, feeding: list[Feed] = ()):
-    """One forward for the step, as one flat batch (`VerifyBatch`): each decoding request's last
+def verify_forward(target, pool, capture: tuple[int, ...], st: Step):
+    """One forward for step `st`, as one flat batch (`VerifyBatch`): each decoding request's last
     token and kept drafts (every row judged), then this step's prefill chunks (a row only where a
     fresh prompt ends). `capture`: the target layers whose outputs the drafters read (none under
     `ar`); the features come back for requests that drafted this step when drafters are actors
     (`keep_features`)."""
-    return target.run(verify_batch(pool, capture, batch, drafts, kept, feeding))
+    return target.run(verify_batch(pool, capture, st.batch, st.drafts, st.pruned.kept, st.feeding))
 
 
 def verify_batch(pool, capture: tuple[int, ...], batch: list[Sequence], drafts: Drafts, kept: np.ndarray,
@@ -83,14 +84,16 @@ def keep_features(pool, batch: list[Sequence], drafts: Drafts, feeding: list[Fee
     return [not (drafted[i] and pool.drafting(s.rid)) for i, s in enumerate(batch)] + [True] * len(feeding)
 
 
-def oracle_lengths(verify, target, batch: list[Sequence], drafts: Drafts) -> np.ndarray:
-    """True accepted lengths, learned by verifying every draft (`verify`, the engine's stage) and
-    rolling back (the `oracle` policy, benchmarks only; this extra pass is not counted in the
-    step's measured time)."""
+def oracle_lengths(verify, target, st: Step) -> np.ndarray:
+    """True accepted lengths of step `st`'s drafts, learned by verifying every draft (`verify`, the
+    engine's stage, of a copy of the step that keeps them all and feeds no prompt) and rolling
+    back (the `oracle` policy, benchmarks only; this extra pass is not counted in the step's
+    measured time)."""
+    batch, drafts = st.batch, st.drafts
     all_kept = np.diff(drafts.cu)
     allowed = grammar_allowed(batch, drafts)
     all_kept = all_kept if allowed is None else allowed
-    out = verify(batch, drafts, all_kept)
+    out = verify(dataclasses.replace(st, feeding=[], pruned=Pruned(np.asarray(all_kept, dtype=np.int64))))
     accepted = accept_tokens(batch, drafts, all_kept, out).counts
     target.truncate({s.rid: s.cached for s in batch})
     return np.asarray(accepted, dtype=np.int64)

@@ -8,11 +8,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dcut_core.choosing import GainTable, KindChooser, Support
+from dcut_core.choosing import KindChooser, KindQuestion, Support
 from dcut_core.drafting import AcceptanceTracker, DraftCost, DraftPlanner, Exploration, Predicted, Survival, Verified
 from dcut_core.gate import DraftingCosts, DraftingGate, GateInput, KindReach, replay
 from dcut_core.pruning import StepCost
 
+
+def kinds_of(chooser: KindChooser, *question, **named) -> list[int]:
+    """The kind each request is given (`KindChooser.choose` of one `KindQuestion`)."""
+    return chooser.choose(KindQuestion(*question, **named))[0].tolist()
 
 def linear(fixed, per_token):
     return StepCost(lambda n: fixed + per_token * np.asarray(n, dtype=np.float64), 0.0)
@@ -60,12 +64,12 @@ def test_chooser_picks_the_kind_with_the_larger_net_gain_and_respects_what_a_req
     verify, cost = linear(0.01, 1e-3), DraftCost(0.0, 1e-4, 1e-5)
     predicted = [[np.full(6, 0.9), np.full(6, 0.2)],  # kind 0: request 0 good, request 1 poor
                  [np.full(6, 0.3), np.full(6, 0.8)]]  # kind 1: the reverse
-    assert ch.choose(Predicted.of(predicted), verify, DraftingCosts([cost, cost]))[0].tolist() == [0, 1]
+    assert ch.choose(KindQuestion(Predicted.of(predicted), verify, DraftingCosts([cost, cost])))[0].tolist() == [0, 1]
     # the same acceptance, but kind 0 costs more per position than the drafts are worth
-    assert ch.choose(Predicted.of([predicted[0], predicted[0]]), verify,
-                     DraftingCosts([DraftCost(0.0, 1e-4, 5e-3), cost]))[0].tolist() == [1, 1]
+    assert ch.choose(KindQuestion(Predicted.of([predicted[0], predicted[0]]), verify,
+                     DraftingCosts([DraftCost(0.0, 1e-4, 5e-3), cost])))[0].tolist() == [1, 1]
     allowed = np.array([[False, True], [True, True]])
-    assert ch.choose(Predicted.of(predicted), verify, DraftingCosts([cost, cost]), allowed)[0].tolist() == [1, 1]
+    assert kinds_of(ch, Predicted.of(predicted), verify, DraftingCosts([cost, cost]), allowed) == [1, 1]
 
 
 def test_chooser_tries_a_kind_the_unit_has_seldom_verified_when_values_are_close_and_not_when_far():
@@ -74,11 +78,11 @@ def test_chooser_tries_a_kind_the_unit_has_seldom_verified_when_values_are_close
     far = Predicted.of([[np.full(4, 0.9)], [np.full(4, 0.1)]])
     ch = KindChooser(kinds=2, bonus=1.0)
     two = DraftingCosts([cost, cost])
-    assert ch.choose(close, verify, two)[0].tolist() == [0]  # equally unsure: the better estimate
-    assert ch.choose(close, verify, two, support=Support(np.array([1, 0])))[0].tolist() == [1]  # 1 never verified
-    assert ch.choose(far, verify, DraftingCosts([cost, cost]), support=Support(np.array([1, 0])))[0].tolist() == [0]
+    assert ch.choose(KindQuestion(close, verify, two))[0].tolist() == [0]  # equally unsure: the better estimate
+    assert kinds_of(ch, close, verify, two, support=Support(np.array([1, 0]))) == [1]  # 1 never verified
+    assert kinds_of(ch, far, verify, DraftingCosts([cost, cost]), support=Support(np.array([1, 0]))) == [0]
     # both known
-    assert ch.choose(close, verify, two, support=Support(np.array([500, 400])))[0].tolist() == [0]
+    assert ch.choose(KindQuestion(close, verify, two, support=Support(np.array([500, 400]))))[0].tolist() == [0]
 
 
 def test_a_request_keeps_the_kind_it_knows_unless_another_beats_it_by_more_than_the_doubt():
@@ -91,13 +95,13 @@ def test_a_request_keeps_the_kind_it_knows_unless_another_beats_it_by_more_than_
     far = Predicted.of([[np.full(4, 0.30)], [np.full(4, 0.95)]])
     two = DraftingCosts([cost, cost])
     cautious, trusting = KindChooser(kinds=2, bonus=0.0, caution=1.0), KindChooser(kinds=2, bonus=0.0)
-    assert trusting.choose(close, verify, two, support=Support(request=np.array([[10, 0]])))[0].tolist() == [1]
+    assert kinds_of(trusting, close, verify, two, support=Support(request=np.array([[10, 0]]))) == [1]
     # 1 unverified: doubted
-    assert cautious.choose(close, verify, two, support=Support(request=np.array([[10, 0]])))[0].tolist() == [0]
+    assert kinds_of(cautious, close, verify, two, support=Support(request=np.array([[10, 0]]))) == [0]
     # both known
-    assert cautious.choose(close, verify, two, support=Support(request=np.array([[10, 10]])))[0].tolist() == [1]
+    assert kinds_of(cautious, close, verify, two, support=Support(request=np.array([[10, 10]]))) == [1]
     # leads by more than doubt
-    assert cautious.choose(far, verify, two, support=Support(request=np.array([[10, 0]])))[0].tolist() == [1]
+    assert kinds_of(cautious, far, verify, two, support=Support(request=np.array([[10, 0]]))) == [1]
     gate = DraftingGate([AcceptanceTracker(block=4) for _ in range(2)], Exploration())
     gate.learn(Verified.of([5, 5, 6], [0, 0, 1], [3, 2, 4], [3, 1, 0]))
     assert gate.evidence([5, 6, 7]).tolist() == [[2, 0], [0, 1], [0, 0]]
@@ -118,9 +122,9 @@ def test_where_some_kind_pays_the_choice_drafts_something(seed):
     costs = [DraftCost(*rng.uniform(0, [0.004, 2e-4, 2e-4, 0.0, 2e-3])) for _ in range(k)]
     verify = linear(rng.uniform(0.005, 0.02), rng.uniform(1e-4, 3e-3))
     ch = KindChooser(k, bonus=1.0)
-    kind, exploring, _ = ch.choose(Predicted.of(predicted), verify, DraftingCosts(costs),
-                                   support=Support(rng.integers(0, 50, k)))
-    value, *_ = ch.values(GainTable.of(Predicted.of(predicted)), verify, DraftingCosts(costs))
+    kind, exploring, _ = ch.choose(KindQuestion(Predicted.of(predicted), verify, DraftingCosts(costs),
+                                   support=Support(rng.integers(0, 50, k))))
+    value, *_ = ch.values(KindQuestion(Predicted.of(predicted), verify, DraftingCosts(costs)))
     plain = r / float(verify.seconds(np.array([r]))[0])
     pays = (value - plain * np.array([c.fixed for c in costs])[None, :] > 0).any()
     assert not pays or exploring.any() or (value[np.arange(r), kind] > 0).any()
@@ -257,12 +261,12 @@ def test_a_kind_whose_pass_costs_more_than_its_few_requests_gain_is_left_out_of_
                  [np.full(4, 0.3), np.full(4, 0.3), np.full(4, 0.7)]]
     ch = KindChooser(kinds=2, bonus=0.0)
     cheap = [DraftCost(1e-4, 1e-4, 1e-5), DraftCost(1e-4, 1e-4, 1e-5)]
-    assert ch.choose(Predicted.of(predicted), verify, DraftingCosts(cheap))[0].tolist() == [0, 0, 1]
+    assert ch.choose(KindQuestion(Predicted.of(predicted), verify, DraftingCosts(cheap)))[0].tolist() == [0, 0, 1]
     dear = [DraftCost(1e-4, 1e-4, 1e-5), DraftCost(5e-3, 1e-4, 1e-5)]
-    assert ch.choose(Predicted.of(predicted), verify, DraftingCosts(dear))[0].tolist() == [0, 0, 0]
+    assert ch.choose(KindQuestion(Predicted.of(predicted), verify, DraftingCosts(dear)))[0].tolist() == [0, 0, 0]
     # ... unless the request may use nothing else
     only = np.array([[True, True], [True, True], [False, True]])
-    assert ch.choose(Predicted.of(predicted), verify, DraftingCosts(dear), only)[0].tolist() == [0, 0, 1]
+    assert ch.choose(KindQuestion(Predicted.of(predicted), verify, DraftingCosts(dear), only))[0].tolist() == [0, 0, 1]
 
 
 def test_switching_kinds_costs_the_context_the_new_kind_has_not_seen():
@@ -273,12 +277,12 @@ def test_switching_kinds_costs_the_context_the_new_kind_has_not_seen():
     predicted = [[np.full(4, 0.7)], [np.full(4, 0.72)]]
     costs = [DraftCost(0.0, 1e-4, 1e-5, 2e-5), DraftCost(0.0, 1e-4, 1e-5, 2e-5)]
     ch = KindChooser(kinds=2, bonus=0.0)
-    assert ch.choose(Predicted.of(predicted), verify, DraftingCosts(costs))[0].tolist() == [1]
-    far = ch.choose(Predicted.of(predicted), verify, DraftingCosts(costs), held=np.array([[0.0, 600.0]]),
-                    remaining=np.array([20]))
+    assert ch.choose(KindQuestion(Predicted.of(predicted), verify, DraftingCosts(costs)))[0].tolist() == [1]
+    far = ch.choose(KindQuestion(Predicted.of(predicted), verify, DraftingCosts(costs), held=np.array([[0.0, 600.0]]),
+                    remaining=np.array([20])))
     assert far[0].tolist() == [0]
-    near = ch.choose(Predicted.of(predicted), verify, DraftingCosts(costs), held=np.array([[0.0, 2.0]]),
-                     remaining=np.array([20]))
+    near = ch.choose(KindQuestion(Predicted.of(predicted), verify, DraftingCosts(costs), held=np.array([[0.0, 2.0]]),
+                     remaining=np.array([20])))
     assert near[0].tolist() == [1]
 
 
@@ -289,7 +293,7 @@ def test_a_chains_passes_are_shared_by_the_requests_that_draft_with_it():
     costs = [DraftCost(0.0, 1e-4, 1e-5), DraftCost(0.0, 1e-4, 1e-5, 0.0, 0.002)]  # cheap; chain
     for r, want in ((1, 0), (16, 1)):
         predicted = [[np.full(4, 0.5)] * r, [np.full(4, 0.7)] * r]
-        kind, _, _ = KindChooser(2, bonus=0.0).choose(Predicted.of(predicted), verify, DraftingCosts(costs))
+        kind, _, _ = KindChooser(2, bonus=0.0).choose(KindQuestion(Predicted.of(predicted), verify, DraftingCosts(costs)))
         assert (kind == want).all(), (r, kind)
 
 
@@ -342,7 +346,6 @@ def reference_assign(score, fixed, call=0.0, calls=None):
 def test_the_chooser_array_code_equals_a_request_by_request_reference(r, k, seed, with_held, with_sharing):
     """Values over every kind at once equal the loops they replace, and the chosen set of kinds
     is the best of all sets (ties: within rounding)."""
-    from dcut_core.choosing import GainTable
 
     rng = np.random.default_rng(seed)
     widths = rng.integers(0, 6, k)
@@ -354,7 +357,8 @@ def test_the_chooser_array_code_equals_a_request_by_request_reference(r, k, seed
     sharing = rng.integers(0, r + 1, k) if with_sharing else None
     rate = None if seed % 2 else float(rng.uniform(10, 500))
     ch = KindChooser(k, bonus=0.0)
-    got = ch.values(GainTable.of(Predicted.of(predicted)), verify, DraftingCosts(costs), rate, held, remaining, sharing)
+    got = ch.values(KindQuestion(Predicted.of(predicted), verify, DraftingCosts(costs), held=held, remaining=remaining),
+                    rate, sharing)
     want = reference_values(predicted, verify, costs, rate, held, remaining, sharing)
     for a, b in zip(got[:3], want, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
@@ -377,11 +381,11 @@ def test_the_replicas_call_is_priced_once_and_only_for_the_kinds_drafted_there()
     predicted = Predicted.of([[np.full(4, 0.8)] * 3, [np.full(4, 0.8)] * 3])
     remote = np.array([False, True])
     ch = KindChooser(2, bonus=0.0)
-    assert ch.choose(predicted, verify, DraftingCosts([cost, cost], 0.0, 0.0, remote))[0].tolist() == [0, 0, 0]
+    assert kinds_of(ch, predicted, verify, DraftingCosts([cost, cost], 0.0, 0.0, remote)) == [0, 0, 0]
     dear = DraftingCosts([cost, DraftCost(0.0, 1e-4, 1e-6)], 0.0, 0.0, remote)  # kind 1 cheaper per draft...
-    assert set(ch.choose(predicted, verify, dear)[0].tolist()) == {1}
+    assert set(ch.choose(KindQuestion(predicted, verify, dear))[0].tolist()) == {1}
     dearer = DraftingCosts(dear.draft, 0.0, 0.05, remote)  # ...until its call costs more than that saves
-    assert ch.choose(predicted, verify, dearer)[0].tolist() == [0, 0, 0]
+    assert ch.choose(KindQuestion(predicted, verify, dearer))[0].tolist() == [0, 0, 0]
     planner, survival = DraftPlanner(), Survival.of(np.full((3, 4), 0.8))
     local = planner.plan(survival, verify, DraftingCosts([cost, cost], 0.0, 0.02, remote), np.zeros(3, np.int64))
     free = planner.plan(survival, verify, DraftingCosts([cost, cost], 0.0, 0.0, remote), np.zeros(3, np.int64))
