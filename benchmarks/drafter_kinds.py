@@ -94,7 +94,7 @@ def pass_cost(bundle, target, context: int = 200, repeats: int = 200) -> dict:
     prompt = list(range(10, 10 + context))
     layer = mtp.target_layers[0]
     out = local.forward([0], [prompt], capture_layers=(layer,))
-    mtp.commit([0], [prompt], [{layer: out.captured[0][layer][:-1]}])
+    mtp.commit([0], [prompt], [{layer: out.features[0][layer][:-1]}])
 
     def median_ms(fn) -> float:
         times = []

@@ -68,7 +68,7 @@ class Drafter(Protocol):
         """Up to lengths[i] drafts for request i following last_tokens[i] (its newest token)."""
         ...
 
-    def commit(self, request_ids: list[int], tokens: list[list[int]], hidden: list[dict]) -> None:
+    def commit(self, request_ids: list[int], tokens: list[list[int]], features: list[dict]) -> None:
         """Newly committed tokens of each request, and the target's hidden states (layer ->
         [m_i, H]) at those of them the target has processed (all but the newest)."""
         ...

@@ -53,10 +53,10 @@ class BlockDrafter:
         return self.cache.length(rid) if rid in self.cache else 0
 
     @torch.inference_mode()
-    def extend(self, request_ids: list[int], hidden: list[dict[int, np.ndarray | torch.Tensor]]) -> None:
-        """Append committed positions: hidden[i][layer] is [n_i, H] target states after `layer`."""
+    def extend(self, request_ids: list[int], features: list[dict[int, np.ndarray | torch.Tensor]]) -> None:
+        """Append committed positions: features[i][layer] is [n_i, H] target states after `layer`."""
         feats, rows = [], []
-        for h in hidden:
+        for h in features:
             if not h:  # tokens the target has not processed yet carry no features
                 rows.append(0)
                 continue
@@ -80,9 +80,9 @@ class BlockDrafter:
         for rid, n in growth.items():
             self.cache.commit(rid, n)
 
-    def commit(self, request_ids: list[int], tokens: list[list[int]], hidden: list[dict]) -> None:
-        """Newly committed tokens; only their target hidden states matter here (`extend`)."""
-        self.extend(request_ids, hidden)
+    def commit(self, request_ids: list[int], tokens: list[list[int]], features: list[dict]) -> None:
+        """Newly committed tokens; only their features matter here (`extend`)."""
+        self.extend(request_ids, features)
 
     def truncate(self, lengths: dict[int, int]) -> None:
         self.cache.truncate_all(lengths)

@@ -140,10 +140,10 @@ class Eagle3Module(nn.Module):
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self._embed = (embed,)  # the target's (or the folder's own), not this module's parameter
 
-    def features(self, captured: dict) -> torch.Tensor:
+    def features(self, by_layer: dict) -> torch.Tensor:
         """f [N, H] from the target's outputs of the three feature layers ({layer: [N, H]})."""
         dev = self.fc.weight.device
-        parts = [on(captured[layer], dev) for layer in self.cfg.target_layers]
+        parts = [on(by_layer[layer], dev) for layer in self.cfg.target_layers]
         if self.fc_norms is not None:
             parts = [norm(p) for norm, p in zip(self.fc_norms, parts, strict=True)]
         x = torch.cat(parts, dim=-1)
@@ -249,5 +249,5 @@ class Eagle3Drafter(MTPDrafter):
     def target_layers(self) -> tuple[int, ...]:
         return tuple(sorted(set(self.module.cfg.target_layers)))
 
-    def _features(self, hidden: dict) -> torch.Tensor:
-        return self.module.features(hidden)
+    def _features(self, features: dict) -> torch.Tensor:
+        return self.module.features(features)

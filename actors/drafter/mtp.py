@@ -177,14 +177,14 @@ class MTPDrafter:
         self.cache = PagedKVCache(self.spec, device=str(device))
         return self
 
-    def _features(self, hidden: dict) -> torch.Tensor:
+    def _features(self, features: dict) -> torch.Tensor:
         """What the module conditions on, per position, from the target's captured states."""
-        return self.final_norm(on(hidden[self.layer], self.device))
+        return self.final_norm(on(features[self.layer], self.device))
 
     @torch.inference_mode()
-    def commit(self, request_ids: list[int], tokens: list[list[int]], hidden: list[dict]) -> None:
+    def commit(self, request_ids: list[int], tokens: list[list[int]], features: list[dict]) -> None:
         new = []  # (request, tokens, states) of the pairs complete now
-        for rid, toks, h in zip(request_ids, tokens, hidden, strict=True):
+        for rid, toks, h in zip(request_ids, tokens, features, strict=True):
             first = rid not in self._tokens
             buf_t, buf_h = self._tokens.setdefault(rid, []), self._hidden.setdefault(rid, [])
             buf_t.extend(toks[1:] if first else toks)  # pair j takes token j: the first token never is one

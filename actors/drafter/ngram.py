@@ -29,7 +29,7 @@ class NgramDrafter:
         self.prior_strength, self.recent = prior_strength, recent
         self._history: dict[int, History] = {}
 
-    def commit(self, request_ids: list[int], tokens: list[list[int]], hidden=None) -> None:
+    def commit(self, request_ids: list[int], tokens: list[list[int]], features=None) -> None:
         """Append newly committed tokens (prompt included) to each request's history."""
         for rid, toks in zip(request_ids, tokens, strict=True):
             if rid not in self._history:

@@ -22,10 +22,10 @@ class PendingContext:
         self.chunks: list[dict[int, list[tuple[list[int], dict]]]] = [{} for _ in drafters]
         self.sizes: list[dict[int, int]] = [{} for _ in drafters]
 
-    def add(self, rids: list[int], tokens: list[list[int]], hidden: list[dict]) -> None:
+    def add(self, rids: list[int], tokens: list[list[int]], features: list[dict]) -> None:
         """Committed context of these requests (as `Drafter.commit` takes it), held per kind."""
         over: list[list[int]] = [[] for _ in self.drafters]
-        for rid, toks, h in zip(rids, tokens, hidden, strict=True):
+        for rid, toks, h in zip(rids, tokens, features, strict=True):
             for k, layers in enumerate(self.layers):
                 self.chunks[k].setdefault(rid, []).append((list(toks), {lay: h[lay] for lay in layers if lay in h}))
                 self.sizes[k][rid] = self.sizes[k].get(rid, 0) + len(toks)
@@ -40,14 +40,14 @@ class PendingContext:
         rids = [rid for rid in dict.fromkeys(rids) if rid in self.chunks[kind]]
         if not rids:
             return 0
-        tokens, hidden = [], []
+        tokens, features = [], []
         for rid in rids:
             chunks = self.chunks[kind].pop(rid)
             del self.sizes[kind][rid]
             tokens.append([t for toks, _ in chunks for t in toks])
             rows = [h for _, h in chunks if h]
-            hidden.append({lay: cat_rows([h[lay] for h in rows]) for lay in rows[0]} if rows else {})
-        self.drafters[kind].commit(rids, tokens, hidden)
+            features.append({lay: cat_rows([h[lay] for h in rows]) for lay in rows[0]} if rows else {})
+        self.drafters[kind].commit(rids, tokens, features)
         return sum(map(len, tokens))
 
     def held(self, kind: int, rid: int) -> int:

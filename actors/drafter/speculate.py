@@ -38,7 +38,7 @@ def speculative_greedy(target, drafter, request_ids: list[int], prompts: list[li
     r = len(prompts)
     pre = target.forward(request_ids, prompts, logits="last", capture_layers=capture_layers)
     last = [int(a[-1]) for a in pre.argmax]
-    drafter.commit(request_ids, [[*p, t] for p, t in zip(prompts, last, strict=True)], pre.captured)
+    drafter.commit(request_ids, [[*p, t] for p, t in zip(prompts, last, strict=True)], pre.features)
     lengths = [len(p) for p in prompts]  # tokens in the target's cache
     trace = SpecTrace([[t] for t in last], [[] for _ in range(r)], [[] for _ in range(r)], [[] for _ in range(r)],
                       [[] for _ in range(r)])
@@ -50,7 +50,7 @@ def speculative_greedy(target, drafter, request_ids: list[int], prompts: list[li
         chunks = [[last[i], *d.tokens[d.cu[j]:d.cu[j + 1]].tolist()] for j, i in enumerate(live)]
         out = target.forward(ids, chunks, logits="all", capture_layers=capture_layers)
         res = greedy(d.tokens, d.cu, np.concatenate(out.argmax))
-        keep, hidden, emitted = {}, [], []
+        keep, features, emitted = {}, [], []
         for j, i in enumerate(live):
             a = int(res.accepted[j])
             new = res.tokens[res.cu_tokens[j]:res.cu_tokens[j + 1]].tolist()
@@ -61,11 +61,11 @@ def speculative_greedy(target, drafter, request_ids: list[int], prompts: list[li
             trace.margin[i].append(d.margin[d.cu[j]:d.cu[j + 1]])
             lengths[i] += 1 + a
             keep[request_ids[i]] = lengths[i]
-            hidden.append({k: h[:1 + a] for k, h in out.captured[j].items()})
+            features.append({k: h[:1 + a] for k, h in out.features[j].items()})
             emitted.append(new)
             last[i] = new[-1]
         target.truncate(keep)
-        drafter.commit(ids, emitted, hidden)
+        drafter.commit(ids, emitted, features)
         live = [i for i in live if len(trace.tokens[i]) < max_new_tokens]
     for t in trace.tokens:
         del t[max_new_tokens:]

@@ -1,9 +1,10 @@
 """`Backlog`: what each request's drafter has not been sent yet (lazy drafter upkeep).
 
-A drafter conditions on everything a request committed: the tokens, and for the block drafter
-the target's hidden states at them. Sending those every step and projecting them into the
-drafter's context cache is wasted while the drafting gate runs plain decoding. So commits wait,
-and travel with the first draft call that needs them (`DrafterReplica.draft(..., catchup=...)`):
+A drafter conditions on everything a request committed: the tokens, and for the neural kinds
+the target's features at them (its hidden states at the layers the drafter reads). Sending those
+every step and projecting them into the drafter's context cache is wasted while the drafting
+gate runs plain decoding. So commits wait, and travel with the first draft call that needs them
+(`DrafterReplica.draft(..., catchup=...)`):
 
 - tokens wait here, in the coordinator (a few integers a step);
 - features of a step in which the request did not draft stay on its target rank
@@ -27,13 +28,13 @@ import numpy as np
 @dataclass(frozen=True)
 class CatchUp:
     """Context some requests' drafter lacks: committed tokens, and the target's features at the
-    positions it has not seen — first those sent along (`hidden`, per request), then those held
+    positions it has not seen — first those sent along (`features`, per request), then those held
     by the target's ranks (`spans`, turned into `sources`: references resolving to
     {request: {layer: rows}})."""
 
     rids: list[int]
     tokens: list[list[int]]
-    hidden: list[dict] | None = None
+    features: list[dict] | None = None
     spans: dict[int, tuple[int, int]] = field(default_factory=dict)
     sources: list = field(default_factory=list)
 
@@ -45,13 +46,13 @@ class CatchUp:
 @dataclass
 class Pending:
     tokens: list[int] = field(default_factory=list)
-    hidden: dict[int, list[np.ndarray]] = field(default_factory=dict)  # layer -> row blocks held here
+    features: dict[int, list[np.ndarray]] = field(default_factory=dict)  # layer -> row blocks held here
     start: int = 0  # first position whose features the drafter lacks (held here, then on the ranks)
     end: int = 0  # features exist for positions before this
 
     @property
     def held_here(self) -> int:
-        return sum(map(len, next(iter(self.hidden.values()), [])))
+        return sum(map(len, next(iter(self.features.values()), [])))
 
 
 class Backlog:
@@ -67,18 +68,18 @@ class Backlog:
         """Requests with something queued."""
         return len(self._pending)
 
-    def add(self, rid: int, tokens: list[int], end: int, hidden: dict[int, np.ndarray] | None = None) -> bool:
+    def add(self, rid: int, tokens: list[int], end: int, features: dict[int, np.ndarray] | None = None) -> bool:
         """Queue one commit: tokens, and features now held up to position `end` — on the ranks,
-        or here when `hidden` brings this commit's rows (layer -> [n, H]). True when the
+        or here when `features` brings this commit's rows (layer -> [n, H]). True when the
         request's backlog is over the limit (send it now)."""
         p = self._pending.setdefault(rid, Pending())
         p.tokens.extend(tokens)
-        rows = len(next(iter(hidden.values()))) if hidden else 0
+        rows = len(next(iter(features.values()))) if features else 0
         if rows:
             if p.end != p.start + p.held_here:
                 raise RuntimeError(f"request {rid}: features sent along must not follow features on the ranks")
-            for layer, h in hidden.items():
-                p.hidden.setdefault(layer, []).append(np.array(h, dtype=np.float16))  # a copy, never a view
+            for layer, h in features.items():
+                p.features.setdefault(layer, []).append(np.array(h, dtype=np.float16))  # a copy, never a view
         p.end = max(p.end, end)
         return len(p.tokens) > self.limit
 
@@ -91,10 +92,10 @@ class Backlog:
                 continue
             out.rids.append(rid)
             out.tokens.append(p.tokens)
-            out.hidden.append({layer: np.concatenate(blocks) for layer, blocks in p.hidden.items()})
+            out.features.append({layer: np.concatenate(blocks) for layer, blocks in p.features.items()})
             if self.features and p.end > p.start + p.held_here:
                 out.spans[rid] = (p.start + p.held_here, p.end)
-            p.tokens, p.hidden, p.start = [], {}, p.end
+            p.tokens, p.features, p.start = [], {}, p.end
         return out if out.rids else None
 
     def size(self, rid: int) -> int:

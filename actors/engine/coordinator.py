@@ -400,9 +400,9 @@ class Engine:
         predicted = predicted_s(st, self.cost)  # before the cost model learns from this step
         committed = self.scheduler.record_step(st, self.eos)
         held = [s.cached for s in batch]  # its features exist up to here: on its rank, or here (drafted this step)
-        hidden = [{k: h[: 1 + a] for k, h in captured.items()} if captured else {}
-                  for captured, a in zip(st.out.captured[:len(batch)], accepted, strict=True)]
-        live = [c for c in [*zip(batch, committed, held, hidden, strict=True), *((*f, None) for f in fed)]
+        features = [{k: h[: 1 + a] for k, h in f.items()} if f else {}
+                    for f, a in zip(st.out.features[:len(batch)], accepted, strict=True)]
+        live = [c for c in [*zip(batch, committed, held, features, strict=True), *((*f, None) for f in fed)]
                 if c[0].finish_reason is None]
         if live and self.policy.drafts:  # plain decoding keeps no drafter state
             self.drafters.commit(*map(list, zip(*live, strict=True)), self.target)

@@ -144,14 +144,14 @@ class DrafterPool:
         return dataclasses.replace(out, kinds=back[out.kinds], kind_s={int(back[k]): v for k, v in out.kind_s.items()},
                                    kind_context={int(back[k]): v for k, v in (out.kind_context or {}).items()})
 
-    def commit(self, seqs: list[Sequence], tokens: list[list[int]], held: list[int], hidden: list[dict | None],
+    def commit(self, seqs: list[Sequence], tokens: list[list[int]], held: list[int], features: list[dict | None],
                target) -> None:
         """Queue committed context: tokens, and features that exist up to `held` (on the ranks,
-        or in `hidden` when they came back with the step's result). It travels with the
+        or in `features` when they came back with the step's result). It travels with the
         request's next draft call, or now if its backlog grew past the limit."""
         if not self.replicas:  # the n-gram kind alone: the coordinator holds all it needs
             return
-        over = [s for s, t, end, h in zip(seqs, tokens, held, hidden, strict=True)
+        over = [s for s, t, end, h in zip(seqs, tokens, held, features, strict=True)
                 if self.drafting(s.rid) and self.backlog.add(s.rid, t, end, h)]
         if not over:
             return

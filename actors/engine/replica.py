@@ -147,14 +147,14 @@ class Drafter:
             except ray.exceptions.RayError as exc:  # a rank died, or did not hold a span
                 log.warning("drafter context of %d requests lost: %s", len(c.spans), str(exc).splitlines()[0])
                 self.lost.update(c.spans)
-        hidden = []
+        features = []
         for i, rid in enumerate(c.rids):
-            parts = [h for h in (c.hidden[i] if c.hidden else None, fetched.get(rid)) if h]  # older rows first
-            hidden.append(parts[0] if len(parts) == 1 else
+            parts = [h for h in (c.features[i] if c.features else None, fetched.get(rid)) if h]  # older rows first
+            features.append(parts[0] if len(parts) == 1 else
                           {k: cat_rows([h[k] for h in parts]) for k in parts[0]} if parts else {})
         keep = [i for i, rid in enumerate(c.rids) if rid not in self.lost]
         commit = self.pending.add if self.pending is not None else self.drafter.commit
-        commit([c.rids[i] for i in keep], [c.tokens[i] for i in keep], [hidden[i] for i in keep])
+        commit([c.rids[i] for i in keep], [c.tokens[i] for i in keep], [features[i] for i in keep])
 
     def release(self, request_ids: list[int]) -> None:
         for d in self.drafters:

@@ -70,7 +70,7 @@ def _features(model, prompts, outputs, layers, room) -> list[dict[int, np.ndarra
     for i, (p, o) in enumerate(zip(prompts, outputs, strict=True)):
         with torch.no_grad():
             res = target.forward([i], [[*p, *o[:-1]]], logits="last", capture_layers=layers)
-        out.append({k: np.asarray(v, dtype=np.float16) for k, v in res.captured[0].items()})
+        out.append({k: np.asarray(v, dtype=np.float16) for k, v in res.features[0].items()})
         target.release([i])
     return out
 

@@ -65,7 +65,7 @@ class TargetOutput:
 
     argmax: list[np.ndarray]  # [m_i] each
     logits: list[np.ndarray] | None  # [m_i, V] each
-    captured: list[dict[int, np.ndarray]]  # per request: layer -> [n_i, H]
+    features: list[dict[int, np.ndarray]]  # per request: layer -> [n_i, H] (what drafters read)
     rank_stats: list[StepStats] = field(default_factory=list)
     wall_s: float = 0.0
     sampled: list[np.ndarray | None] | None = None  # [m_i] each: the target's draw at each row of a
@@ -146,8 +146,8 @@ class EPGroup:
         (temperature, top_p, uniforms): a request with temperature > 0 gets the target's draw at
         each of its rows (`sampled`), made on its rank with that row's uniform. With
         `keep_features`, the states at `capture_layers` of request i stay on its rank when
-        keep_features[i] (fetched later by `features`; its `captured` is then empty) and come
-        back in `captured` otherwise. With `logprobs[i]`, request i's rows also come back as the
+        keep_features[i] (fetched later by `EPGroup.features`; its `features` are then empty) and
+        come back in `features` otherwise. With `logprobs[i]`, request i's rows also come back as the
         log-softmax of the raw logits (`TargetOutput.logprobs`). `controls[i]` (a
         `sampling.RequestControls`, or None) adjusts request i's rows before the argmax and the
         sampling distribution are taken. `with_logits`: the rows' logits too."""
@@ -200,7 +200,7 @@ class EPGroup:
                 slots[i] = (r, row, row + rows[i], tok, tok + n, lp)
                 row, tok = row + rows[i], tok + n
                 lp += rows[i] if flags is not None and flags[i] else 0
-        argmax, captured = out.argmax.append, out.captured.append  # 1,024 requests a step
+        argmax, features = out.argmax.append, out.features.append  # 1,024 requests a step
         for i, (r, a, b, ta, tb, lp) in enumerate(slots):
             res = results[r]
             argmax(res.argmax[a:b])
@@ -209,7 +209,7 @@ class EPGroup:
             if out.sampled is not None:
                 sampling = samples is not None and b > a and samples[i] > 0
                 out.sampled.append(res.sampled[a:b] if res.sampled is not None and sampling else None)
-            captured({layer: h[ta:tb] for layer, h in res.captured.items()} if tb > ta else {})
+            features({layer: h[ta:tb] for layer, h in res.features.items()} if tb > ta else {})
             if out.logprobs is not None:
                 out.logprobs.append(res.logprobs[lp:lp + b - a] if flags[i] else None)
         return out

@@ -82,7 +82,7 @@ class RankBatch:
 class RankResult:
     argmax: np.ndarray  # [M] the target's greedy token at each asked-for row
     logits: np.ndarray | None  # [M, V] float32 when asked for
-    captured: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> [N', H] float16 (drafter features)
+    features: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> [N', H] float16 (drafters read them)
     # of every token, or with keep_features of the requests not kept only, in their order
     stats: StepStats = field(default_factory=StepStats)
     sampled: np.ndarray | None = None  # [M] int64 the target's draw at each sampling row (its uniform

@@ -125,7 +125,7 @@ def test_a_replica_of_several_kinds_drafts_what_each_kind_alone_drafts(tiny_bund
     for _ in range(6):
         rids = list(history)
         tokens = [history[r][fed[r]:] for r in rids]
-        feats = [model.forward([r], [history[r][:-1]], capture_layers=layers).captured[0] for r in rids]
+        feats = [model.forward([r], [history[r][:-1]], capture_layers=layers).features[0] for r in rids]
         hidden = [{lay: f[lay][fed[r]:] for lay in layers} for r, f in zip(rids, feats, strict=True)]
         catchup = CatchUp(rids, tokens, hidden)
         for d in alone:
@@ -159,7 +159,7 @@ def test_a_request_whose_kind_drafts_nothing_is_drafted_by_its_fallback(tiny_bun
     model = LocalTarget(load_model(f"{tiny_bundle}/target"))
     fresh, loop = [1, 2, 3, 4, 5, 6], [7, 8, 9, 7, 8, 9, 7]  # no repeat / a repeat the n-gram drafter follows
     layers = mixed.target_layers()
-    feats = [model.forward([r], [h[:-1]], capture_layers=layers).captured[0] for r, h in enumerate((fresh, loop))]
+    feats = [model.forward([r], [h[:-1]], capture_layers=layers).features[0] for r, h in enumerate((fresh, loop))]
     mixed.commit(CatchUp([0, 1], [fresh, loop], feats))
     out = mixed.draft([0, 1], [fresh[-1], loop[-1]], [3, 3], None, [2, 2], [0, 0])
     assert out.kinds.tolist() == [0, 2]  # request 0: the block drafter stood in; request 1: n-gram
@@ -250,7 +250,7 @@ def test_every_drafter_kind_computes_where_its_weights_are(tiny_bundle):
     layers = trapped.target_layers()
     model = LocalTarget(load_model(f"{tiny_bundle}/target"))
     history = {0: [5, 9, 14, 5, 9, 14, 5], 1: [3, 1, 4, 1, 5, 9, 2]}
-    feats = [model.forward([r], [h[:-1]], capture_layers=layers).captured[0] for r, h in history.items()]
+    feats = [model.forward([r], [h[:-1]], capture_layers=layers).features[0] for r, h in history.items()]
     on_device = [{lay: torch.as_tensor(f[lay]).half() for lay in f} for f in feats]
     host = [{lay: torch.as_tensor(f[lay]).half().numpy() for lay in f} for f in feats]
     rids, last = list(history), [h[-1] for h in history.values()]

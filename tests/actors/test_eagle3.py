@@ -132,7 +132,7 @@ def test_incremental_drafting_equals_a_naive_full_recompute(tiny_bundle, tmp_pat
     local = LocalTarget(model)
     pieces = []
     for rid, p in enumerate(PROMPTS):  # each prompt committed in two pieces, all requests per call
-        rows = local.forward([rid], [p[:-1]], capture_layers=(1, 2, 3)).captured[0]
+        rows = local.forward([rid], [p[:-1]], capture_layers=(1, 2, 3)).features[0]
         half = max(1, len(p) // 2)
         first = {layer: r[:half] for layer, r in rows.items()}
         rest = {layer: r[half:] for layer, r in rows.items()} if len(p) - 1 > half else {}

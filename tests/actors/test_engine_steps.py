@@ -147,7 +147,7 @@ def test_backlog_holds_tokens_rows_and_feature_spans_and_sends_past_its_limit():
     b.add(7, [1, 2, 3], 6, {4: h})  # positions 3, 4, 5: rows sent along
     b.add(7, [4], 7)  # position 6: on its rank
     c = b.take([7])
-    assert c.hidden[0][4].dtype == np.float16 and c.hidden[0][4].tolist() == h.tolist()
+    assert c.features[0][4].dtype == np.float16 and c.features[0][4].tolist() == h.tolist()
     assert c.spans == {7: (6, 7)}  # after the rows sent along
     b.add(7, [5], 8)
     with pytest.raises(RuntimeError):  # rows sent along are always older than rows on the ranks

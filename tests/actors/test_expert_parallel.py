@@ -123,15 +123,15 @@ def test_ranks_keep_features_at_kv_positions_until_taken(tiny_checkpoint, kind):
     layers = (1, 3)
     second = [[3, 4], [5], [6, 7, 8], [9], [10, 11]]
     local = LocalTarget(load_model(tiny_checkpoint))
-    want = [local.forward([i], [p + c], capture_layers=layers).captured[0] for i, (p, c) in
+    want = [local.forward([i], [p + c], capture_layers=layers).features[0] for i, (p, c) in
             enumerate(zip(PROMPTS, second, strict=True))]
     group = make_group(kind, EPConfig(tiny_checkpoint, world=2))
     try:
         keep = [True, True, True, True, False]
         out = group.forward(list(range(5)), PROMPTS, capture_layers=layers, keep_features=keep)
-        assert all(c == {} for c in out.captured[:4])  # kept on the ranks, not shipped
+        assert all(c == {} for c in out.features[:4])  # kept on the ranks, not shipped
         for k in layers:  # request 4's rows come back with the result
-            np.testing.assert_allclose(out.captured[4][k], want[4][k][:len(PROMPTS[4])].astype(np.float16),
+            np.testing.assert_allclose(out.features[4][k], want[4][k][:len(PROMPTS[4])].astype(np.float16),
                                        rtol=1e-2, atol=1e-2)
         group.forward(list(range(5)), [[50, 51, 52]] * 5, capture_layers=layers, keep_features=keep)  # rejected
         group.truncate({i: len(p) for i, p in enumerate(PROMPTS)})

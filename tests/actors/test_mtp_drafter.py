@@ -65,7 +65,7 @@ def test_incremental_drafting_equals_a_naive_full_recompute(tiny_bundle, tmp_pat
     # would: tokens, and the target's states at the positions it has processed (all but the newest).
     pieces = []
     for rid, p in enumerate(PROMPTS):
-        rows = local.forward([rid], [p[:-1]], capture_layers=(3,)).captured[0][3]
+        rows = local.forward([rid], [p[:-1]], capture_layers=(3,)).features[0][3]
         half = max(1, len(p) // 2)
         pieces.append(((p[:half], {3: rows[:half]}), (p[half:], {3: rows[half:]} if len(rows) > half else {})))
     for piece in (0, 1):

@@ -71,7 +71,7 @@ def test_the_next_n_layer_chains_as_a_naive_recompute(tmp_path, family):
     drafter = MTPDrafter(module, norm, n, capacity_tokens=4096, block=6)
     local = LocalTarget(model)
     for rid, p in enumerate(PROMPTS):
-        rows = local.forward([rid], [p[:-1]], capture_layers=(n,)).captured[0][n]
+        rows = local.forward([rid], [p[:-1]], capture_layers=(n,)).features[0][n]
         drafter.commit([rid], [p], [{n: rows}])
     lengths = [5, 3, 1, 4]
     got = drafter.draft(list(range(len(PROMPTS))), [p[-1] for p in PROMPTS], lengths)

@@ -293,7 +293,8 @@ def test_a_chains_passes_are_shared_by_the_requests_that_draft_with_it():
     costs = [DraftCost(0.0, 1e-4, 1e-5), DraftCost(0.0, 1e-4, 1e-5, 0.0, 0.002)]  # cheap; chain
     for r, want in ((1, 0), (16, 1)):
         predicted = [[np.full(4, 0.5)] * r, [np.full(4, 0.7)] * r]
-        kind, _, _ = KindChooser(2, bonus=0.0).choose(KindQuestion(Predicted.of(predicted), verify, DraftingCosts(costs)))
+        kind, _, _ = KindChooser(2, bonus=0.0).choose(
+            KindQuestion(Predicted.of(predicted), verify, DraftingCosts(costs)))
         assert (kind == want).all(), (r, kind)
 
 

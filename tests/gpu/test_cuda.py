@@ -133,7 +133,7 @@ def test_hosted_drafters_draft_on_the_gpu_with_device_features():
     model = LocalTarget(load_model(spec.target_dir))
     history = {0: list(range(100, 140)), 1: [11, 12, 13, 14, 15] * 6}
     layers = gpu.target_layers()
-    feats = [model.forward([r], [h[:-1]], capture_layers=layers).captured[0] for r, h in history.items()]
+    feats = [model.forward([r], [h[:-1]], capture_layers=layers).features[0] for r, h in history.items()]
     rids, last = list(history), [h[-1] for h in history.values()]
     gpu.commit(CatchUp(rids, list(history.values()), [{k: torch.as_tensor(v).half().cuda() for k, v in f.items()}
                                                       for f in feats]))

@@ -76,7 +76,7 @@ def drafting_cost(target, drafter: BlockDrafter, arr, rng, batches=(1, 4, 16, 64
         prompts = windows(arr, rng, b, context - 1).tolist()
         lt = LocalTarget(target)
         pre = lt.forward(ids, prompts, logits="last", capture_layers=drafter.target_layers)
-        drafter.commit(ids, prompts, pre.captured)
+        drafter.commit(ids, prompts, pre.features)
         t_draft, t_verify = [], []
         for _ in range(repeats):
             t0 = time.perf_counter()
