@@ -37,7 +37,7 @@ def speculative_greedy(target, drafter, request_ids: list[int], prompts: list[li
     """Decode every prompt greedily with drafts verified by `target` (LocalTarget or EPGroup)."""
     r = len(prompts)
     pre = target.forward(request_ids, prompts, logits="last", capture_layers=capture_layers)
-    last = [int(a[-1]) for a in pre.argmax]
+    last = pre.argmax[pre.rows_cu[1:] - 1].tolist()
     drafter.commit(request_ids, [[*p, t] for p, t in zip(prompts, last, strict=True)], pre.features)
     lengths = [len(p) for p in prompts]  # tokens in the target's cache
     trace = SpecTrace([[t] for t in last], [[] for _ in range(r)], [[] for _ in range(r)], [[] for _ in range(r)],
@@ -49,7 +49,7 @@ def speculative_greedy(target, drafter, request_ids: list[int], prompts: list[li
         d = drafter.draft(ids, [last[i] for i in live], want)
         chunks = [[last[i], *d.tokens[d.cu[j]:d.cu[j + 1]].tolist()] for j, i in enumerate(live)]
         out = target.forward(ids, chunks, logits="all", capture_layers=capture_layers)
-        res = greedy(d.tokens, d.cu, np.concatenate(out.argmax))
+        res = greedy(d.tokens, d.cu, out.argmax)
         keep, features, emitted = {}, [], []
         for j, i in enumerate(live):
             a = int(res.accepted[j])

@@ -308,7 +308,7 @@ class Scheduler:
                 if s.output:  # resumed: its newest token is appended by its first decode step
                     tokens.append(s.output[-1])
                 else:
-                    first = out.argmax[offset + j] if s.greedy else out.sampled[offset + j]
+                    first = out.tokens(offset + j)  # the argmax, or the request's draw where it samples
                     lp = out.logprobs[offset + j] if out.logprobs is not None else None
                     fresh.append((s, int(first[-1]), None if lp is None else lp[-1:]))
             commits.append((s, tokens, s.fed))

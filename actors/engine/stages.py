@@ -171,12 +171,13 @@ def accept_tokens(batch: list[Sequence], drafts: Drafts, kept: np.ndarray, out: 
     if not batch:
         return Accepted([], [])
     k = np.asarray(kept, dtype=np.int64)
-    target = [out.argmax[i] if s.greedy else out.sampled[i] for i, s in enumerate(batch)]
+    r = len(batch)
+    target = out.emitted[:int(out.rows_cu[r])]  # the decoding requests' rows come first, 1 + k[i] each
     if not k.any():  # no draft kept (a plain step): each request emits its one row, the same as below
-        return Accepted([0] * len(batch), [[int(t[0])] for t in target])
-    cu = np.zeros(len(batch) + 1, dtype=np.int64)
+        return Accepted([0] * r, [[t] for t in target.tolist()])
+    cu = np.zeros(r + 1, dtype=np.int64)
     np.cumsum(k, out=cu[1:])
     d = drafts.tokens[np.repeat(np.asarray(drafts.cu[:-1], dtype=np.int64) - cu[:-1], k) + np.arange(cu[-1])]
-    res = rules.greedy(d.astype(np.int64), cu, np.concatenate([np.asarray(t) for t in target]).astype(np.int64))
+    res = rules.greedy(d.astype(np.int64), cu, target.astype(np.int64))
     toks, ends = res.tokens.tolist(), res.cu_tokens.tolist()
     return Accepted(res.accepted.tolist(), [toks[ends[i]:ends[i + 1]] for i in range(len(batch))])

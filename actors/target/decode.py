@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
-
 
 def prefill(target, request_ids: Sequence[int], prompts: Sequence[Sequence[int]], chunk_tokens: int = 512) -> list[int]:
     """Feed each prompt in chunks of at most chunk_tokens per request per forward; return the
@@ -19,10 +17,11 @@ def prefill(target, request_ids: Sequence[int], prompts: Sequence[Sequence[int]]
         active = [i for i, (d, p) in enumerate(zip(done, prompts, strict=True)) if d < len(p)]
         chunks = [list(prompts[i][done[i]:done[i] + chunk_tokens]) for i in active]
         out = target.forward([request_ids[i] for i in active], chunks, logits="last")
-        for i, c, tok in zip(active, chunks, out.argmax, strict=True):
+        last = out.argmax[out.rows_cu[1:] - 1].tolist()  # each request's last row
+        for i, c, tok in zip(active, chunks, last, strict=True):
             done[i] += len(c)
             if done[i] == len(prompts[i]):
-                first[i] = int(tok[-1])
+                first[i] = tok
     return first
 
 
@@ -35,8 +34,8 @@ def greedy_decode(target, request_ids: Sequence[int], prompts: Sequence[Sequence
     while live:
         out = target.forward([request_ids[i] for i in live], [[outputs[i][-1]] for i in live], logits="last")
         still = []
-        for i, tok in zip(live, out.argmax, strict=True):
-            outputs[i].append(int(np.asarray(tok)[-1]))
+        for i, tok in zip(live, out.argmax[out.rows_cu[1:] - 1].tolist(), strict=True):
+            outputs[i].append(tok)
             if len(outputs[i]) < max_new_tokens and outputs[i][-1] != eos_token_id:
                 still.append(i)
         live = still

@@ -33,6 +33,7 @@ from actors.target.batch import VerifyBatch
 from actors.target.gpu import local_rank_device, release_gpu
 from actors.target.moe import StepStats
 from actors.target.worker import BatchRejected, TargetRank, TargetWorker, WorkerSpec
+from dcut_core import ragged
 
 
 class EPGroupError(RuntimeError):
@@ -61,17 +62,36 @@ class EPConfig:
 
 @dataclass
 class TargetOutput:
-    """Per request, in the order asked: the target's rows."""
+    """The target's answer to one forward, flat in the batch's request order: request i's rows are
+    `rows_cu[i]:rows_cu[i + 1]` of `argmax`, `logits` and `sampled` (`rows(i)`)."""
 
-    argmax: list[np.ndarray]  # [m_i] each
-    logits: list[np.ndarray] | None  # [m_i, V] each
-    features: list[dict[int, np.ndarray]]  # per request: layer -> [n_i, H] (what drafters read)
+    argmax: np.ndarray  # [M] the target's greedy token at each row
+    rows_cu: np.ndarray  # [R + 1] int64
+    logits: np.ndarray | None = None  # [M, V] when asked for
+    features: list[dict[int, np.ndarray]] = field(default_factory=list)  # per request: layer -> [n_i, H]
+    # (what drafters read; {} where none came back)
     rank_stats: list[StepStats] = field(default_factory=list)
     wall_s: float = 0.0
-    sampled: list[np.ndarray | None] | None = None  # [m_i] each: the target's draw at each row of a
-    # sampling request (its uniforms through its sampling distribution), None for greedy requests;
-    # None when no request samples
-    logprobs: list[np.ndarray | None] | None = None  # [m_i, V] log-softmax each, for the requests that asked
+    sampled: np.ndarray | None = None  # [M] the target's draw at each row of a sampling request (its
+    # uniform through its sampling distribution), the argmax at every other row; None: no row samples
+    logprobs: list[np.ndarray | None] | None = None  # per request: [m_i, V] log-softmax where it asked
+
+    def rows(self, i: int) -> slice:
+        return slice(int(self.rows_cu[i]), int(self.rows_cu[i + 1]))
+
+    @property
+    def emitted(self) -> np.ndarray:
+        """[M] the token the target emits at each row: its draw where the request samples, its
+        argmax elsewhere."""
+        return self.argmax if self.sampled is None else self.sampled
+
+    def tokens(self, i: int) -> np.ndarray:
+        """Request i's emitted tokens, one per row."""
+        return self.emitted[self.rows(i)]
+
+    def split(self, values: np.ndarray) -> list[np.ndarray]:
+        """`values` (one of this output's row arrays: argmax, logits, sampled) cut per request."""
+        return np.split(values, self.rows_cu[1:-1])
 
 
 class EPGroup:
@@ -181,37 +201,27 @@ class EPGroup:
     @staticmethod
     def _assemble(batch: VerifyBatch, per_rank: list[np.ndarray | None], results: list,
                   started_s: float) -> TargetOutput:
-        """Each request's rows of its rank's answer, in the batch's order."""
-        logprobs = batch.logprobs
-        out = TargetOutput([], [] if batch.with_logits else None, [], [r.stats for r in results], started_s,
-                           [] if any(r.sampled is not None for r in results) else None,
-                           [] if logprobs is not None and logprobs.any() else None)
-        rows, lengths = batch.row_counts.tolist(), np.diff(batch.cu).tolist()
-        kept = [False] * len(batch) if batch.keep_features is None else batch.keep_features.tolist()
-        samples = None  # each request's temperature (its first row's)
-        if batch.temperature is not None and len(batch.temperature):
-            samples = batch.temperature[np.minimum(batch.rows_cu[:-1], len(batch.temperature) - 1)].tolist()
-        flags = None if logprobs is None else logprobs.tolist()
-        slots: list[tuple[int, int, int, int, int, int]] = [(0, 0, 0, 0, 0, 0)] * len(batch)
-        for r, idx in enumerate(per_rank):
-            row = tok = lp = 0
-            for i in range(len(batch)) if idx is None else idx.tolist():
-                n = 0 if kept[i] else lengths[i]  # rows shipped back
-                slots[i] = (r, row, row + rows[i], tok, tok + n, lp)
-                row, tok = row + rows[i], tok + n
-                lp += rows[i] if flags is not None and flags[i] else 0
-        argmax, features = out.argmax.append, out.features.append  # 1,024 requests a step
-        for i, (r, a, b, ta, tb, lp) in enumerate(slots):
-            res = results[r]
-            argmax(res.argmax[a:b])
-            if out.logits is not None:
-                out.logits.append(res.logits[a:b])
-            if out.sampled is not None:
-                sampling = samples is not None and b > a and samples[i] > 0
-                out.sampled.append(res.sampled[a:b] if res.sampled is not None and sampling else None)
-            features({layer: h[ta:tb] for layer, h in res.features.items()} if tb > ta else {})
-            if out.logprobs is not None:
-                out.logprobs.append(res.logprobs[lp:lp + b - a] if flags[i] else None)
+        """The ranks' answers in the batch's order: one rank's as they are; several scattered
+        to their requests' rows with one index each. Features and log-probabilities (rare: drafter
+        actors, requests that asked) are cut per request."""
+        rows_cu = batch.rows_cu
+        stats = [r.stats for r in results]
+        if per_rank == [None]:
+            res = results[0]
+            out = TargetOutput(res.argmax, rows_cu, res.logits if batch.with_logits else None, [], stats, started_s,
+                               res.sampled)
+            dest = [np.arange(int(rows_cu[-1]), dtype=np.int64)]
+            members = [np.arange(len(batch), dtype=np.int64)]
+        else:
+            dest = [ragged.gather(rows_cu, idx)[0] for idx in per_rank]
+            members = [np.asarray(idx, dtype=np.int64) for idx in per_rank]
+            out = TargetOutput(_scatter(dest, [r.argmax for r in results]), rows_cu,
+                               _scatter(dest, [r.logits for r in results]) if batch.with_logits else None,
+                               [], stats, started_s)
+            if any(r.sampled is not None for r in results):
+                out.sampled = _scatter(dest, [r.argmax if r.sampled is None else r.sampled for r in results])
+        out.features = _features_of(batch, members, results)
+        out.logprobs = _logprobs_of(batch, members, results)
         return out
 
     def features(self, spans: dict[int, tuple[int, int]]) -> list:
@@ -354,3 +364,43 @@ def rank_spec(cfg: EPConfig, rank: int, device: str | None = None) -> WorkerSpec
                       group_timeout_s=cfg.group_timeout_s, rendezvous_timeout_s=cfg.start_timeout_s,
                       backend="nccl" if gpu else "gloo", device=device or ("cuda" if gpu else "cpu"), dtype=cfg.dtype,
                       gpu_memory_utilization=cfg.gpu_memory_utilization)
+
+
+def _scatter(dest: list[np.ndarray], parts: list[np.ndarray]) -> np.ndarray:
+    """One array of every rank's rows, rank r's put at rows dest[r]."""
+    out = np.empty((sum(len(d) for d in dest), *parts[0].shape[1:]), dtype=parts[0].dtype)
+    for d, part in zip(dest, parts, strict=True):
+        out[d] = part
+    return out
+
+
+def _features_of(batch: VerifyBatch, members: list[np.ndarray], results: list) -> list[dict[int, np.ndarray]]:
+    """Each request's feature rows that came back ({} for one whose stay on its rank): a rank
+    ships every token's rows of each request it does not keep, in its order."""
+    out: list[dict[int, np.ndarray]] = [{} for _ in range(len(batch))]
+    lengths = np.diff(batch.cu)
+    for idx, res in zip(members, results, strict=True):
+        if not res.features:
+            continue
+        shipped = lengths[idx] if batch.keep_features is None else np.where(batch.keep_features[idx], 0, lengths[idx])
+        ends = np.cumsum(shipped).tolist()
+        for i, n, end in zip(idx.tolist(), shipped.tolist(), ends, strict=True):
+            if n:
+                out[i] = {layer: h[end - n:end] for layer, h in res.features.items()}
+    return out
+
+
+def _logprobs_of(batch: VerifyBatch, members: list[np.ndarray], results: list) -> list | None:
+    """Each request's log-probability rows (None where it did not ask): a rank returns the rows
+    of the requests that asked, in its order."""
+    if batch.logprobs is None or not batch.logprobs.any():
+        return None
+    out: list[np.ndarray | None] = [None] * len(batch)
+    counts = batch.row_counts
+    for idx, res in zip(members, results, strict=True):
+        at = 0
+        for i in idx[batch.logprobs[idx]].tolist():
+            out[i] = res.logprobs[at:at + counts[i]]
+            at += int(counts[i])
+    return out
+

@@ -37,25 +37,23 @@ class LocalTarget:
         out, captured = self.model(batch, self.cache, stats, capture_layers)
         rows = [len(c) for c in chunks] if logits == "all" else [1] * len(chunks) if logits == "last" \
             else [len(p) for p in logits]
-        row_splits = torch.tensor(rows).cumsum(0).tolist()[:-1]
-        tok_splits = batch.cu[1:-1].tolist()
-        split = lambda t, s: [x.numpy() for x in torch.tensor_split(t, s)]  # noqa: E731
+        rows_cu = np.zeros(len(chunks) + 1, dtype=np.int64)
+        np.cumsum(rows, out=rows_cu[1:])
+        argmax = out.argmax(-1).numpy()
         sampled = None
         if sampling is not None and max(t for t, _, _ in sampling) > 0:  # as a rank draws (worker.py)
             temp = torch.tensor([t for (t, _, _), n in zip(sampling, rows, strict=True) for _ in range(n)])
             top_p = torch.tensor([p for (_, p, _), n in zip(sampling, rows, strict=True) for _ in range(n)])
             u = torch.from_numpy(np.concatenate([np.zeros(n) if x is None else x
                                                  for (_, _, x), n in zip(sampling, rows, strict=True)]))
-            draws = draw(target_probs(out, temp.float().clamp_min(1e-6), top_p.float()), u)
-            sampled = [d if t > 0 else None for d, (t, _, _) in zip(split(draws, row_splits), sampling, strict=True)]
-        return TargetOutput(
-            split(out.argmax(-1), row_splits),
-            split(out.float(), row_splits) if with_logits else None,
-            [dict(zip(captured, hs, strict=True)) for hs in zip(*[split(h, tok_splits) for h in captured.values()],
-                                                                  strict=True)]
-            if captured else [{} for _ in chunks],
-            [stats], time.perf_counter() - t0, sampled,
-        )
+            draws = draw(target_probs(out, temp.float().clamp_min(1e-6), top_p.float()), u).numpy()
+            sampled = np.where(temp.numpy() > 0, draws, argmax)  # the argmax where a request is greedy
+        tok_splits = batch.cu[1:-1].tolist()
+        features = [dict(zip(captured, hs, strict=True))
+                    for hs in zip(*[[x.numpy() for x in torch.tensor_split(h, tok_splits)] for h in captured.values()],
+                                  strict=True)] if captured else [{} for _ in chunks]
+        return TargetOutput(argmax, rows_cu, out.float().numpy() if with_logits else None, features, [stats],
+                            time.perf_counter() - t0, sampled)
 
     def truncate(self, lengths: dict[int, int]) -> None:
         self.cache.truncate_all(lengths)

@@ -76,7 +76,7 @@ def divergences_are_near_ties(target_dir: str, prompts: list[list[int]], a: list
         diverged += 1
         rows = []
         for m in models:
-            rows.append(m.forward([i], [p + x[:t]], logits="last", with_logits=True).logits[0][-1].astype(np.float64))
+            rows.append(m.forward([i], [p + x[:t]], logits="last", with_logits=True).logits[-1].astype(np.float64))
             m.release([i])
         l32, l16 = rows
         err = float(np.abs(l16 - l32).max())

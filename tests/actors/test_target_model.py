@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -76,7 +77,7 @@ def test_logits_only_at_requested_positions(make_tiny):
     model = make_tiny()
     full = run(model, [[1, 2, 3, 4]])
     out = LocalTarget(model).forward([7], [[1, 2, 3, 4]], logits=[[1, 3]], with_logits=True)
-    torch.testing.assert_close(torch.from_numpy(out.logits[0]), full[[1, 3]], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(torch.from_numpy(out.logits), full[[1, 3]], rtol=1e-6, atol=1e-6)
 
 
 def test_rollback_of_rejected_drafts(make_tiny):
@@ -87,8 +88,8 @@ def test_rollback_of_rejected_drafts(make_tiny):
     free_before = target.cache.free_tokens
     target.truncate({1: 3})
     assert target.cache.length(1) == 3 and target.cache.free_tokens > free_before
-    after = target.forward([1], [[20, 21]], with_logits=True).logits[0]
-    fresh = LocalTarget(model).forward([1], [[5, 6, 7, 20, 21]], with_logits=True).logits[0][3:]
+    after = target.forward([1], [[20, 21]], with_logits=True).logits
+    fresh = LocalTarget(model).forward([1], [[5, 6, 7, 20, 21]], with_logits=True).logits[3:]
     torch.testing.assert_close(torch.from_numpy(after), torch.from_numpy(fresh), rtol=1e-5, atol=1e-5)
 
 
@@ -144,12 +145,15 @@ def assert_a_mixed_step_equals_its_parts(model) -> None:
     mixed, apart = LocalTarget(model), LocalTarget(model)
     for t in (mixed, apart):
         t.forward([0, 1, 2], prompts)
-    both = mixed.forward([0, 7, 1, 8, 2], [steps[0], long, steps[1], longer, steps[2]], with_logits=True).logits
-    short = apart.forward([0, 1, 2], steps, with_logits=True).logits
-    chunks = apart.forward([7, 8], [long, longer], with_logits=True).logits
+    def logits(out) -> list[np.ndarray]:
+        return out.split(out.logits)
+
+    both = logits(mixed.forward([0, 7, 1, 8, 2], [steps[0], long, steps[1], longer, steps[2]], with_logits=True))
+    short = logits(apart.forward([0, 1, 2], steps, with_logits=True))
+    chunks = logits(apart.forward([7, 8], [long, longer], with_logits=True))
     for got, want in zip(both, [short[0], chunks[0], short[1], chunks[1], short[2]], strict=True):
         torch.testing.assert_close(torch.from_numpy(got), torch.from_numpy(want), rtol=1e-5, atol=1e-5)
-    after = [t.forward([0, 7], [[9], [9]], with_logits=True).logits for t in (mixed, apart)]
+    after = [logits(t.forward([0, 7], [[9], [9]], with_logits=True)) for t in (mixed, apart)]
     for a, b in zip(*after, strict=True):
         torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(b), rtol=1e-5, atol=1e-5)
 
