@@ -33,6 +33,7 @@ SETTINGS = {  # name: (drafter, block, policy)
     "auto-8": ("auto", 8, "dcut"),
     "mtp-8": ("mtp", 8, "dcut"),
     "ngram-8": ("ngram", 8, "dcut"),
+    "tuned-8": ("tuned", 8, "dcut"),  # the kinds the bundle's prior names (MTP + n-gram for the demo)
 }
 
 
