@@ -86,14 +86,18 @@ def startup_cost_model(target, cfg) -> CostModel:
 
 # What the gate assumes of the drafter before any measurement (seconds: call, request, position,
 # context token caught up); the start-up profile replaces it.
-def profile_drafter(replica, hidden_size: int, layers: tuple[int, ...], vocab_size: int, max_requests: int,
-                    block: int, context: int = 48, seed: int = 0,
+PROFILE_CONTEXT = 48  # context tokens of each synthetic request the start-up profile drafts for
+
+
+def profile_drafter(replica, model, layers: tuple[int, ...], max_requests: int, block: int,
                     kind: int = 0) -> list[tuple[int, int, int, int, float, float]]:
     """Time drafting calls on synthetic requests at start-up: (requests, positions, context tokens
     caught up, drafts per request, seconds at the coordinator, seconds of the kind's own) per
     call. Each shape runs twice: first with its requests' context sent along (catch-up), then
-    without. `kind`: the hosted kind that drafts."""
-    rng = np.random.default_rng(seed)
+    without. `model`: the target's `MoEConfig` (features as wide as its hidden size, tokens from
+    its vocabulary); `kind`: the hosted kind that drafts."""
+    rng, context = np.random.default_rng(0), PROFILE_CONTEXT
+    hidden_size, vocab_size = model.hidden_size, model.vocab_size
     shapes = sorted({1, min(16, max_requests), max_requests})
     samples = []
     for r in shapes:
@@ -122,8 +126,7 @@ def startup_draft_cost(pool, model, max_requests: int, block: int, learner: Draf
         warm = CatchUp([-1], [[0] * 8], [{k: np.zeros((8, hidden), np.float16) for k in layers}])
         resolve(replica.draft.remote([-1], [0], [1], warm, [kind]))  # lazy set-up
         resolve(replica.release.remote([-1]))
-        for r, p, c, n, wall, own in profile_drafter(replica, hidden, layers, model.vocab_size, max_requests,
-                                                     block, kind=kind):
+        for r, p, c, n, wall, own in profile_drafter(replica, model, layers, max_requests, block, kind=kind):
             learner.observe_kind(engine_kind, r, p, own, c, n)
             learner.observe_call(wall - own)
     learner.refit()

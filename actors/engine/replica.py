@@ -151,7 +151,7 @@ class Drafter:
         for i, rid in enumerate(c.rids):
             parts = [h for h in (c.features[i] if c.features else None, fetched.get(rid)) if h]  # older rows first
             features.append(parts[0] if len(parts) == 1 else
-                          {k: cat_rows([h[k] for h in parts]) for k in parts[0]} if parts else {})
+                            {k: cat_rows([h[k] for h in parts]) for k in parts[0]} if parts else {})
         keep = [i for i, rid in enumerate(c.rids) if rid not in self.lost]
         commit = self.pending.add if self.pending is not None else self.drafter.commit
         commit([c.rids[i] for i in keep], [c.tokens[i] for i in keep], [features[i] for i in keep])
