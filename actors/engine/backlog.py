@@ -1,4 +1,5 @@
-"""`Backlog`: what each request's drafter has not been sent yet (lazy drafter upkeep).
+"""What each request's drafter kinds lack: `ContextLedger`, owned by the drafter pool, and its
+`Backlog` of context not yet sent (lazy drafter upkeep).
 
 A drafter conditions on everything a request committed: the tokens, and for the neural kinds
 the target's features at them (its hidden states at the layers the drafter reads). Sending those
@@ -16,6 +17,11 @@ gate runs plain decoding. So commits wait, and travel with the first draft call 
 
 A request's backlog is bounded: past `limit` tokens it is sent at once (as a plain commit), so
 neither a rank nor a drafter's catch-up ever holds much more than `limit` positions per request.
+
+Once sent, a replica of one kind hands the context straight to its drafter; a replica of several
+holds each kind's share until that kind drafts (`actors/drafter/pending.py`, the data itself, in
+the replica's process). The ledger is the one account of both on the coordinator's side: what
+kind k of request r lacks is what it would catch up on before drafting (`lag`, the gate's input).
 """
 
 from __future__ import annotations
@@ -98,6 +104,10 @@ class Backlog:
             p.tokens, p.features, p.start = [], {}, p.end
         return out if out.rids else None
 
+    def rids(self) -> set[int]:
+        """Requests with something queued."""
+        return set(self._pending)
+
     def size(self, rid: int) -> int:
         """Tokens request rid's drafter has yet to receive."""
         p = self._pending.get(rid)
@@ -110,3 +120,61 @@ class Backlog:
     def tokens(self) -> int:
         """Tokens held in all (for metrics and tests)."""
         return sum(len(p.tokens) for p in self._pending.values())
+
+
+class ContextLedger:
+    """Per request and per engine kind: the context that kind's drafter has not consumed.
+
+    `hosted` marks the kinds the replicas draft (the coordinator drafts n-gram itself: it lacks
+    nothing). With one hosted kind (`direct`) what it lacks is the backlog; with several, the
+    context since it last drafted for the request (`drafted`): the replica holds the rest."""
+
+    def __init__(self, hosted: np.ndarray, limit: int = 512, features: bool = True) -> None:
+        self.hosted = np.asarray(hosted, dtype=bool)
+        self.direct = int(self.hosted.sum()) == 1
+        self.backlog = Backlog(limit, features)
+        self._seen: dict[int, np.ndarray] = {}  # request -> context length each kind has consumed
+
+    def __len__(self) -> int:
+        """Requests with something recorded."""
+        return len(self.backlog.rids() | self._seen.keys())
+
+    def queue(self, rid: int, tokens: list[int], end: int, features: dict[int, np.ndarray] | None = None) -> bool:
+        """A commit for request rid's drafter (`Backlog.add`): True when it must be sent now."""
+        return self.backlog.add(rid, tokens, end, features)
+
+    def take(self, rids: list[int]) -> CatchUp | None:
+        """The backlog of these requests, to send with their draft call or now."""
+        return self.backlog.take(rids)
+
+    def drafted(self, rids: list[int], kinds: list[int], cached: list[int]) -> None:
+        """Kind kinds[j] drafted for request rids[j] with cached[j] tokens of context: it has
+        consumed all of it (the replica flushed that kind's share first)."""
+        if self.direct:
+            return
+        for rid, k, n in zip(rids, kinds, cached, strict=True):
+            self._seen.setdefault(rid, np.zeros(len(self.hosted), dtype=np.int64))[k] = n
+
+    def lag(self, rids: list[int], cached: list[int]) -> np.ndarray:
+        """[R, kinds]: context tokens of each request that each kind has not consumed (what it
+        would catch up on before drafting; 0 for a kind the replicas do not draft)."""
+        lag = np.zeros((len(rids), len(self.hosted)))
+        if not len(rids) or not self.hosted.any():
+            return lag
+        if self.direct:
+            lag[:, self.hosted] = np.array([self.backlog.size(rid) for rid in rids], dtype=np.float64)[:, None]
+            return lag
+        none = np.zeros(len(self.hosted), dtype=np.int64)
+        lag[:] = np.asarray(cached, dtype=np.float64)[:, None] - np.array([self._seen.get(rid, none) for rid in rids])
+        lag[:, ~self.hosted] = 0.0
+        return lag
+
+    def drop(self, rids: list[int]) -> None:
+        """Forget these requests (released, orphaned or refed from their first token)."""
+        self.backlog.drop(rids)
+        for rid in rids:
+            self._seen.pop(rid, None)
+
+    def tokens(self) -> int:
+        """Tokens waiting to be sent, in all (for metrics and tests)."""
+        return self.backlog.tokens()

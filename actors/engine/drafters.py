@@ -10,7 +10,7 @@ Replicas host every kind but n-gram, which the coordinator drafts itself
 (actors/engine/lookahead.py); kinds are indexed as the engine indexes them (`EngineConfig.kinds`)
 everywhere outside the replica, which numbers its own (`replica_kinds`): the pool translates.
 
-The pool also keeps what context each request's drafter has not been sent (`Backlog`), and what
+The pool also keeps what context each request's drafter kinds lack (`ContextLedger`), and what
 happens when a drafter cannot draft: a replica actor that dies is replaced and its requests
 continue as plain decoding (orphans, still exact); so do requests whose context could not be
 fetched from the target's ranks. Both are logged and counted. A hosted replica fails with its
@@ -28,7 +28,7 @@ import numpy as np
 import ray
 
 from actors.drafter.base import DraftOutput
-from actors.engine.backlog import Backlog, CatchUp
+from actors.engine.backlog import CatchUp, ContextLedger
 from actors.engine.config import EngineConfig
 from actors.engine.placement import in_bundle
 from actors.engine.replica import LOCAL, Drafter, DrafterReplica
@@ -49,7 +49,7 @@ def hosted_drafter(cfg: EngineConfig) -> tuple:
 
 
 class DrafterPool:
-    """The replicas (none for an `ar`-only engine), request ownership, and the backlog."""
+    """The replicas (none for an `ar`-only engine), request ownership, and the context ledger."""
 
     def __init__(self, cfg: EngineConfig, target, unit_pg=None) -> None:
         self.cfg = cfg
@@ -65,13 +65,9 @@ class DrafterPool:
             [self._new_replica(r) for r in range(cfg.drafters)] if cfg.drafts and theirs else []
         self.layers: tuple[int, ...] = resolve(self.replicas[0].target_layers.remote()) if self.replicas else ()
         self.owner: dict[int, int] = {}  # request -> replica index, or ORPHAN
-        self.backlog = Backlog(cfg.drafter_backlog_tokens, features=bool(self.layers))
+        self.ledger = ContextLedger(self.to_replica >= 0 if self.replicas else np.zeros(len(self.kinds), bool),
+                                    cfg.drafter_backlog_tokens, features=bool(self.layers))
         self.lost = {"drafter_replica_lost": 0, "drafter_context_lost": 0}
-        # A replica of one kind hands context straight to it, so what that kind lacks is the
-        # backlog; a replica of several holds each kind's until it drafts (`PendingContext`), so
-        # what kind k lacks is the context since it last drafted. The n-gram kind lacks nothing.
-        self.direct = len(theirs) == 1
-        self._seen: dict[int, np.ndarray] = {}  # request -> the context length each kind has seen
 
     def __bool__(self) -> bool:
         return bool(self.replicas)
@@ -88,16 +84,7 @@ class DrafterPool:
     def lag(self, batch: list[Sequence]) -> np.ndarray:
         """[R, kinds]: context tokens of each request that each kind has not seen (what it would
         catch up on before drafting; 0 for the kind the coordinator drafts)."""
-        lag = np.zeros((len(batch), len(self.kinds)))
-        if not self.replicas or not batch:
-            return lag
-        if self.direct:
-            lag[:, self.from_replica[0]] = [self.backlog.size(s.rid) for s in batch]
-            return lag
-        none = np.zeros(len(self.kinds), dtype=np.int64)
-        lag[:] = [s.cached - self._seen.get(s.rid, none) for s in batch]
-        lag[:, self.to_replica < 0] = 0.0
-        return lag
+        return self.ledger.lag([s.rid for s in batch], [s.cached for s in batch])
 
     def drafting(self, rid: int) -> bool:
         """Whether request rid has a drafter (not orphaned)."""
@@ -118,7 +105,7 @@ class DrafterPool:
             idx = [i for i, s in enumerate(batch) if lengths[i] > 0 and kinds[i] >= 0 and self.owner[s.rid] == r]
             if idx:
                 rids = [batch[i].rid for i in idx]
-                catchup = self._sourced(self.backlog.take(rids), self.target)
+                catchup = self._sourced(self.ledger.take(rids), self.target)
                 calls[r] = (idx, self.replicas[r].draft.remote(rids, [batch[i].last for i in idx],
                                                                [lengths[i] for i in idx], catchup,
                                                                [kinds[i] for i in idx], [fallback[i] for i in idx]))
@@ -129,13 +116,10 @@ class DrafterPool:
             except ray.exceptions.RayActorError as exc:  # its requests go on without drafts
                 self._replace(r, exc)  # (a hosted replica fails with its rank: EPGroupError)
         self._orphan_lost([rid for _, out in outs.values() for rid in out.lost])
-        if not self.direct:  # each kind that drafted a request has now seen all its context
-            for idx, out in outs.values():
-                drafted = np.diff(out.cu).tolist()
-                for j, (i, kind) in enumerate(zip(idx, out.kinds.tolist(), strict=True)):
-                    if drafted[j]:
-                        s = batch[i]
-                        self._seen.setdefault(s.rid, np.zeros(len(self.kinds), dtype=np.int64))[kind] = s.cached
+        for idx, out in outs.values():  # each kind that drafted a request has consumed all its context
+            drew = [j for j, n in enumerate(np.diff(out.cu).tolist()) if n]
+            self.ledger.drafted([batch[idx[j]].rid for j in drew], out.kinds[drew].tolist(),
+                                [batch[idx[j]].cached for j in drew])
         return outs
 
     def _engine_kinds(self, out: DraftOutput) -> DraftOutput:
@@ -152,11 +136,11 @@ class DrafterPool:
         if not self.replicas:  # the n-gram kind alone: the coordinator holds all it needs
             return
         over = [s for s, t, end, h in zip(seqs, tokens, held, features, strict=True)
-                if self.drafting(s.rid) and self.backlog.add(s.rid, t, end, h)]
+                if self.drafting(s.rid) and self.ledger.queue(s.rid, t, end, h)]
         if not over:
             return
         for r, replica in enumerate(self.replicas):  # ordered before later draft calls: no need to wait
-            mine = self._sourced(self.backlog.take([s.rid for s in over if self.owner[s.rid] == r]), target)
+            mine = self._sourced(self.ledger.take([s.rid for s in over if self.owner[s.rid] == r]), target)
             if mine is not None:
                 replica.commit.remote(mine)
 
@@ -164,8 +148,7 @@ class DrafterPool:
         mine = [[rid for rid in rids if self.owner.get(rid) == r] for r in range(len(self.replicas))]
         for rid in rids:
             self.owner.pop(rid, None)
-            self._seen.pop(rid, None)
-        self.backlog.drop(rids)
+        self.ledger.drop(rids)
         for replica, theirs in zip(self.replicas, mine, strict=True):
             if theirs:
                 with contextlib.suppress(EPGroupError):  # a hosted replica of a failed group goes with its rank
@@ -176,16 +159,15 @@ class DrafterPool:
         replica forgets them, and each gets an owner again (orphans too)."""
         for replica in self.replicas:
             replica.release.remote(rids)
-        self.backlog.drop(rids)
+        self.ledger.drop(rids)
         for rid in rids:
-            self._seen.pop(rid, None)
             self.admit(rid)
 
     def held(self) -> dict[str, int]:
         """Request state kept here and in the replicas (all 0 once every request is released).
         Asks the replicas: call it between steps."""
         replicas = resolve([r.held.remote() for r in self.replicas]) if self.replicas else []
-        return {"drafter_owner": len(self.owner), "backlog": len(self.backlog), "seen": len(self._seen),
+        return {"drafter_owner": len(self.owner), "drafter_ledger": len(self.ledger),
                 "drafter_replicas": sum(replicas)}
 
     def whereabouts(self) -> list[dict]:
@@ -243,4 +225,4 @@ class DrafterPool:
     def _orphan(self, rids: list[int]) -> None:
         for rid in rids:
             self.owner[rid] = ORPHAN
-        self.backlog.drop(rids)
+        self.ledger.drop(rids)

@@ -60,7 +60,7 @@ def test_mixed_drafters_in_one_batch_are_lossless_for_every_policy(tiny_bundle, 
         for _ in range(3):
             eng.step()
         mid = eng.held()
-        assert all(mid[k] > 0 for k in ("scheduler", "trackers", "drafter_owner", "drafter_replicas",
+        assert all(mid[k] > 0 for k in ("scheduler", "trackers", "drafter_owner", "drafter_ledger", "drafter_replicas",
                                          "target_owner", "rank_requests", "lookahead")), mid
         while eng.pending:
             eng.step()

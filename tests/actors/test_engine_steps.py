@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from actors.engine.backlog import Backlog
+from actors.engine.backlog import Backlog, ContextLedger
 from actors.engine.config import EngineConfig
 from actors.engine.coordinator import Engine
 from actors.engine.sequence import SamplingParams
@@ -87,7 +87,7 @@ def test_lazy_drafter_context_drafts_what_eager_context_drafts(tiny_bundle, refe
             rids = [eng.add(p, SamplingParams(max_tokens=MAX_TOKENS)) for p in PROMPTS]
             for _ in range(4):
                 eng.step()
-            held = eng.drafters.backlog.tokens()
+            held = eng.drafters.ledger.tokens()
             while eng.pending:
                 eng.step()
             out = [eng.claim(r) for r in rids]
@@ -111,7 +111,7 @@ def test_plain_decoding_keeps_no_drafter_state(tiny_bundle, reference, tmp_path)
         out = eng.generate(PROMPTS, [SamplingParams(max_tokens=MAX_TOKENS)] * len(PROMPTS))
         assert [s.output for s in out] == reference
         assert calls and all(c == () for c in calls)  # no hidden states captured
-        assert eng.drafters.backlog.tokens() == 0
+        assert eng.drafters.ledger.tokens() == 0
     finally:
         eng.shutdown()
 
@@ -155,6 +155,23 @@ def test_backlog_holds_tokens_rows_and_feature_spans_and_sends_past_its_limit():
     tokens_only = Backlog(features=False)  # an n-gram drafter needs no features
     tokens_only.add(1, [4], 5)
     assert tokens_only.take([1]).spans == {}
+
+
+def test_the_ledger_answers_what_each_kind_lacks():
+    """One hosted kind lacks its backlog; of several, each lacks the context since it last
+    drafted; a kind the replicas do not draft (n-gram) lacks nothing; dropped requests start over."""
+    one = ContextLedger(np.array([False, True]), limit=100, features=False)  # n-gram, MTP
+    one.queue(3, [1, 2, 3], 10)
+    assert one.lag([3, 4], [10, 6]).tolist() == [[0, 3], [0, 0]]
+    one.take([3])
+    assert one.lag([3], [10]).tolist() == [[0, 0]]
+    several = ContextLedger(np.array([False, True, True]), limit=100)  # n-gram, MTP, block
+    assert several.lag([5], [12]).tolist() == [[0, 12, 12]]  # nothing drafted yet: the whole context
+    several.drafted([5], [2], [12])
+    assert several.lag([5], [15]).tolist() == [[0, 15, 3]]
+    assert len(several) == 1
+    several.drop([5])
+    assert several.lag([5], [15]).tolist() == [[0, 15, 15]] and len(several) == 0
 
 
 def test_step_overhead_charges_what_drafting_adds_outside_the_passes():
