@@ -182,24 +182,15 @@ class DraftPlanner:
         valid = np.arange(width) < lens[:, None]
         n_flat = int(lens.sum())
         seconds_at = verify.seconds(r + np.arange(n_flat + 1))  # the verify curve at every budget the scan can reach
-        kind = np.zeros(r, dtype=np.int64) if kinds is None else np.asarray(kinds, dtype=np.int64)
-        table = costs.table
-        fixed, per_pass = table[:, 0], table[:, 4]  # [kinds]
-        per_request, per_position, per_context = table[kind, 1], table[kind, 2], table[kind, 3]  # [R]
-        backlog = np.zeros(r) if catchup is None else np.asarray(catchup, dtype=np.float64)
+        rates = _RequestRates.of(costs, r, kinds, catchup)
         if catchup is not None and r:
-            ar_rate = r / float(seconds_at[0])
-            cost = per_request + per_context * backlog + per_position * lens
-            cost = cost + (seconds_at[n_flat] - seconds_at[0]) * lens / max(1, n_flat)
-            hopeless = surv.sum(axis=1) < ar_rate * cost
-            if hopeless.any():
-                surv[hopeless] = 0.0
+            _leave_out_hopeless(surv, lens, rates, seconds_at)
         flat = surv[valid]  # [N] request by request, position order within each
         row_of, pos_of = np.nonzero(valid)
         # Positions by survival per second of their own cost, high to low (by survival where every
         # kind's position costs the same), position order on ties: prefix-closed within a request.
         tau = float(seconds_at[1] - seconds_at[0]) if n_flat else 0.0
-        pp = per_position[row_of]
+        pp = rates.per_position[row_of]
         density = flat / np.maximum(tau + pp, 1e-12)
         m_max = n_flat if self.max_budget is None else min(n_flat, self.max_budget)
         order = np.argsort(-density, kind="stable")[:m_max]  # [m_max]
@@ -208,28 +199,11 @@ class DraftPlanner:
         np.cumsum(flat[order], out=tokens[1:])
         tokens[1:] += r
         row = row_of[order]  # the request of each position in order
-        added = pp[order]
-        first = pos_of[order] == 0  # a request's first position: it starts drafting
-        added[first] += per_request[row[first]] + per_context[row[first]] * backlog[row[first]]
-        if m_max and (fixed.any() or per_pass.any()):
-            kind_at = kind[row]
-            if fixed.any():  # a kind's first position in the order: its pass runs
-                present = np.flatnonzero(np.bincount(kind_at, minlength=len(fixed)))
-                added[np.argmax(kind_at[None, :] == present[:, None], axis=1)] += fixed[present]
-            depth = pos_of[order] + 1
-            for k in np.flatnonzero(per_pass):  # a position deeper than any of its kind's so far: one more pass
-                deeper = np.maximum.accumulate(np.where(kind_at == k, depth, 0))
-                deeper[1:] -= deeper[:-1].copy()  # how much deeper than its kind's deepest so far
-                added += per_pass[k] * deeper
-        if m_max and costs.call:
-            calling = np.flatnonzero(costs.calling[kind[row]])
-            if len(calling):
-                added[calling[0]] += costs.call  # the first position drafted on the replicas: the call
         seconds = seconds_at[:m_max + 1].copy()
-        seconds[1:] += costs.shared_fixed + np.cumsum(added)
+        seconds[1:] += costs.shared_fixed + np.cumsum(_added_seconds(row, pos_of[order], rates, costs))
         best = int(np.argmax(tokens / seconds))
-        lengths = np.bincount(row[:best], minlength=r).astype(np.int64)
-        planned = lengths
+        planned = np.bincount(row[:best], minlength=r).astype(np.int64)
+        lengths = planned
         if self.slack:
             lengths = np.where(lengths > 0, np.minimum(lengths + self.slack, lens), 0)
         if self.extend and best > 0:
@@ -237,12 +211,79 @@ class DraftPlanner:
             worth[valid] = flat >= tokens[best] / seconds[best] * pp
             pays = np.cumprod(worth, axis=1).sum(axis=1)
             lengths = np.where(lengths > 0, np.maximum(lengths, pays), 0)
-        if per_pass.any() and best > 0:  # a chained kind: neither adds a pass to its chain
-            depth = np.zeros(len(fixed), dtype=np.int64)
-            np.maximum.at(depth, kind, planned)
-            chained = per_pass[kind] > 0
-            lengths = np.where(chained, np.minimum(lengths, depth[kind]), lengths)
+        if best > 0:
+            lengths = _chains_capped(lengths, planned, rates.kind, costs.table[:, 4])
         return DraftPlan(lengths, float(tokens[best]), float(seconds[best]), float(seconds[0]))
+
+
+@dataclass(frozen=True)
+class _RequestRates:
+    """Each request's drafting rates, at the costs of the kind drafting it ([R] each), and the
+    context it would catch up on."""
+
+    kind: np.ndarray
+    per_request: np.ndarray
+    per_position: np.ndarray
+    per_context: np.ndarray
+    backlog: np.ndarray
+
+    @classmethod
+    def of(cls, costs: DraftingCosts, r: int, kinds: np.ndarray | None, catchup: np.ndarray | None) -> _RequestRates:
+        kind = np.zeros(r, dtype=np.int64) if kinds is None else np.asarray(kinds, dtype=np.int64)
+        table = costs.table
+        backlog = np.zeros(r) if catchup is None else np.asarray(catchup, dtype=np.float64)
+        return cls(kind, table[kind, 1], table[kind, 2], table[kind, 3], backlog)
+
+    def start(self, rows: np.ndarray) -> np.ndarray:
+        """Seconds for these requests to start drafting: the request, and its catch-up."""
+        return self.per_request[rows] + self.per_context[rows] * self.backlog[rows]
+
+
+def _leave_out_hopeless(surv: np.ndarray, lens: np.ndarray, rates: _RequestRates, seconds_at: np.ndarray) -> None:
+    """Zero the survival of each request whose whole expected gain cannot pay, at the plain-
+    decoding rate, for its own catch-up and drafting (the scan orders by survival alone)."""
+    r, n_flat = len(lens), len(seconds_at) - 1
+    ar_rate = r / float(seconds_at[0])
+    cost = rates.per_request + rates.per_context * rates.backlog + rates.per_position * lens
+    cost = cost + (seconds_at[n_flat] - seconds_at[0]) * lens / max(1, n_flat)
+    hopeless = surv.sum(axis=1) < ar_rate * cost
+    if hopeless.any():
+        surv[hopeless] = 0.0
+
+
+def _added_seconds(row: np.ndarray, pos: np.ndarray, rates: _RequestRates, costs: DraftingCosts) -> np.ndarray:
+    """Drafting seconds each position of the scan's order adds (request row[j], position pos[j]):
+    its own; a request's first starts it; a kind's first runs its pass; a position deeper than
+    any of its chained kind's so far, one more pass; the first on the replicas, their call."""
+    added = rates.per_position[row]
+    first = pos == 0  # a request's first position: it starts drafting
+    added[first] += rates.start(row[first])
+    fixed, per_pass = costs.table[:, 0], costs.table[:, 4]  # [kinds]
+    if len(row) and (fixed.any() or per_pass.any()):
+        kind_at = rates.kind[row]
+        if fixed.any():  # a kind's first position in the order: its pass runs
+            present = np.flatnonzero(np.bincount(kind_at, minlength=len(fixed)))
+            added[np.argmax(kind_at[None, :] == present[:, None], axis=1)] += fixed[present]
+        depth = pos + 1
+        for k in np.flatnonzero(per_pass):  # a position deeper than any of its kind's so far: one more pass
+            deeper = np.maximum.accumulate(np.where(kind_at == k, depth, 0))
+            deeper[1:] -= deeper[:-1].copy()  # how much deeper than its kind's deepest so far
+            added += per_pass[k] * deeper
+    if len(row) and costs.call:
+        calling = np.flatnonzero(costs.calling[rates.kind[row]])
+        if len(calling):
+            added[calling[0]] += costs.call  # the first position drafted on the replicas: the call
+    return added
+
+
+def _chains_capped(lengths: np.ndarray, planned: np.ndarray, kind: np.ndarray, per_pass: np.ndarray) -> np.ndarray:
+    """Slack and extension never add a pass to a chained kind's chain: no request of a chained
+    kind drafts deeper than the plan's deepest with that kind."""
+    if not per_pass.any():
+        return lengths
+    depth = np.zeros(len(per_pass), dtype=np.int64)
+    np.maximum.at(depth, kind, planned)
+    return np.where(per_pass[kind] > 0, np.minimum(lengths, depth[kind]), lengths)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import pathlib
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +49,15 @@ class DraftConfig:
         return cls(**d)
 
 
+class BlockContext(NamedTuple):
+    """What a block attends to besides itself: its request's context keys and values
+    [B, T, Hkv, D] (projected target features) and which of the T exist [B, T]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: torch.Tensor
+
+
 class DraftLayer(nn.Module):
     """Pre-norm layer: attention of block queries over [context ++ block], then SwiGLU."""
 
@@ -79,13 +89,15 @@ class DraftLayer(nn.Module):
         k = apply_rope(self._heads(self.k_proj, self.k_norm, x, self.kv_heads), cos, sin)
         return k, self.v_proj(x).view(n, self.kv_heads, self.head_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor,
-                ctx_v: torch.Tensor, ctx_mask: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [B, K, H] blocks; cos/sin: [B·K, D]; ctx_k/v: [B, T, Hkv, D]; ctx_mask: [B, T].
-        live: [B, K] bool, the positions of each block that exist (a prefix per block; None:
-        all). Projections and MLP run on those rows only, and attention sees only those keys, so
-        a block of n positions costs and yields what it would alone; other rows stay as they are."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: BlockContext,
+                live: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [B, K, H] blocks; cos/sin: [B·K, D]; ctx: each block's context keys and values
+        [B, T, Hkv, D] and mask [B, T]. live: [B, K] bool, the positions of each block that
+        exist (a prefix per block; None: all). Projections and MLP run on those rows only, and
+        attention sees only those keys, so a block of n positions costs and yields what it would
+        alone; other rows stay as they are."""
         b, k, _ = x.shape
+        ctx_k, ctx_v, ctx_mask = ctx
         rows = None if live is None else live.reshape(-1).nonzero().squeeze(1)
         flat = x.reshape(b * k, -1)
         h = self.norm_in(flat if rows is None else flat[rows])
@@ -162,7 +174,7 @@ class DraftModel(nn.Module):
         cos, sin = self.rope(positions[:, None] + offsets)
         live = None if sizes is None else offsets < sizes[:, None]
         for layer, (k, v) in zip(self.layers, ctx_kv, strict=True):
-            x = layer(x, cos, sin, k, v, ctx_mask, live)
+            x = layer(x, cos, sin, BlockContext(k, v, ctx_mask), live)
         return self.norm(x)
 
     def set_head_tokens(self, ids: torch.Tensor) -> None:

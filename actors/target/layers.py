@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -111,7 +112,8 @@ def plan_attention(cache: PagedKVCache, request_ids: list[int], cu: torch.Tensor
     offsets = np.zeros(len(lens_a) + 1, dtype=np.int64)
     np.cumsum(lens_a, out=offsets[1:])
     whole = len(by_span) <= 1
-    groups = [_group(np.asarray(idx), keys, starts_a, lens_a, offsets, whole, dev) for idx in by_span.values()]
+    ragged = _Ragged(keys, starts_a, lens_a, offsets)
+    groups = [_group(np.asarray(idx), ragged, whole, dev) for idx in by_span.values()]
     total = int(offsets[-1])
     positions = np.arange(total) + np.repeat(starts_a - offsets[:-1], lens_a)  # [N] in flat order
     cos, sin = rotary.cos_sin(torch.from_numpy(positions))
@@ -119,10 +121,20 @@ def plan_attention(cache: PagedKVCache, request_ids: list[int], cu: torch.Tensor
     return AttentionPlan(upload(write_slots, dev), groups, upload(cos, dev), upload(sin, dev))
 
 
-def _group(idx: np.ndarray, keys: list[torch.Tensor], starts: np.ndarray, lengths: np.ndarray, offsets: np.ndarray,
-           whole: bool, dev) -> AttentionGroup:
+class _Ragged(NamedTuple):
+    """A forward's requests: each one's key slots, first new position, new tokens, and offset
+    of its first new token in the flat batch ([R + 1])."""
+
+    keys: list[torch.Tensor]
+    starts: np.ndarray
+    lengths: np.ndarray
+    offsets: np.ndarray
+
+
+def _group(idx: np.ndarray, ragged: _Ragged, whole: bool, dev) -> AttentionGroup:
     """The padded attention of requests idx (of the forward's; `whole`: every one, in order)."""
-    starts, lengths = starts[idx], lengths[idx]
+    keys, offsets = ragged.keys, ragged.offsets
+    starts, lengths = ragged.starts[idx], ragged.lengths[idx]
     q, t = int(lengths.max()), int((starts + lengths).max())
     key_slots = torch.zeros(len(idx), t, dtype=torch.long)
     for row, i in enumerate(idx.tolist()):
