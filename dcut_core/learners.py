@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -12,6 +13,7 @@ from dcut_core.nnls import nnls
 
 PRIOR_DRAFT_COST = DraftCost(1e-3, 2e-4, 5e-5, 1e-5)
 FREE = DraftCost(0.0, 0.0, 0.0, 0.0)
+PRIOR_WEIGHT = 1e-6  # a rate's pull toward its current value in a refit, in passes (`RateFit.refit`)
 
 
 class RateFit:
@@ -58,11 +60,25 @@ class RateFit:
             self.refit()
 
     def refit(self) -> None:
-        """The rates refitted to the kept passes; the level correction starts again from them."""
+        """The rates refitted to the kept passes; the level correction starts again from them.
+
+        Relative errors (rows scaled by 1 / measured): small calls count as much as large ones.
+        What the passes cannot tell apart stays where the current cost put it: every rate is also
+        held to its current value by a row of weight `PRIOR_WEIGHT` (in units of the relative time
+        a typical pass spends on it). At one request every pass has requests = 1 and a chain's
+        positions = passes, so the fit alone cannot split a call's time from a request's, nor a
+        position's from a chained pass's, and an unpinned fit put MTP's time on its positions
+        after a run at C = 1 — priced 12 × a position at C = 4 (docs/benchmarks.md, session 24).
+        The weight is far too small to bias a rate the passes do measure."""
         if len(set(self._x)) < 4:  # too few distinct shapes to tell the rates apart
             return
-        # Relative errors (rows scaled by 1 / measured): small calls count as much as large ones.
-        c = nnls(np.array(self._x) / np.array(self._y)[:, None], np.ones(len(self._y))).astype(float)
+        y = np.array(self._y)
+        a = np.array(self._x) / y[:, None]
+        now = np.array(dataclasses.astuple(self.cost))
+        scale = a.mean(axis=0)  # a rate's share of a pass's time, per second of it
+        scale = np.where(scale > 0, scale, 1.0 / float(np.median(y)))  # a feature no pass had: a unit of it
+        pin = math.sqrt(PRIOR_WEIGHT) * scale
+        c = nnls(np.vstack([a, np.diag(pin)]), np.concatenate([np.ones(len(y)), pin * now])).astype(float)
         self.fitted, self.log_ratio, self._since = DraftCost(*c), 0.0, 0
 
 

@@ -65,3 +65,55 @@ def test_restored_costs_are_used_as_saved_and_a_free_kind_learns_only_by_refit()
     assert learner.costs[0] == TRUE and learner.shared == 3e-4
     learner.observe_kind(1, 4, 20, 1e-4, 0, 5)  # a free kind's zero price has no level to correct
     assert seconds(learner.costs[1], (4, 20, 0, 5)) == 0.0
+
+
+def test_what_one_request_cannot_tell_apart_stays_where_it_was():
+    """At one request every pass has requests = 1 and a chain's positions = passes: the fit
+    cannot split a call's time from a request's, nor a position's from a pass's. The refit
+    prices those passes exactly and moves the current cost the least it must (equal shifts on
+    columns the passes see alike, no rate below zero) — not to an arbitrary split, which would
+    price a chain at four requests 12 × as dear per position (session 24's `auto` engine)."""
+    seed = DraftCost(1.2e-3, 0.0, 3e-5, 3e-5, 1.2e-3)
+    data = DraftCost(1.0e-3, 0.0, 2e-4, 3e-5, 1.1e-3)  # sums per column pair: 1.0e-3 and 1.3e-3
+    fit = RateFit(seed, refit_every=1000)
+    shapes = [(1, n, c, n) for n in (1, 2, 3, 5, 7) for c in (0, 1, 4)]
+    for r, p, c, n in shapes:
+        fit.observe(r, p, seconds(data, (r, p, c, n)), c, n)
+    now = fit.cost  # the seed at the passes' level (the correction before the refit)
+    fit.refit()
+    got = fit.fitted
+    for shape in shapes:
+        assert math.isclose(seconds(got, shape), seconds(data, shape), rel_tol=1e-6)
+    assert got.per_request < 1e-9 and math.isclose(got.fixed, 1.0e-3, rel_tol=1e-6)
+    shift = 1.3e-3 - (now.per_position + now.per_pass)
+    assert math.isclose(got.per_position, now.per_position + shift / 2, rel_tol=1e-4)
+    assert math.isclose(got.per_pass, now.per_pass + shift / 2, rel_tol=1e-4)
+    assert math.isclose(got.per_context, data.per_context, rel_tol=1e-6)  # the catch-up varied: measured
+
+
+def test_a_rate_no_pass_measured_keeps_its_value():
+    """Passes with no catch-up say nothing of its rate: the refit keeps it (an unpinned fit set it
+    to 0, and the next switch of kind was priced free)."""
+    fit = RateFit(TRUE, refit_every=1000)
+    for r, p, _, n in SHAPES:
+        fit.observe(r, p, seconds(TRUE, (r, p, 0, n)), 0, n)
+    fit.refit()
+    assert math.isclose(fit.fitted.per_context, TRUE.per_context, rel_tol=1e-6)
+    for shape in SHAPES:
+        assert math.isclose(seconds(fit.fitted, shape), seconds(TRUE, shape), rel_tol=1e-6)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.floats(0.0, 3e-3), min_size=5, max_size=5), st.lists(st.floats(0.0, 3e-3), min_size=5,
+                                                                         max_size=5))
+def test_measured_rates_are_recovered_from_any_current_cost(true, now):
+    """Passes of every shape, noise-free: whatever the current cost, the refit finds the true
+    rates (the pull toward the current cost does not bias what the passes measure)."""
+    true_cost, fit = DraftCost(*true), RateFit(DraftCost(*now), refit_every=1000)
+    if seconds(true_cost, (1, 1, 0, 1)) <= 0:
+        return
+    for r, p, c, n in SHAPES:
+        fit.observe(r, p, seconds(true_cost, (r, p, c, n)), c, n)
+    fit.refit()
+    for shape in [*SHAPES, (64, 64 * 15, 500, 15)]:
+        assert math.isclose(seconds(fit.fitted, shape), seconds(true_cost, shape), rel_tol=1e-4, abs_tol=1e-9)
