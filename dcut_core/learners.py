@@ -67,9 +67,10 @@ class RateFit:
         held to its current value by a row of weight `PRIOR_WEIGHT` (in units of the relative time
         a typical pass spends on it). At one request every pass has requests = 1 and a chain's
         positions = passes, so the fit alone cannot split a call's time from a request's, nor a
-        position's from a chained pass's, and an unpinned fit put MTP's time on its positions
-        after a run at C = 1 — priced 12 × a position at C = 4 (docs/benchmarks.md, session 24).
-        The weight is far too small to bias a rate the passes do measure."""
+        position's from a chained pass's; unpinned, NNLS put the split anywhere (MTP's call cost
+        0 in one engine and 1.2 ms in another after like runs, session 23), and a rate no kept
+        pass measured (no catch-up) fell to 0. The weight is far too small to bias a rate the
+        passes do measure (tests/core/test_learners.py)."""
         if len(set(self._x)) < 4:  # too few distinct shapes to tell the rates apart
             return
         y = np.array(self._y)

@@ -71,8 +71,8 @@ def test_what_one_request_cannot_tell_apart_stays_where_it_was():
     """At one request every pass has requests = 1 and a chain's positions = passes: the fit
     cannot split a call's time from a request's, nor a position's from a pass's. The refit
     prices those passes exactly and moves the current cost the least it must (equal shifts on
-    columns the passes see alike, no rate below zero) — not to an arbitrary split, which would
-    price a chain at four requests 12 × as dear per position (session 24's `auto` engine)."""
+    columns the passes see alike, no rate below zero) — not to an arbitrary split, which prices
+    the same passes very differently at four requests."""
     seed = DraftCost(1.2e-3, 0.0, 3e-5, 3e-5, 1.2e-3)
     data = DraftCost(1.0e-3, 0.0, 2e-4, 3e-5, 1.1e-3)  # sums per column pair: 1.0e-3 and 1.3e-3
     fit = RateFit(seed, refit_every=1000)
