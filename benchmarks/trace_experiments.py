@@ -169,18 +169,72 @@ class EarlyStopRun(_Run):
         self.draft = saved
 
 
+class AuditRun(_Run):
+    """The engine's decisions, and at each one every kind's predicted and counterfactual accepted
+    drafts of its first `AUDIT_DRAFTS` (as far as it may draft), by the kind chosen (-1: none)."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.rows: list[tuple[int, int, float, int]] = []  # (chosen, kind, predicted, realized)
+        self._pred: Predicted | None = None
+        own = self.gate.predict
+
+        def predict(g: GateInput) -> Predicted:
+            self._pred = own(g)
+            return self._pred
+
+        self.gate.predict = predict
+
+    def _plan(self, batch):
+        self._pred = None
+        lengths, kinds, fallback = super()._plan(batch)
+        p = self._pred
+        if p is not None:
+            for i, x in enumerate(batch):
+                rt, chosen = self.trace.requests[x.q], int(kinds[i]) if lengths[i] > 0 else -1
+                for j, k in enumerate(self.kidx):
+                    n = min(int(p.lengths[i, j]), AUDIT_DRAFTS)
+                    if n > 0:
+                        real = min(n, int(rt.accepted[k, x.t]), int(rt.count[k, x.t]))
+                        self.rows.append((chosen, j, float(np.cumprod(p.rates[i, j, :n]).sum()), real))
+        return lengths, kinds, fallback
+
+
+AUDIT_DRAFTS = 3  # kinds compared at equal length: the first three drafts (the chosen lengths differ by kind)
+
+
+def choice_audit(trace, prior, kinds=("block", "mtp", "ngram"), levels=(1, 4, 16)) -> dict:
+    """{C: {chosen kind: {kind: [predicted, realized, decisions]}}} (`AuditRun`, from `prior`)."""
+    out: dict = {}
+    for c in levels:
+        run = AuditRun(trace, SimSettings(kinds=kinds, block=8), c)
+        if prior is not None:
+            prior.restore(kinds, run.calibrators, run.gate.trackers, run.gate.exploration)
+        run.run()
+        rows = np.array(run.rows, dtype=np.float64).reshape(-1, 4)
+        out[c] = {}
+        for cj, ck in enumerate(kinds):
+            picked = rows[rows[:, 0] == cj]
+            out[c][ck] = {k: [round(float(picked[picked[:, 1] == j, 2].mean()), 2),
+                              round(float(picked[picked[:, 1] == j, 3].mean()), 2), int((picked[:, 1] == j).sum())]
+                          for j, k in enumerate(kinds) if (picked[:, 1] == j).any()}
+    return out
+
+
 def ratios(trace, run, kinds) -> list[float]:
     ar = [simulate_trace(trace, SimSettings(policy="ar", kinds=kinds[:1], block=8), c).tok_s for c in LEVELS]
     return [round(run(c).tok_s / a, 3) for c, a in zip(LEVELS, ar, strict=True)]
 
 
-def experiments(train, trace) -> dict:
+def experiments(train, trace, prior=None) -> dict:
     table = fit_signal_table(train)
-    out: dict = {"oracle": {}, "signal": {}, "early_stop": {}, "own_time_zero": {}, "told": {}}
+    out: dict = {"oracle": {}, "signal": {}, "early_stop": {}, "own_time_zero": {}, "told": {},
+                 "audit": choice_audit(trace, prior)}
     for kinds in (("ngram",), ("mtp",), ("block",), ("mtp", "ngram"), ("block", "mtp", "ngram")):
         out["oracle"]["+".join(kinds)] = ratios(trace, lambda c, k=kinds: oracle_run(trace, k, c, 8), kinds)
-    quiet = dataclasses.replace(trace, costs=dataclasses.replace(trace.costs, own_policy=(0.0, 0.0),
-                                                                  own_drafting=(0.0, 0.0)))
+    zero = (0.0, 0.0)  # an engine of one kind has its own measured own time (`own_one`): zero that too
+    quiet = dataclasses.replace(trace, costs=dataclasses.replace(
+        trace.costs, own_policy=zero, own_drafting=zero, own_one=None if trace.costs.own_one is None else (zero, zero)))
     for kinds in KIND_SETS:
         s = SimSettings(kinds=kinds, block=8)
         name = "+".join(kinds)
@@ -211,6 +265,15 @@ def render(name: str, res: dict) -> str:
     for told, row in res["told"].items():
         lines.append(f"| gate told {told}'s accepted lengths | block+mtp+ngram | " +
                      " | ".join(f"{x:.2f}" for x in row) + " |")
+    lines += ["", f"Chooser's audit (`auto` from the bundle's prior): predicted / realized accepted of the first "
+              f"{AUDIT_DRAFTS} drafts", "", "| C | kind chosen | decisions | " +
+              " | ".join(f"{k} predicted / realized" for k in ("block", "mtp", "ngram")) + " |", "|---" * 6 + "|"]
+    for c, by in res["audit"].items():
+        for chosen, kinds in by.items():
+            if chosen in kinds:
+                cells = " | ".join(f"{v[0]:.2f} / {v[1]:.2f}" if v else "" for v in
+                                   (kinds.get(k) for k in ("block", "mtp", "ngram")))
+                lines.append(f"| {c} | {chosen} | {kinds[chosen][2]} | {cells} |")
     return "\n".join(lines)
 
 
@@ -218,12 +281,16 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--train", required=True, help="a trace of training prompts (dcut trace --seed 23)")
     p.add_argument("--heldout", required=True, help="a trace of the reported prompts")
+    p.add_argument("--prior", default=None, help="the prior the chooser's audit starts from (default: the bundle's)")
     p.add_argument("--out", default="runs/trace-experiments")
     args = p.parse_args()
+    from dcut_core.learned import LearnedState
+    from deployments.bundle import BUNDLED
     from deployments.trace_command import read_trace
 
     train = read_trace(args.train)
-    results = {name: experiments(train, read_trace(path)) for name, path in
+    prior = LearnedState.from_dict(json.loads(pathlib.Path(args.prior or BUNDLED / "prior.json").read_text()))
+    results = {name: experiments(train, read_trace(path), prior) for name, path in
                (("training trace", args.train), ("held-out trace", args.heldout))}
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
