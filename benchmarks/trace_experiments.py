@@ -11,9 +11,8 @@ training trace only; the held-out trace is reported, never tuned on.
    conditional acceptance by position is fitted per match bucket (none, 1–2, 3–5, 6+ drafts
    available) on the training trace; the gate's trackers predict from that table times the
    request's own factor instead of from the global rates.
-3. **Early-stopped chains**: a chained kind (MTP) stops drafting a request once the calibrated
-   survival of its next draft is below what verifying it costs, and stops the chain when the
-   survivals left cannot pay for a pass.
+3. **Chains cut as they run** (dcut_core/chains.py; the engine's default since session 24, so the
+   stock rows have it): the same settings with `chain_stop` off, MTP's chains run to the plan.
 4. **The step's own time**: the same settings with the drafting policy's own time per step (the
    gate, the chooser, learning, bookkeeping; `TraceCosts.own_policy`, `own_drafting`) at zero.
 5. **Whose prediction is the loss**: the engine's gate (every kind) told in hindsight how many
@@ -38,8 +37,6 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from dcut_core import ragged
-from dcut_core.acceptance import survival
 from dcut_core.drafting import Predicted
 from dcut_core.gate import DraftingGate, GateInput
 from dcut_core.trace_sim import HindsightGate, SimSettings, _Run, oracle_run, simulate_trace
@@ -116,59 +113,6 @@ class ToldRun(_Run):
         return Predicted(rates, own.lengths)
 
 
-class EarlyStopRun(_Run):
-    """Chained kinds stop drafting where the calibrated survival no longer pays (see above)."""
-
-    passes: dict[int, int] | None = None
-
-    def _propose(self, batch, lengths, kinds, fallback):
-        d, used = super()._propose(batch, lengths, kinds, fallback)
-        self.passes = {}
-        cu, r = d["cu"], len(batch)
-        counts = np.diff(cu)
-        if not r or not counts.sum():
-            return d, used
-        pos, kind = ragged.positions(cu), np.repeat(used, counts)
-        p = np.zeros(len(pos))
-        for k in np.unique(kind):
-            m = kind == k
-            p[m] = self.calibrators[k].estimate(d["confidence"][m], d["margin"][m], pos[m])
-        surv = survival(p, cu)
-        curve = self._curve(batch)
-        base = float(curve.seconds(np.array([r]))[0])
-        tau, rate = float(curve.seconds(np.array([r + 1]))[0]) - base, r / base
-        stop = counts.copy()
-        for k in np.unique(used[counts > 0]):
-            if self.draft[k].per_pass <= 0:
-                continue
-            mine = [int(i) for i in np.nonzero((used == k) & (counts > 0))[0]]
-            live, passes = set(mine), 0
-            for s in range(int(counts[mine].max())):
-                passes = s + 1
-                for i in list(live):
-                    if s >= counts[i] or surv[cu[i] + s] < rate * tau:
-                        stop[i] = min(stop[i], s)
-                        live.discard(i)
-                if not live or sum(surv[cu[i] + s] for i in live) < rate * self.draft[k].per_pass:
-                    break
-            self.passes[int(k)] = passes
-        keep = np.concatenate([np.arange(cu[i], cu[i] + stop[i]) for i in range(r)]).astype(np.int64)
-        new_cu = ragged.offsets_from_lengths(stop)
-        return {"cu": new_cu, "confidence": d["confidence"][keep], "margin": d["margin"][keep],
-                "accepted": np.minimum(d["accepted"], stop)}, used
-
-    def _advance_time(self, batch, feeding, kept, drafts, used):
-        saved, counts = self.draft, np.diff(drafts["cu"])
-        self.draft = list(saved)
-        for k, n in (self.passes or {}).items():  # the passes the chain ran, not its longest output
-            mine = (used == k) & (counts > 0)
-            longest = int(counts[mine].max()) if mine.any() else 0
-            c = saved[k]
-            self.draft[k] = dataclasses.replace(c, fixed=c.fixed + c.per_pass * (n - longest))
-        super()._advance_time(batch, feeding, kept, drafts, used)
-        self.draft = saved
-
-
 class AuditRun(_Run):
     """The engine's decisions, and at each one every kind's predicted and counterfactual accepted
     drafts of its first `AUDIT_DRAFTS` (as far as it may draft), by the kind chosen (-1: none)."""
@@ -241,7 +185,8 @@ def experiments(train, trace, prior=None) -> dict:
         out["signal"][name] = {"stock": ratios(trace, lambda c, s=s: simulate_trace(trace, s, c), kinds),
                                "n-gram match table": ratios(trace, lambda c, s=s: SignalRun(trace, s, c, table).run(),
                                                             kinds)}
-        out["early_stop"][name] = ratios(trace, lambda c, s=s: EarlyStopRun(trace, s, c).run(), kinds)
+        uncut = dataclasses.replace(s, chain_stop=False)
+        out["early_stop"][name] = ratios(trace, lambda c, s=uncut: simulate_trace(trace, s, c), kinds)
         out["own_time_zero"][name] = ratios(quiet, lambda c, s=s: simulate_trace(quiet, s, c), kinds)
     every = KIND_SETS[-1]
     for told in (("ngram",), ("mtp",), ("block",), every):
@@ -259,7 +204,7 @@ def render(name: str, res: dict) -> str:
         for variant, row in rows.items():
             lines.append(f"| trackers: {variant} | {kinds} | " + " | ".join(f"{x:.2f}" for x in row) + " |")
     for kinds, row in res["early_stop"].items():
-        lines.append(f"| early-stopped chains | {kinds} | " + " | ".join(f"{x:.2f}" for x in row) + " |")
+        lines.append(f"| chains not cut (`chain_stop` off) | {kinds} | " + " | ".join(f"{x:.2f}" for x in row) + " |")
     for kinds, row in res["own_time_zero"].items():
         lines.append(f"| policy's own time at 0 | {kinds} | " + " | ".join(f"{x:.2f}" for x in row) + " |")
     for told, row in res["told"].items():

@@ -25,6 +25,7 @@ import numpy as np
 
 from dcut_core import ragged
 from dcut_core.acceptance import Calibrator, survival, verify_outcomes
+from dcut_core.chains import ChainStop, cut_lengths
 from dcut_core.cost_model import StepShape
 from dcut_core.counterfactual import Trace
 from dcut_core.drafting import AcceptanceTracker, DraftCost, DraftPlanner, Exploration, Predicted, Verified
@@ -61,6 +62,8 @@ class SimSettings:
     shrink: float = 4.0  # the trackers' pull of a request's factor toward 1 (`AcceptanceTracker.shrink`)
     stick: int = 2  # decisions a request's kind is kept for (`DraftingGate.stick`)
     overlap: bool = False  # a step is learnt after the next step's plan (`EngineConfig.overlap`: GPU ranks)
+    chain_stop: bool = True  # chained kinds cut pass by pass (`EngineConfig.chain_stop`, dcut_core/chains.py)
+    chained: tuple[str, ...] = ("mtp",)  # the kinds that draft a pass per position (`DrafterKind.chained`)
 
 
 @dataclass
@@ -159,6 +162,7 @@ class _Run:
         self.ngram = s.kinds.index("ngram") if s.lookahead and "ngram" in s.kinds else None
         self.remote = np.array([k != "ngram" for k in s.kinds])  # the kinds drafted on the replicas
         self._available: np.ndarray | None = None
+        self._passes: dict[int, int] = {}  # the last step's passes of each cut chain (`_cut_chains`)
         self._unlearnt: tuple | None = None  # the last step's learning, and the requests that finished in it
         self.queue: deque[int] = deque(range(len(trace.requests)))
         self.running: list[_Live] = []
@@ -262,6 +266,7 @@ class _Run:
                 got = min(n, int(rt.count[self.kidx[k], x.t]))
                 used[i] = k
             rows.append((rt, self.kidx[k], x.t, got))
+        rows = self._cut_chains(batch, rows, used)
         counts = np.array([g for *_, g in rows], dtype=np.int64)
         cu = np.zeros(len(batch) + 1, dtype=np.int64)
         np.cumsum(counts, out=cu[1:])
@@ -269,6 +274,28 @@ class _Run:
         margin = np.concatenate([rt.margin[k, t, :g] for rt, k, t, g in rows] or [np.zeros(0)]).astype(np.float64)
         truth = np.array([min(g, int(rt.accepted[k, t])) for rt, k, t, g in rows], dtype=np.int64)
         return {"cu": cu, "confidence": conf, "margin": margin, "accepted": truth}, used
+
+    def _cut_chains(self, batch, rows: list, used: np.ndarray) -> list:
+        """Each chained kind's drafts cut as the engine's replica cuts them while its chain runs
+        (`ChainCut`, from the trace's confidences); the passes each ran (`_passes`), which its
+        cost is charged for."""
+        self._passes = {}
+        if not self.s.chain_stop:
+            return rows
+        for j in {j for j, name in enumerate(self.s.kinds) if name in self.s.chained}:
+            mine = [i for i, (*_, got) in enumerate(rows) if used[i] == j and got > 0]
+            if not mine:
+                continue
+            want = np.array([rows[i][3] for i in mine], dtype=np.int64)
+            conf, margin = np.zeros((len(mine), want.max())), np.zeros((len(mine), want.max()))
+            for row, i in enumerate(mine):
+                rt, k, t, got = rows[i]
+                conf[row, :got], margin[row, :got] = rt.confidence[k, t, :got], rt.margin[k, t, :got]
+            rule = ChainStop.of(self.calibrators[j], self._curve(batch), len(batch), self.draft[j].per_pass)
+            lengths, self._passes[j] = cut_lengths(rule, want, conf, margin)
+            for row, i in enumerate(mine):
+                rows[i] = (*rows[i][:3], int(lengths[row]))
+        return rows
 
     def _prune(self, batch, drafts: dict, used: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         cu = drafts["cu"]
@@ -328,8 +355,8 @@ class _Run:
             for j in np.unique(used[counts > 0]):
                 mine = np.nonzero((used == j) & (counts > 0))[0]
                 caught = sum(batch[i].cached(prompt[i]) - batch[i].seen[j] for i in mine)
-                draft += float(self.draft[j].seconds(len(mine), int(counts[mine].sum()), caught,
-                                                     int(counts[mine].max())))
+                passes = self._passes.get(int(j), int(counts[mine].max()))  # a cut chain ran its passes
+                draft += float(self.draft[j].seconds(len(mine), int(counts[mine].sum()), caught, passes))
                 for i in mine:
                     batch[i].seen[j] = batch[i].cached(prompt[i])
         if self.direct:  # context past the backlog limit is sent anyway, and the one kind catches up
@@ -468,8 +495,10 @@ class _OracleRun(_Run):
 
 
 def oracle_run(trace: Trace, kinds: tuple[str, ...], concurrency: int, block: int | None = None) -> SimResult:
-    """The hindsight bound over the trace at concurrency C with these kinds hosted."""
-    return _OracleRun(trace, SimSettings(policy="oracle", kinds=kinds, block=block), concurrency).run()
+    """The hindsight bound over the trace at concurrency C with these kinds hosted (its chains
+    drafted as far as it plans: it knows what passes)."""
+    return _OracleRun(trace, SimSettings(policy="oracle", kinds=kinds, block=block, chain_stop=False),
+                      concurrency).run()
 
 
 def prior_from_trace(trace: Trace, concurrency: int = 4, runs: int = 2) -> LearnedState:

@@ -32,6 +32,7 @@ class DrafterKind:
     holds: Callable[[pathlib.Path | None, str], bool]  # (that folder, the target checkpoint) -> can serve it
     build: Callable[[BuildArgs], object]  # the drafter (`actors/drafter/base.py`'s protocol)
     local: bool = False  # drafted by the coordinator itself (actors/engine/lookahead.py): no replica hosts it
+    chained: bool = False  # a pass per draft position, cut as it runs: `draft` takes a `stop` (dcut_core/chains.py)
 
 
 def _holds_block(folder: pathlib.Path | None, target_dir: str) -> bool:
@@ -105,7 +106,7 @@ def _build_ngram(a: BuildArgs):
 
 REGISTRY: dict[str, DrafterKind] = {k.name: k for k in (
     DrafterKind("block", "drafter", _holds_block, _build_block),
-    DrafterKind("mtp", "mtp", _holds_mtp, _build_mtp),
+    DrafterKind("mtp", "mtp", _holds_mtp, _build_mtp, chained=True),
     DrafterKind("eagle3", "eagle3", _holds_eagle3, _build_eagle3),
     DrafterKind("ngram", None, lambda folder, target_dir: True, _build_ngram, local=True),
 )}

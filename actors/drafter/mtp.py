@@ -30,6 +30,7 @@ from actors.drafter.base import DraftOutput, on
 from actors.drafter.block import sample_drafts
 from actors.target.kv_cache import CacheSpec, PagedKVCache
 from actors.target.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin
+from dcut_core.chains import ChainCut, ChainStop
 
 CONFIG = "mtp_config.json"
 WEIGHTS = "mtp.safetensors"
@@ -229,9 +230,11 @@ class MTPDrafter:
 
     @torch.inference_mode()
     def draft(self, request_ids: list[int], last_tokens: list[int], lengths: list[int], temperature: float = 0.0,
-              rng: np.random.Generator | None = None) -> DraftOutput:
+              rng: np.random.Generator | None = None, stop: ChainStop | None = None) -> DraftOutput:
         """Up to lengths[i] drafts for request i: the first from its newest pair's output, each
-        further one from one more pass over [cached pairs ; drafts so far]."""
+        further one from one more pass over [cached pairs ; drafts so far]. `stop`: the chain is
+        cut as it runs (`dcut_core.chains`), from each pass's greedy confidences — one copy of
+        two numbers a request to the host per pass."""
         lengths = [min(n, self.block - 1) if rid in self._last else 0 for rid, n in zip(request_ids, lengths,
                                                                                          strict=True)]
         live = [i for i, n in enumerate(lengths) if n]
@@ -252,9 +255,12 @@ class MTPDrafter:
             k_all[:, :t], v_all[:, :t] = self.cache.k[0][keys], self.cache.v[0][keys]
             mask = torch.zeros(len(live), t + n, dtype=torch.bool, device=dev)
             mask[:, :t] = torch.arange(t, device=dev)[None, :] < ctx_t[:, None]
+            cut = None if stop is None else ChainCut(stop, np.array([lengths[i] for i in live]))
             for s in range(n):
                 logits = self.module.logits(g).float()
                 steps.append(logits)
+                if cut is not None and not cut.after_pass(*_confidence(logits)):
+                    break
                 if s + 1 == n:
                     break
                 tok = logits.argmax(-1)  # the chain follows the greedy draft (sampling draws below)
@@ -263,6 +269,9 @@ class MTPDrafter:
                 mask[:, t + s] = True
                 g = self.module.finish(x, _attend(q[:, None], k_all[:, :t + s + 1], v_all[:, :t + s + 1],
                                                   mask[:, None, :t + s + 1], self.scale)[:, 0])
+            if cut is not None:
+                for j, i in enumerate(live):
+                    lengths[i] = int(cut.lengths[j])
         rows = [steps[s][j] for j, i in enumerate(live) for s in range(lengths[i])]
         logits = torch.stack(rows) if rows else torch.zeros(0, self.module.vocab_size, device=self.device)
         return sample_drafts(logits, lengths, temperature, rng)
@@ -276,6 +285,15 @@ class MTPDrafter:
 
     def held_requests(self) -> set[int]:
         return set(self.cache.requests) | set(self._tokens) | set(self._hidden) | set(self._last)
+
+
+def _confidence(logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """([L], [L]) on the host: each row's greedy draft's probability and its top-2 margin (as
+    `sample_drafts` computes them), from the logits without a softmax over the vocabulary."""
+    top2 = torch.topk(logits, 2, dim=-1).values
+    p = torch.exp(top2 - torch.logsumexp(logits, dim=-1, keepdim=True))
+    host = torch.stack([p[:, 0], p[:, 0] - p[:, 1]]).double().cpu().numpy()
+    return host[0], host[1]
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

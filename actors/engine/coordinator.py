@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 
+from actors.drafter.kinds import kind as drafter_kind
 from actors.engine.config import EngineConfig
 from actors.engine.constraints import grammar_allowed
 from actors.engine.costs import online, startup_cost_model, startup_draft_cost
@@ -48,6 +49,7 @@ from actors.target.driver import DriverGroup
 from actors.target.group import EPGroup, EPGroupError, InProcessGroup
 from dcut_core import ragged
 from dcut_core.acceptance import Calibrator, survival
+from dcut_core.chains import ChainStop
 from dcut_core.drafting import AcceptanceTracker, Exploration
 from dcut_core.gate import LOOKAHEAD_REQUESTS, DraftingCosts, DraftingGate, GateInput, KindReach, Plan
 from dcut_core.learners import DraftCostLearner, StepOverhead
@@ -83,6 +85,7 @@ class Engine:
         local = self.kinds.index(LOCAL_KIND) if cfg.drafts and LOCAL_KIND in self.kinds else None
         self.lookahead = NgramLookahead(local, cfg.block) if local is not None else None
         self.remote = np.array([k != LOCAL_KIND for k in self.kinds])  # the kinds drafted on the replicas
+        self.chained = [i for i, k in enumerate(self.kinds) if cfg.chain_stop and drafter_kind(k).chained]
         self.draft_cost = self._new_cost_learner()
         self.drafted_by_kind = {k: dict.fromkeys(("chosen", "drafted", "kept", "accepted"), 0) for k in self.kinds}
         self.overhead = StepOverhead()
@@ -321,7 +324,7 @@ class Engine:
         (their look-ahead, with confidences); gathered into one ragged batch. Each kind's cost
         learns from its own time."""
         t0 = time.perf_counter()
-        outs = self.drafters.draft(st.batch, st.plan) if st.plan.drafting else {}
+        outs = self.drafters.draft(st.batch, st.plan, self._chain_stops(st)) if st.plan.drafting else {}
         local = self.lookahead.draft(st.batch, st.plan) if self.lookahead is not None and st.plan.drafting else None
         if not outs and local is None:
             return empty_drafts(len(st.batch), st.plan.kinds)
@@ -335,6 +338,15 @@ class Engine:
             self.draft_cost.observe_kind(self.lookahead.kind, len(idx), int(out.cu[-1]), out.compute_s, 0,
                                          int(counts.max(initial=0)))
         return drafts
+
+    def _chain_stops(self, st: Step) -> dict[int, ChainStop] | None:
+        """Each chained kind's cut this step (`dcut_core.chains`): its calibration, and the prices
+        of a verified token and of one more pass at this batch's plain-decoding rate."""
+        if not self.chained:
+            return None
+        costs = self.draft_cost.costs
+        return {k: ChainStop.of(self.calibrators[k], st.verify_cost, len(st.batch), costs[k].per_pass)
+                for k in self.chained}
 
     def prune(self, st: Step) -> Pruned:
         """The policy's choice of kept drafts per request, from calibrated survivals (each kind's

@@ -35,6 +35,7 @@ from actors.engine.replica import LOCAL, Drafter, DrafterReplica
 from actors.engine.sequence import Sequence
 from actors.inprocess import InProcess, resolve
 from actors.target.group import EPGroupError
+from dcut_core.chains import ChainStop
 
 log = logging.getLogger(__name__)
 
@@ -90,12 +91,15 @@ class DrafterPool:
         """Whether request rid has a drafter (not orphaned)."""
         return self.owner.get(rid) != ORPHAN
 
-    def draft(self, batch: list[Sequence], plan) -> dict[int, tuple[list[int], DraftOutput]]:
+    def draft(self, batch: list[Sequence], plan, stops: dict[int, ChainStop] | None = None,
+              ) -> dict[int, tuple[list[int], DraftOutput]]:
         """Every replica drafts for its shard in parallel, catching up first on its backlog
         (features fetched by the replica from `target`'s ranks): request i plan.lengths[i] drafts
-        with kind plan.kinds[i], or plan.fallback[i] if that makes none. Returns {replica: (batch
-        indices, drafts)} of the replicas that answered."""
+        with kind plan.kinds[i], or plan.fallback[i] if that makes none; a chained kind cut as
+        `stops` (by engine kind) says. Returns {replica: (batch indices, drafts)} of the replicas
+        that answered."""
         calls = {}
+        theirs = {int(self.to_replica[k]): rule for k, rule in (stops or {}).items() if self.to_replica[k] >= 0}
         lengths = plan.lengths.tolist()
         # In the replica's numbering: a kind it does not host is none of its business (-1), and
         # cannot stand in as a fallback there.
@@ -108,7 +112,8 @@ class DrafterPool:
                 catchup = self._sourced(self.ledger.take(rids), self.target)
                 calls[r] = (idx, self.replicas[r].draft.remote(rids, [batch[i].last for i in idx],
                                                                [lengths[i] for i in idx], catchup,
-                                                               [kinds[i] for i in idx], [fallback[i] for i in idx]))
+                                                               [kinds[i] for i in idx], [fallback[i] for i in idx],
+                                                               theirs or None))
         outs = {}
         for r, (idx, ref) in calls.items():
             try:

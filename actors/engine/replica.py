@@ -18,6 +18,7 @@ from actors.drafter.pending import PendingContext
 from actors.engine.backlog import CatchUp
 from actors.inprocess import resolve
 from actors.ray_env import whereabouts
+from dcut_core.chains import ChainStop
 
 log = logging.getLogger(__name__)
 
@@ -89,21 +90,23 @@ class Drafter:
 
     def draft(self, request_ids: list[int], last_tokens: list[int], lengths: list[int],
               catchup: CatchUp | None = None, kinds: list[int] | None = None,
-              fallback: list[int] | None = None) -> DraftOutput:
+              fallback: list[int] | None = None, stops: dict[int, ChainStop] | None = None) -> DraftOutput:
         """Drafts for these requests, request i's by hosted kind kinds[i] (default: the first), or
         by fallback[i] if that kind made none (an n-gram drafter without a match; -1: no
         fallback); `catchup` is context committed since their last draft (the engine's backlog),
         committed first. Requests whose context could not be fetched get no drafts and are named
         in `lost`. `kinds` of the output: the kind that drafted each request; `kind_s` each
-        kind's own drafting time."""
+        kind's own drafting time. `stops`: a chained kind's cut this step, by hosted kind
+        (`dcut_core.chains`)."""
         t0 = time.perf_counter()
+        stops = stops or {}
         if catchup is not None:
             self._catch_up(catchup)
         lost = tuple(rid for rid in request_ids if rid in self.lost)
         if lost:
             lengths = [0 if rid in self.lost else n for rid, n in zip(request_ids, lengths, strict=True)]
         if self.pending is None:  # one kind: the catch-up went straight into it, and is its time too
-            out = self.drafters[0].draft(request_ids, last_tokens, lengths)
+            out = self._draft_with(0, request_ids, last_tokens, lengths, stops)
             spent = time.perf_counter() - t0
             return dataclasses.replace(out, compute_s=spent, lost=lost, kind_s={0: spent},
                                        kinds=np.zeros(len(request_ids), dtype=np.int64),
@@ -115,8 +118,8 @@ class Drafter:
             """(batch indices, drafts) of kind k for requests idx, its held context given to it first."""
             t1 = time.perf_counter()
             context[k] = context.get(k, 0) + self.pending.flush(k, [request_ids[i] for i in idx if lengths[i] > 0])
-            out = self.drafters[k].draft([request_ids[i] for i in idx], [last_tokens[i] for i in idx],
-                                         [lengths[i] for i in idx])
+            out = self._draft_with(k, [request_ids[i] for i in idx], [last_tokens[i] for i in idx],
+                                   [lengths[i] for i in idx], stops)
             kind_s[k] = kind_s.get(k, 0.0) + time.perf_counter() - t1
             return idx, out
 
@@ -133,6 +136,14 @@ class Drafter:
         out = merge_outputs(len(request_ids), parts)  # a fallback's rows replace the empty ones
         return dataclasses.replace(out, compute_s=time.perf_counter() - t0, lost=lost, kind_s=kind_s, kinds=used,
                                    kind_context=context)
+
+    def _draft_with(self, k: int, rids: list[int], last: list[int], lengths: list[int],
+                    stops: dict[int, ChainStop]) -> DraftOutput:
+        """Hosted kind k's drafts (its cut, if it has one this step)."""
+        stop = stops.get(k)
+        if stop is None:
+            return self.drafters[k].draft(rids, last, lengths)
+        return self.drafters[k].draft(rids, last, lengths, stop=stop)
 
     def _catch_up(self, c: CatchUp) -> None:
         """Commit a catch-up: per request, the rows sent along, then those fetched from the

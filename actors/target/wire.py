@@ -29,7 +29,7 @@ CALLS: dict[tuple[str, str], tuple[str, ...]] = {
     ("target", "cache_info"): (),
     ("target", "take_features"): ("dict", "|", "bool"),
     ("target", "ping"): (),
-    ("drafter", "draft"): ("list", "list", "list", "|", "CatchUp?", "list?", "list?"),
+    ("drafter", "draft"): ("list", "list", "list", "|", "CatchUp?", "list?", "list?", "dict?"),
     ("drafter", "commit"): ("CatchUp",),
     ("drafter", "release"): ("list",),
     ("drafter", "target_layers"): (),
@@ -48,6 +48,7 @@ DATACLASSES = {
     "RequestControls": "actors.target.sampling",
     "CatchUp": "actors.engine.backlog",
     "DraftOutput": "actors.drafter.base",
+    "ChainStop": "dcut_core.chains",
 }
 EXCEPTIONS = {
     "BatchRejected": "actors.target.worker",

@@ -18,6 +18,7 @@ from actors.target.checkpoint import load_model
 from actors.target.decode import greedy_decode
 from actors.target.local import LocalTarget
 from actors.target.model import ForwardBatch
+from dcut_core.chains import ChainStop, cut_lengths
 from tests.conftest import tiny_mtp
 
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5], [9, 10], [40, 41, 42, 40, 41], [3, 4, 3, 4, 3, 4]]
@@ -75,8 +76,34 @@ def test_incremental_drafting_equals_a_naive_full_recompute(tiny_bundle, tmp_pat
         want = naive_drafts(module, norm, model, p, [5, 3, 1, 4][i])
         assert got.tokens[got.cu[i]:got.cu[i + 1]].tolist() == want
     assert np.all((got.confidence > 0) & (got.confidence <= 1)) and np.all(got.margin >= 0)
+    check_chain_cut(drafter, got, [5, 3, 1, 4])
     drafter.release([0])
     assert drafter.draft([0], [5], [3]).cu.tolist() == [0, 0]  # no context: no drafts
+
+
+def check_chain_cut(drafter: MTPDrafter, full, wanted: list[int]) -> None:
+    """The chain cut as it runs (`stop`) keeps a prefix of the uncut drafts, as long as the cut
+    computed on the host from the uncut drafts' confidences says (dcut_core/chains.py)."""
+    rids, last = list(range(len(PROMPTS))), [p[-1] for p in PROMPTS]
+    n = max(wanted)
+    conf, margin = np.zeros((len(rids), n)), np.zeros((len(rids), n))
+    for i in rids:
+        row = slice(full.cu[i], full.cu[i + 1])
+        conf[i, :wanted[i]], margin[i, :wanted[i]] = full.confidence[row], full.margin[row]
+    never = ChainStop((0.0, 1.0, 0.0, 0.0), 6, 0.0, 0.0)
+    same = drafter.draft(rids, last, wanted, stop=never)
+    assert same.tokens.tolist() == full.tokens.tolist() and np.allclose(same.confidence, full.confidence)
+    once = drafter.draft(rids, last, wanted, stop=ChainStop((0.0, 1.0, 0.0, 0.0), 6, 0.0, 1e9))
+    assert np.diff(once.cu).tolist() == [1] * len(rids)  # no request can pay a second pass
+    assert once.tokens.tolist() == [full.tokens[full.cu[i]] for i in rids]
+    survival = np.sort(np.cumprod(conf, axis=1)[conf > 0])
+    gap = int(np.argmax(np.diff(survival)))
+    rule = ChainStop((0.0, 1.0, 0.0, 0.0), 6, float(survival[gap:gap + 2].mean()), 0.0)  # far from every survival
+    cut = drafter.draft(rids, last, wanted, stop=rule)
+    expect, _ = cut_lengths(rule, np.array(wanted), conf, margin)
+    assert np.diff(cut.cu).tolist() == expect.tolist() and expect.sum() < sum(wanted)
+    for i in rids:
+        assert cut.tokens[cut.cu[i]:cut.cu[i + 1]].tolist() == full.tokens[full.cu[i]:full.cu[i] + expect[i]].tolist()
 
 
 def test_deepseek_layout_loads_and_a_foreign_head_is_refused(tiny_bundle, tmp_path):

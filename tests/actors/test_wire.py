@@ -16,6 +16,7 @@ from actors.target.kv_cache import KVCacheFull
 from actors.target.moe import StepStats
 from actors.target.sampling import Controls, RequestControls
 from actors.target.worker import BatchRejected, RankBatch, RankResult
+from dcut_core.chains import ChainStop
 
 
 def same(a, b) -> bool:
@@ -100,13 +101,17 @@ def test_a_call_must_fit_its_signature_before_anything_runs():
           ("target", "take_features", ({3: (0, 2)}, False)), ("target", "cache_info", ()),
           ("drafter", "draft", ([3], [7], [4])), ("drafter", "draft", ([3], [7], [4], None, [0], None)),
           ("drafter", "draft", ([3], [7], [4], catchup, [0], [-1])), ("drafter", "commit", (catchup,)),
+          ("drafter", "draft", ([3], [7], [4], None, [1], [-1], {1: ChainStop((0.0, 1.0, 0.0, 0.0), 8, 0.2, 1.5)})),
           ("target", "release", ((3, 4),))]
     for part, method, args in ok:
         assert wire.read_call(wire.call(part, method, args, True))[:2] == (part, method)
+    stops = ok[-2][2][-1]
+    assert wire.read_call(wire.call("drafter", "draft", ok[-2][2], True))[2][-1] == stops  # a chain's cut, exactly
     bad = [("target", "forward", ()), ("target", "forward", ({"tokens": [1]},)), ("target", "truncate", ([3],)),
            ("target", "ping", (1,)), ("target", "take_features", ({}, "yes")),
            ("drafter", "draft", ([3], [7])), ("drafter", "draft", ([3], [7], [4], "catchup")),
-           ("drafter", "draft", ([3], [7], [4], None, None, None, None)), ("drafter", "commit", (None,))]
+           ("drafter", "draft", ([3], [7], [4], None, None, None, None, None)),
+           ("drafter", "draft", ([3], [7], [4], None, None, None, [0.2])), ("drafter", "commit", (None,))]
     for part, method, args in bad:
         with pytest.raises(wire.WireError, match=f"{part}.{method}"):
             wire.read_call(wire.call(part, method, args, True))
