@@ -11,8 +11,10 @@ training trace only; the held-out trace is reported, never tuned on.
    conditional acceptance by position is fitted per match bucket (none, 1–2, 3–5, 6+ drafts
    available) on the training trace; the gate's trackers predict from that table times the
    request's own factor instead of from the global rates.
-3. **Chains cut as they run** (dcut_core/chains.py; the engine's default since session 24, so the
-   stock rows have it): the same settings with `chain_stop` off, MTP's chains run to the plan.
+3. **Chains cut as they run** (dcut_core/chains.py, `EngineConfig.chain_stop`): MTP's chains cut
+   pass by pass where the calibrated survival of their drafts no longer pays. The simulator
+   charges nothing for the per-pass confidences the cut reads (session 24: off by default, since
+   end to end they cost more than the cut saves).
 4. **The step's own time**: the same settings with the drafting policy's own time per step (the
    gate, the chooser, learning, bookkeeping; `TraceCosts.own_policy`, `own_drafting`) at zero.
 5. **Whose prediction is the loss**: the engine's gate (every kind) told in hindsight how many
@@ -185,8 +187,8 @@ def experiments(train, trace, prior=None) -> dict:
         out["signal"][name] = {"stock": ratios(trace, lambda c, s=s: simulate_trace(trace, s, c), kinds),
                                "n-gram match table": ratios(trace, lambda c, s=s: SignalRun(trace, s, c, table).run(),
                                                             kinds)}
-        uncut = dataclasses.replace(s, chain_stop=False)
-        out["early_stop"][name] = ratios(trace, lambda c, s=uncut: simulate_trace(trace, s, c), kinds)
+        cut = dataclasses.replace(s, chain_stop=True)
+        out["early_stop"][name] = ratios(trace, lambda c, s=cut: simulate_trace(trace, s, c), kinds)
         out["own_time_zero"][name] = ratios(quiet, lambda c, s=s: simulate_trace(quiet, s, c), kinds)
     every = KIND_SETS[-1]
     for told in (("ngram",), ("mtp",), ("block",), every):
@@ -204,7 +206,7 @@ def render(name: str, res: dict) -> str:
         for variant, row in rows.items():
             lines.append(f"| trackers: {variant} | {kinds} | " + " | ".join(f"{x:.2f}" for x in row) + " |")
     for kinds, row in res["early_stop"].items():
-        lines.append(f"| chains not cut (`chain_stop` off) | {kinds} | " + " | ".join(f"{x:.2f}" for x in row) + " |")
+        lines.append(f"| chains cut (`chain_stop`) | {kinds} | " + " | ".join(f"{x:.2f}" for x in row) + " |")
     for kinds, row in res["own_time_zero"].items():
         lines.append(f"| policy's own time at 0 | {kinds} | " + " | ".join(f"{x:.2f}" for x in row) + " |")
     for told, row in res["told"].items():

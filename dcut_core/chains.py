@@ -16,9 +16,12 @@ it runs, pass by pass:
   `per_pass`: the tokens that rate makes in one more pass of the chain — the next pass's drafts
   (no likelier than these) cannot pay for it.
 
-Exact replays of the engine's decisions over counterfactual traces put this at +0.12–0.13 × `ar`
-for MTP at C = 1 and +0.03–0.09 for `auto` at C = 4–16 (docs/benchmarks.md, session 24). The cut
-only drafts less: what is verified stays the target's call, so output is unchanged.
+Exact replays of the engine's decisions over counterfactual traces put this at +0.10 × `ar` for
+MTP at C = 1 and up to +0.06 for `auto`; end to end on this CPU it does not pay (MTP 0.86–0.89 ×
+uncut at C = 4 and 16): reading each pass's confidences costs 30 µs at one request and 175 µs at
+16, 10–15 % of an MTP pass here, which the simulator does not charge (docs/benchmarks.md, session
+24). So `EngineConfig.chain_stop` is off by default; it only drafts less: what is verified stays
+the target's call, and output is unchanged either way.
 """
 
 from __future__ import annotations

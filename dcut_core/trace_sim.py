@@ -62,7 +62,7 @@ class SimSettings:
     shrink: float = 4.0  # the trackers' pull of a request's factor toward 1 (`AcceptanceTracker.shrink`)
     stick: int = 2  # decisions a request's kind is kept for (`DraftingGate.stick`)
     overlap: bool = False  # a step is learnt after the next step's plan (`EngineConfig.overlap`: GPU ranks)
-    chain_stop: bool = True  # chained kinds cut pass by pass (`EngineConfig.chain_stop`, dcut_core/chains.py)
+    chain_stop: bool = False  # chained kinds cut pass by pass (`EngineConfig.chain_stop`, dcut_core/chains.py)
     chained: tuple[str, ...] = ("mtp",)  # the kinds that draft a pass per position (`DrafterKind.chained`)
 
 

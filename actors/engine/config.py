@@ -43,7 +43,9 @@ class EngineConfig:
     drafter_backlog_tokens: int = 512  # context held back per request until it drafts (lazy upkeep)
     draft_slack: int = 2  # positions drafted past the gate's plan, for pruning to judge
     draft_extend: bool = True  # and every further position that pays for its own drafting (pruning judges)
-    chain_stop: bool = True  # a chained kind (MTP) cut pass by pass on its calibrated confidences (dcut_core/chains.py)
+    # A chained kind (MTP) cut pass by pass on its calibrated confidences (dcut_core/chains.py). Off: on this
+    # machine its per-pass confidences cost more than the cut saves (docs/benchmarks.md, session 24).
+    chain_stop: bool = False
     guard_threshold: float = 0.02
     max_budget: int | None = None
     step_log: str | None = None  # msgpack file of every step's drafts and decisions

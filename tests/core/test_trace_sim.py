@@ -330,3 +330,18 @@ def test_tuned_hosts_the_set_of_kinds_whose_choice_replays_fastest():
     assert choose_hosted([one], levels=(1,), orders=1).kinds == ("ngram",)
     with pytest.raises(ValueError, match="different kinds"):
         choose_hosted([trace, one], levels=(1,), orders=1)
+
+
+def test_a_cut_chain_drafts_less_and_is_charged_the_passes_it_ran():
+    """MTP's chains cut as the engine's replica cuts them (`chain_stop`): every token still made,
+    fewer drafts than uncut where confidences fall (0.5 a draft: survivals 0.5, 0.25, ...), and
+    each step's drafting time that of the passes the cut ran (`cut_lengths`)."""
+    rng = np.random.default_rng(1)
+    reqs = tuple(request(8, rng.integers(0, 5, size=(1, 30)).tolist(), 6, conf=0.5) for _ in range(4))
+    trace = Trace(("mtp",), 6, 31, reqs, costs(draft=DraftCost(0.002, 0.0, 0.0002, 0.0, 0.003)))
+    uncut = simulate_trace(trace, SimSettings(policy="full", kinds=("mtp",)), 2)
+    cut = simulate_trace(trace, SimSettings(policy="full", kinds=("mtp",), chain_stop=True), 2)
+    assert uncut.tokens == cut.tokens == trace.output_tokens
+    assert 0 < cut.drafted < uncut.drafted and cut.draft_seconds < uncut.draft_seconds
+    one = simulate_trace(trace, SimSettings(policy="full", kinds=("mtp",), chain_stop=True, chained=()), 2)
+    assert one.drafted == uncut.drafted  # a kind not chained is never cut
