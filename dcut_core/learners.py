@@ -84,8 +84,8 @@ class RateFit:
         scale = np.where(scale > 0, scale, 1.0 / float(np.median(y)))  # a feature no pass had: a unit of it
         pin = math.sqrt(PRIOR_WEIGHT) * scale
         design = np.vstack([a, np.diag(pin)])
-        unit = np.abs(design).max(axis=0)  # columns brought to one scale: a per-call rate of 30 µs beside a
-        # per-token one of 20 µs left the active-set solver at zeros (tests/core/test_learners.py)
+        unit = np.abs(design).max(axis=0)  # columns brought to one scale: a call's 1 / seconds beside 50
+        # context tokens / seconds (columns ~100 × apart) left the active-set solver at zeros (test_learners.py)
         c = (nnls(design / unit, np.concatenate([np.ones(len(y)), pin * now])) / unit).astype(float)
         self.fitted, self.log_ratio, self._since = DraftCost(*c), 0.0, 0
 
