@@ -58,6 +58,19 @@ def local_rank_device(gpus: float, pg=None, bundle: int = 0, timeout_s: float = 
     return f"cuda:{torch_index(gpu_id, os.environ.get('CUDA_VISIBLE_DEVICES'))}", holder
 
 
+def memory_in_use(device) -> tuple[int, int]:
+    """(bytes in use, total bytes) of the GPU `device`, as a new allocation there sees it: what the
+    device reports used, less what this process's caching allocator keeps for no tensor. torch
+    keeps freed blocks, and the device counts them as used: after a rank in this process closed
+    (a rebuilt unit, a second engine), its whole KV cache would otherwise look taken (found on
+    the first GPU run: "room for only 0 KV tokens, 123.8 of 139.8 GiB in use")."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info(device)
+    idle = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return total - free - idle, total
+
+
 def release_gpu(holder) -> None:
     """Give a `GpuHolder`'s GPU back to Ray (None: nothing held)."""
     if holder is not None:

@@ -13,6 +13,7 @@ its arguments) from the unit's control group and answers them; no Ray call per s
 
 from __future__ import annotations
 
+import gc
 import logging
 import socket
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from actors.ray_env import whereabouts
 from actors.target import wire
 from actors.target.checkpoint import load_model, serving_dtype
 from actors.target.features import FeatureStore
+from actors.target.gpu import memory_in_use
 from actors.target.host import download, upload
 from actors.target.kv_cache import KVCacheFull, tokens_for_memory
 from actors.target.link import RankLink
@@ -142,14 +144,14 @@ class TargetRank:
         s = self.spec
         if s.device == "cpu":
             return s.kv_capacity_tokens
-        free, total = torch.cuda.mem_get_info()
+        used, total = memory_in_use(torch.device(s.device))
         spec = self.model.cache_spec(s.kv_block_size, s.kv_block_size)
         per_token = spec.bytes_per_token * self.model.lm_head.weight.element_size()
-        tokens = tokens_for_memory(total, total - free, s.gpu_memory_utilization, per_token, s.kv_block_size,
+        tokens = tokens_for_memory(total, used, s.gpu_memory_utilization, per_token, s.kv_block_size,
                                    s.activation_reserve_bytes)
         if tokens < MIN_KV_TOKENS:
             raise RuntimeError(
-                f"rank {s.rank}: room for only {tokens} KV tokens ({(total - free) / 2**30:.1f} of "
+                f"rank {s.rank}: room for only {tokens} KV tokens ({used / 2**30:.1f} of "
                 f"{total / 2**30:.1f} GiB in use after loading the weights, utilization {s.gpu_memory_utilization}); "
                 "raise gpu_memory_utilization, or serve at a larger EP or in a smaller dtype")
         return tokens
@@ -295,10 +297,15 @@ class TargetRank:
 
     def close(self) -> None:
         """Let go of the model, the KV cache, the stored features and the guests (a rank in the
-        driver's process, before its replacement loads: never two ranks' memory at once)."""
+        driver's process, before its replacement loads: never two ranks' memory at once), and hand
+        the GPU memory back to the device (other processes see it free; this one counts it free
+        either way: `memory_in_use`)."""
         self.model = self.cache = self.data = self.link = None
         self.features = FeatureStore()
         self.parts = {"target": self}
+        if self.spec.device != "cpu":
+            gc.collect()  # a cycle through a guest may still hold the cache's tensors
+            torch.cuda.empty_cache()
 
     def cache_info(self) -> dict:
         return {"free_tokens": self.cache.free_tokens, "requests": len(self.cache.requests),

@@ -53,6 +53,29 @@ def test_kv_tokens_fill_what_the_weights_and_the_reserve_leave():
     assert tokens_for_memory(1000, 0, 1.0, 10, 16) == 96  # whole blocks only
 
 
+def test_a_closed_ranks_cached_gpu_memory_counts_as_free(monkeypatch, tiny_checkpoint):
+    """torch's caching allocator keeps a closed rank's KV cache, and the device reports it used;
+    the next rank in the process must count it free (the first GPU run's failure: a second engine
+    in one process found "room for only 0 KV tokens"). The CUDA calls are stood in for here;
+    tests/gpu/test_cuda.py builds two engines in one process on a real GPU."""
+    from actors.target.gpu import memory_in_use
+    from actors.target.worker import TargetRank, WorkerSpec
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gib, 100 * gib))  # 90 used
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 85 * gib)  # this process holds 85
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 5 * gib)  # 5 in live tensors
+    assert memory_in_use(torch.device("cuda")) == (10 * gib, 100 * gib)  # 90 - (85 - 5) idle
+    rank = TargetRank(WorkerSpec(tiny_checkpoint, 0, 1, device="cuda"))
+    rank.model = load_model(tiny_checkpoint)
+    spec = rank.model.cache_spec(16, 16)
+    per_token = spec.bytes_per_token * 4
+    assert rank._kv_tokens() == tokens_for_memory(100 * gib, 10 * gib, 0.9, per_token, 16, 2 * gib) > 0
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 5 * gib)  # nothing idle: 90 in use
+    with pytest.raises(RuntimeError, match="room for only 0 KV tokens"):
+        rank._kv_tokens()
+
+
 def test_the_profile_of_one_dtype_is_never_reused_for_another(tiny_bundle):
     f32 = EngineConfig(target_dir=f"{tiny_bundle}/target", dtype="float32")
     assert deployment_key(f32) == deployment_key(EngineConfig(target_dir=f"{tiny_bundle}/target"))  # auto on CPU

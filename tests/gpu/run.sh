@@ -15,6 +15,8 @@
 #               with the learning behind the forward (as served on GPUs) and without (`(sequential)`
 #               rows: whether the overlap pays on a GPU), then `dcut simulate` of DeepSeek-V3 on H200
 #               at EP 32 with those times
+#   rank-step   where one decode forward of the bundled target goes on the GPU: wall, host and
+#               device-busy ms, kernels launched and host waits per forward (benchmarks/rank_step.py)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-runs/gpu}
@@ -75,6 +77,15 @@ if "$python" -c 'import ray' 2>/dev/null; then
   fi
 else
   record coordinator FAIL "ray is not installed for $python: the coordinator was not measured"
+fi
+
+# rank-step: is a decode forward bound by the device or by the host (Python, launches, waits)?
+timeout 120 "$python" benchmarks/rank_step.py --device cuda --dtypes float16,float32 --requests 1,16,64,256 \
+  --tokens 1,8 --out "$out/rank_step" > "$out/rank_step.log" 2>&1
+rc=$?
+if [ "$rc" = 124 ]; then record rank-step FAIL "timed out after 120 s; see rank_step.log"
+elif [ "$rc" != 0 ]; then record rank-step FAIL "benchmarks/rank_step.py exit $rc; see rank_step.log"
+else record rank-step PASS "wall, host and device-busy ms per forward in $out/rank_step/table.md"
 fi
 
 {

@@ -18,6 +18,19 @@ BUNDLED = pathlib.Path(__file__).resolve().parents[2] / "models" / "demo" / "tar
 PROMPTS = [[11, 12, 13, 14, 15], [40, 41], [7] * 37]
 
 
+@pytest.fixture(scope="module")
+def local_ray():
+    """One local Ray for the tests here that need one (a second `ray.init` in a process raises:
+    the first GPU run's second failure), shut down after them."""
+    import ray
+
+    from actors.ray_env import start_local_ray
+
+    start_local_ray(num_cpus=4)
+    yield
+    ray.shutdown()
+
+
 def forward_on(device: str) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """Prefill then one 3-token verify step on `device`, moved there as the rank worker does."""
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -93,15 +106,13 @@ def test_fp8_weights_stay_fp8_on_a_gpu_that_multiplies_them(tmp_path, latent):
     assert float((kept - plain).norm() / plain.norm()) < 0.05
 
 
-def test_bf16_serving_on_cuda_parts_from_plain_decoding_only_at_near_ties(tmp_path):
+def test_bf16_serving_on_cuda_parts_from_plain_decoding_only_at_near_ties(tmp_path, local_ray):
     """The demo model served in bf16 with the rank on the GPU (EP 1, in this process): greedy
     `full` drafting against `ar`, and bf16 `ar` against float32 `ar`, may differ only where the two
     tokens' float32 logits are within bf16's rounding (tests/actors/test_dtype.py); the KV cache
     is bf16 and sized from the GPU's free memory; drafts were accepted."""
-    from actors.ray_env import start_local_ray
     from tests.actors.test_dtype import bf16_against_plain
 
-    start_local_ray(num_cpus=4)
     prompts = [[11, 12, 13, 14, 15] * 4, [40, 41, 42] * 5, [7] * 37, list(range(100, 140))]
     diverged, far, accepted = bf16_against_plain(str(BUNDLED), str(tmp_path), prompts, 48, gpus_per_rank=1)
     assert accepted > 0
@@ -230,7 +241,7 @@ def test_a_world_size_one_nccl_group_dispatches_and_agrees():
     assert torch.equal(got, want)
 
 
-def test_a_rank_forward_on_cuda_equals_the_cpu_with_sampling_controls_grammar_and_logprobs():
+def test_a_rank_forward_on_cuda_equals_the_cpu_with_sampling_controls_grammar_and_logprobs(local_ray):
     """`TargetRank.forward` — the rank's whole step, not only the model — on CUDA against the CPU,
     both float32: a greedy request with log-probabilities, a sampling one with penalties, a
     logit bias, top-k and min-p, and a sampling one under a grammar's mask. The argmax and the
@@ -239,11 +250,9 @@ def test_a_rank_forward_on_cuda_equals_the_cpu_with_sampling_controls_grammar_an
     under the grammar is one it allows."""
     import numpy as np
 
-    from actors.ray_env import start_local_ray
     from actors.target.sampling import Controls, RequestControls
     from actors.target.worker import RankBatch, TargetRank, WorkerSpec
 
-    start_local_ray(num_cpus=4)
     torch.backends.cuda.matmul.allow_tf32 = False
     rng = np.random.default_rng(0)
     chunks = [list(range(20, 32)), [7, 8, 9, 7, 8, 9, 7, 8], list(range(100, 110))]

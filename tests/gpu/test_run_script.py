@@ -26,7 +26,8 @@ def test_without_a_gpu_it_fails_and_says_nothing_was_checked(tmp_path):
     assert rc == 2 and "NOTHING WAS CHECKED" in out
 
 
-def stand_in(tmp_path, pytest_says: str, pytest_rc: int, ray: bool, bench_rc: int, coordinator_rc: int = 0) -> str:
+def stand_in(tmp_path, pytest_says: str, pytest_rc: int, ray: bool, bench_rc: int, coordinator_rc: int = 0,
+             rank_step_rc: int = 0) -> str:
     """An interpreter that claims a GPU and answers each call of the script as told."""
     path = tmp_path / "python"
     path.write_text(f"""#!/usr/bin/env bash
@@ -36,6 +37,7 @@ case "$*" in
   *"get_device_name"*) echo "torch stand-in cuda 12 Fake GPU"; exit 0 ;;
   *deployments.cli*) echo bench; exit {bench_rc} ;;
   *benchmarks/coordinator.py*) echo coordinator; exit {coordinator_rc} ;;
+  *benchmarks/rank_step.py*) echo rank_step; exit {rank_step_rc} ;;
   *"-m pytest"*) printf '%s\\n' "{pytest_says}"; exit {pytest_rc} ;;
 esac
 exit 3
@@ -54,10 +56,12 @@ exit 3
     ("5 passed in 3.0s", 0, True, 0, 1, "coordinator"),  # an output differed from greedy, or it crashed
     ("5 passed in 3.0s", 0, True, 0, 124, "coordinator"),  # timed out
     ("5 passed in 3.0s", 0, False, 0, 0, "coordinator"),  # not measured is not passed
+    ("5 passed in 3.0s", 0, True, 0, 0, "rank-step"),  # benchmarks/rank_step.py crashed (rc 1 below)
 ])
 def test_any_failing_check_fails_the_script_and_is_named(tmp_path, pytest_says, pytest_rc, ray, bench_rc,
                                                          coordinator_rc, failing):
-    rc, out = run(tmp_path, stand_in(tmp_path, pytest_says, pytest_rc, ray, bench_rc, coordinator_rc))
+    rank_step_rc = 1 if failing == "rank-step" else 0
+    rc, out = run(tmp_path, stand_in(tmp_path, pytest_says, pytest_rc, ray, bench_rc, coordinator_rc, rank_step_rc))
     summary = (tmp_path / "out" / "summary.txt").read_text()
     if failing is None:
         assert rc == 0 and "FAIL" not in summary, out
