@@ -35,6 +35,7 @@ class LocalTarget:
             batch = ForwardBatch(batch.request_ids, batch.tokens, batch.cu, torch.tensor(index, dtype=torch.long))
         stats = StepStats()
         out, captured = self.model(batch, self.cache, stats, capture_layers)
+        stats.settle()
         rows = [len(c) for c in chunks] if logits == "all" else [1] * len(chunks) if logits == "last" \
             else [len(p) for p in logits]
         rows_cu = np.zeros(len(chunks) + 1, dtype=np.int64)

@@ -37,6 +37,28 @@ class StepStats:
     requests: int = 0
     context: int = 0  # Σ over requests of cached tokens before this forward
     per_layer: list[int] = field(default_factory=list, repr=False)
+    # [E] pairs per expert of each MoE layer that counted on the device only (one rank, grouped
+    # experts: nothing on the host needs the counts), read back with the step's results (`settle`)
+    unread: list[torch.Tensor] = field(default_factory=list, repr=False, init=False, compare=False)
+
+    def unread_counts(self) -> torch.Tensor | None:
+        """The layers' unread counts as one [layers, E] tensor to download with the step's results."""
+        return torch.stack(self.unread) if self.unread else None
+
+    def settle(self, counts=None) -> StepStats:
+        """Fold the unread counts in (`counts`: their host copy, else read here); returns self."""
+        if self.unread:
+            rows = (self.unread_counts() if counts is None else counts).tolist()
+            self.unread = []
+            for row in rows:
+                self.count_layer(row)
+        return self
+
+    def count_layer(self, counts: list[int]) -> None:
+        touched = sum(c > 0 for c in counts)
+        self.distinct_experts += touched
+        self.per_layer.append(touched)
+        self.moe_layers += 1
 
     @property
     def other_s(self) -> float:
@@ -79,9 +101,11 @@ class LocalExperts(nn.Module):
             return self.grouped
         return rows.device.type == "cuda" and grouped_mm_runs(str(rows.device), rows.dtype)
 
-    def forward(self, rows: torch.Tensor, counts: list[int], on_device: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, rows: torch.Tensor, counts: list[int] | None, on_device: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """rows [M, H] grouped by local expert (counts[e] rows each; `on_device`: the same counts
-        as a tensor on the rows' device, for the grouped path) -> outputs [M, H]."""
+        as a tensor on the rows' device, for the grouped path, which then needs no `counts`) ->
+        outputs [M, H]."""
         if self.uses_grouped(rows):
             if on_device is None:
                 on_device = torch.tensor(counts, device=rows.device)
@@ -118,6 +142,16 @@ class Dispatch:
         t0 = time.perf_counter()
         # [E] pairs per global expert (not `bincount`: on a GPU it reads the largest id to the host)
         send_e = flat.new_zeros(num_experts).index_add_(0, flat, torch.ones_like(flat))
+        if self.world == 1 and experts.uses_grouped(x):
+            # One rank, grouped experts: the pairs sorted by expert are the experts' rows in order,
+            # and the grouped matmul reads the groups' ends on the device: no host synchronisation.
+            done = experts(x[order // k], None, send_e)
+            y = torch.empty_like(done)
+            y[order] = done
+            if stats is not None:
+                stats.experts_s += time.perf_counter() - t0
+                stats.unread.append(send_e)
+            return (y.view(n, k, x.shape[1]) * topk_w[..., None].to(y.dtype)).sum(1)
         recv_e = self.exchange_counts(send_e)  # [E]: from rank s to my expert j at s·E_r + j
         per_rank = num_experts // self.world
         # The layer's one host synchronisation: both count vectors in one copy. The all-to-all's
@@ -147,10 +181,7 @@ class Dispatch:
             stats.experts_s += t2 - t1
             stats.combine_s += t3 - t2
             stats.bytes_sent += 2 * (sum(send) - send[self.rank]) * x.shape[1] * x.element_size()
-            touched = sum(c > 0 for c in counts)
-            stats.distinct_experts += touched
-            stats.per_layer.append(touched)
-            stats.moe_layers += 1
+            stats.count_layer(counts)
         return out
 
 

@@ -209,9 +209,10 @@ class TargetRank:
         # float16 features: the drafter was trained on features of that precision, and half the
         # bytes keep a decode step's result under Ray's inline size at concurrency 64.
         names = list(captured)
-        host = download(argmax, logits if rb.with_logits else None, sampled, logprobs,
+        host = download(argmax, logits if rb.with_logits else None, sampled, logprobs, stats.unread_counts(),
                         *(captured[k].half() for k in names))
-        return RankResult(host[0], host[1], dict(zip(names, host[4:], strict=True)), stats, host[2], host[3])
+        stats.settle(host[4])
+        return RankResult(host[0], host[1], dict(zip(names, host[5:], strict=True)), stats, host[2], host[3])
 
     @staticmethod
     def _controlled(logits: torch.Tensor, rb: RankBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -78,3 +78,35 @@ def test_at_most_one_host_synchronisation_per_moe_layer(latent):
     # per layer: <= 1, for MoE layers only
     assert b - a <= large.cfg.moe_layers - small.cfg.moe_layers, (small_counts, large_counts)
     assert a <= small.cfg.moe_layers + 1, small_counts  # and one per forward: the batch's lengths
+
+
+def test_one_rank_with_grouped_experts_reads_nothing_back_per_moe_layer():
+    """At EP 1 with grouped experts (a GPU rank in bf16) no host code needs the expert counts:
+    the grouped matmul reads the groups' ends on the device, so a MoE layer synchronises not at
+    all; its counts ride back with the step's results (`StepStats.settle`) and give the loop's
+    statistics. Forced here on the CPU, where torch runs the grouped matmul too."""
+    from actors.target.moe import StepStats, grouped_mm_runs
+
+    if not grouped_mm_runs("cpu", torch.float32):
+        pytest.skip(f"torch {torch.__version__} has no grouped matmul on the CPU")
+    model = tiny_model(0, num_hidden_layers=7, mlp_only_layers=(1,))  # 6 MoE layers
+    loop_counts = syncs_per_decode_step(model)
+    for block in model.moe_blocks():
+        block.experts.grouped = True
+    grouped_counts = syncs_per_decode_step(model)
+    assert sum(grouped_counts.values()) <= 1, grouped_counts  # the forward's own, none per layer
+    assert sum(loop_counts.values()) - sum(grouped_counts.values()) >= model.cfg.moe_layers
+
+    stats = {}
+    for grouped in (False, True):
+        for block in model.moe_blocks():
+            block.experts.grouped = grouped
+        cache, s = model.new_cache(512), StepStats()
+        with torch.no_grad():
+            model(ForwardBatch.from_lists([0, 1], [[5, 6, 7, 8], [9, 10]], "all"), cache, s)
+        assert bool(s.unread) == grouped  # counted on the device, not yet read
+        stats[grouped] = s.settle()
+        assert not s.unread
+    assert stats[True].per_layer == stats[False].per_layer and len(stats[True].per_layer) == model.cfg.moe_layers
+    assert (stats[True].distinct_experts, stats[True].moe_layers) == (stats[False].distinct_experts,
+                                                                      stats[False].moe_layers)

@@ -48,3 +48,25 @@ def test_a_rank_hands_back_a_token_per_row_drawn_as_the_host_would(tiny_checkpoi
     want = rules.inverse_cdf(probs, rb.uniform[rows])
     assert np.array_equal(res.sampled[rows], want)
     assert np.array_equal(res.sampled[~rows], res.argmax[~rows])  # greedy rows: the argmax
+
+
+def test_a_rank_with_grouped_experts_reports_its_expert_counts_from_the_one_download(tiny_checkpoint):
+    """At EP 1 with grouped experts a MoE layer leaves its counts on the device; the rank reads
+    them back with the step's results and reports what the per-expert loop reports."""
+    from actors.target.moe import grouped_mm_runs
+
+    if not grouped_mm_runs("cpu", torch.float32):
+        pytest.skip(f"torch {torch.__version__} has no grouped matmul on the CPU")
+    rb = rank_batch(4, 3, np.zeros(4, dtype=bool), np.random.default_rng(1))
+    results = {}
+    for grouped in (False, True):
+        rank = TargetRank(WorkerSpec(tiny_checkpoint, 0, 1, kv_capacity_tokens=1024))
+        rank.setup(("127.0.0.1", 0))
+        for block in rank.model.moe_blocks():
+            block.experts.grouped = grouped
+        results[grouped] = rank.forward(rb)
+    loop, grouped = results[False], results[True]
+    assert np.array_equal(loop.argmax, grouped.argmax)
+    assert not grouped.stats.unread and grouped.stats.per_layer == loop.stats.per_layer
+    assert grouped.stats.moe_layers == loop.stats.moe_layers > 0
+    assert wire.unpack(wire.pack(grouped)).stats.per_layer == loop.stats.per_layer  # crosses the wire as before

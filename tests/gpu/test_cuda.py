@@ -182,8 +182,9 @@ def test_experts_run_as_a_grouped_matmul_in_bf16():
 def test_a_decode_forward_synchronises_once_per_moe_layer():
     """`torch.cuda.set_sync_debug_mode` counts what waits for the device in one bf16 decode step
     of the bundled model, its batch uploaded and checked as the rank does (the token range on
-    the host array): at most one per MoE layer (the expert counts) and one per forward (the
-    batch's lengths)."""
+    the host array): with grouped experts at most one in the whole forward (at EP 1 the expert
+    counts stay on the device), else at most one per MoE layer (the expert counts) and one per
+    forward (the batch's lengths)."""
     import warnings
 
     from actors.target.host import upload
@@ -206,8 +207,12 @@ def test_a_decode_forward_synchronises_once_per_moe_layer():
                 model.forward(model.prepare(step, cache, host.numpy()), cache, StepStats())
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
-    assert len(syncs) <= model.cfg.moe_layers + 1, syncs
+    syncs = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "synchroniz" in str(w.message)]
+    from actors.target.moe import grouped_mm_runs
+
+    # EP 1 with grouped experts: no MoE layer reads its counts back (session 25); else one each
+    budget = 1 if grouped_mm_runs("cuda", torch.bfloat16) else model.cfg.moe_layers + 1
+    assert len(syncs) <= budget, syncs
 
 
 def test_a_world_size_one_nccl_group_dispatches_and_agrees():
