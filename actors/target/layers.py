@@ -182,8 +182,10 @@ class Attention(nn.Module):
         return q, k, self.v_proj(x).view(n, self.kv_heads, self.head_dim)
 
     def rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """q, k with RoPE applied (and then the per-head norm, where it comes after)."""
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        """q, k with RoPE applied (and then the per-head norm, where it comes after): both in one
+        pass over their heads side by side (five kernels a layer fewer on a GPU; elementwise, so
+        bit-equal to rotating each)."""
+        q, k = apply_rope(torch.cat([q, k], dim=1), cos, sin).split([q.shape[1], k.shape[1]], dim=1)
         if self.norm_after_rope and self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k
