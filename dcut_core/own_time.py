@@ -5,7 +5,10 @@ acceptance, commit), as `benchmarks/coordinator.py` measures it over a zero-cost
 `dcut simulate` adds it to each simulated step, so an operator sees at which batch the
 coordinator's Python becomes a visible share of a GPU step (issue #26, item 6). Between measured
 batch sizes it is interpolated linearly, beyond the largest extrapolated along the last segment
-(the measured growth is close to linear in requests there).
+(the measured growth is close to linear in requests there) — but never less steeply than plain
+decoding's own time grows (any policy does `ar`'s per-request work and more), and never
+downwards: a noisy pair of points (the first GPU run's `dcut`, 5.4 ms at 64 and 4.9 at 256) once
+extrapolated to less own time at 1,024 requests than at 256.
 """
 
 from __future__ import annotations
@@ -26,10 +29,18 @@ class OwnTime:
         """Own ms per step of `policy` at `requests` running (a policy not measured: `dcut`'s)."""
         pts = self.points.get(policy) or self.points["dcut"]
         r, y = (np.array(v, dtype=np.float64) for v in zip(*pts, strict=True))
-        if requests <= r[-1] or len(r) < 2:
+        if requests <= r[-1]:
             return float(np.interp(requests, r, y))
-        slope = (y[-1] - y[-2]) / (r[-1] - r[-2])
-        return float(y[-1] + slope * (requests - r[-1]))
+        floor = self._last_slope(self.points["ar"]) if "ar" in self.points else 0.0
+        return float(y[-1] + max(self._last_slope(pts), floor, 0.0) * (requests - r[-1]))
+
+    @staticmethod
+    def _last_slope(pts: tuple[tuple[int, float], ...]) -> float:
+        """Own ms per added request along the last measured segment (0 with one point)."""
+        if len(pts) < 2:
+            return 0.0
+        (r0, y0), (r1, y1) = pts[-2], pts[-1]
+        return (y1 - y0) / (r1 - r0)
 
     @classmethod
     def from_records(cls, records: list[dict], source: str) -> OwnTime:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from dcut_core.cost_model import preset
 from dcut_core.drafting import DraftCost
@@ -148,7 +150,29 @@ def test_the_coordinators_own_time_interpolates_and_extends_its_measurements():
             {"policy": "dcut", "block": 8, "requests": 1, "own_ms": 1.5}, {"policy": "dcut", "block": 16,
                                                                           "requests": 1, "own_ms": 9.0}]
     got = OwnTime.from_records(recs, "file")
-    assert got.points == {"ar": ((1, 0.5), (4, 1.1)), "dcut": ((1, 1.5),)} and got.ms("dcut", 100) == 1.5
+    # one dcut point: beyond it, at least ar's growth (0.2 ms a request along ar's last segment)
+    assert got.points == {"ar": ((1, 0.5), (4, 1.1)), "dcut": ((1, 1.5),)}
+    assert got.ms("dcut", 100) == pytest.approx(1.5 + 99 * 0.2)
     with pytest.raises(ValueError, match="ar and dcut"):
         OwnTime.from_records(recs[:2], "file")
     assert MEASURED.ms("dcut", 4096) > MEASURED.ms("dcut", 1024) > MEASURED.ms("ar", 1024)
+
+
+POINTS = st.lists(st.tuples(st.integers(1, 4096), st.floats(0.01, 50)), min_size=2, max_size=6,
+                  unique_by=lambda p: p[0])
+
+
+@given(POINTS, POINTS)
+def test_own_time_never_falls_beyond_the_last_measurement_nor_grows_slower_than_plain_decodings(dcut, ar):
+    """However noisy the measured points, extrapolation beyond the largest batch grows, at least
+    as steeply as `ar`'s last segment does (the first GPU run's `dcut` pair fell with R)."""
+    from dcut_core.own_time import OwnTime
+
+    own = OwnTime({"ar": tuple(sorted(ar)), "dcut": tuple(sorted(dcut))}, "test")
+    last = max(r for r, _ in dcut)
+    (r0, y0), (r1, y1) = sorted(ar)[-2:]
+    a, b = own.ms("dcut", last + 100), own.ms("dcut", last + 1000)
+    assert own.ms("dcut", last) <= a <= b
+    assert b - a >= 900 * (y1 - y0) / (r1 - r0) - 1e-9
+    gpu = OwnTime({"ar": ((1, 0.90), (64, 1.81), (256, 3.29)), "dcut": ((1, 2.85), (64, 5.44), (256, 4.89))}, "run 2")
+    assert gpu.ms("dcut", 1024) == pytest.approx(4.89 + 768 * (3.29 - 1.81) / 192)
