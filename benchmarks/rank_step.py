@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtypes", default="float16,float32")
     ap.add_argument("--requests", default="1,16,64,256")
     ap.add_argument("--tokens", default="1,8", help="tokens per request in a step (1: plain decoding)")
-    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--context", default="128", help="tokens of context per request, comma-separated")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--model-dir", default=str(BUNDLED))
     ap.add_argument("--out", default="runs/rank_step")
@@ -142,23 +142,23 @@ def main(argv: list[str] | None = None) -> int:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    lines = ["| dtype | R | q | wall ms | host ms | busy ms | busy / wall | kernels | syncs |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for dtype_name in args.dtypes.split(","):
-        dtype = getattr(torch, dtype_name)
-        for r in map(int, args.requests.split(",")):
-            rig = StepRig(args.model_dir, args.device, dtype, r, args.context)
-            for q in map(int, args.tokens.split(",")):
-                row = {"device": args.device, "dtype": dtype_name, "requests": r, "tokens": q}
-                row |= measure(rig, q, args.steps)
-                rows.append(row)
-                lines.append(f"| {dtype_name} | {r} | {q} | {row['wall_ms']:.2f} | {row['host_ms']:.2f} | "
-                             f"{row['busy_ms']:.2f} | {row['busy_ms'] / row['wall_ms']:.2f} | {row['kernels']} | "
-                             f"{row['syncs']} |")
-                print(lines[-1], flush=True)
-            del rig
-            if args.device != "cpu":
-                torch.cuda.empty_cache()
+    lines = ["| dtype | context | R | q | wall ms | host ms | busy ms | busy / wall | kernels | syncs |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    cells = [(d, c, r) for d in args.dtypes.split(",") for c in map(int, args.context.split(","))
+             for r in map(int, args.requests.split(","))]
+    for dtype_name, context, r in cells:
+        rig = StepRig(args.model_dir, args.device, getattr(torch, dtype_name), r, context)
+        for q in map(int, args.tokens.split(",")):
+            row = {"device": args.device, "dtype": dtype_name, "context": context, "requests": r, "tokens": q}
+            row |= measure(rig, q, args.steps)
+            rows.append(row)
+            lines.append(f"| {dtype_name} | {context} | {r} | {q} | {row['wall_ms']:.2f} | {row['host_ms']:.2f} | "
+                         f"{row['busy_ms']:.2f} | {row['busy_ms'] / row['wall_ms']:.2f} | {row['kernels']} | "
+                         f"{row['syncs']} |")
+            print(lines[-1], flush=True)
+        del rig
+        if args.device != "cpu":
+            torch.cuda.empty_cache()
     top = rows[len(rows) // 2]["top_ops"] if rows else []
     lines += ["", f"Top host ops of one forward ({rows[len(rows) // 2]['dtype']}, R = "
               f"{rows[len(rows) // 2]['requests']}, q = {rows[len(rows) // 2]['tokens']}): self ms, calls", ""]

@@ -27,8 +27,9 @@ def test_every_step_sees_the_same_context_and_every_row_is_written(tmp_path):
         assert rig.step(q) > 0
         assert [rig.cache.length(r) for r in rig.ids] == [20, 20, 20]
     assert bench.main(["--device", "cpu", "--dtypes", "float32", "--requests", "1,2", "--tokens", "1,3",
-                       "--steps", "2", "--context", "16", "--out", str(tmp_path)]) == 0
+                       "--steps", "2", "--context", "8,16", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "results.json").read_text())
-    assert [(r["requests"], r["tokens"]) for r in rows] == [(1, 1), (1, 3), (2, 1), (2, 3)]
+    assert [(r["context"], r["requests"], r["tokens"]) for r in rows] == [
+        (c, r, q) for c in (8, 16) for r in (1, 2) for q in (1, 3)]
     assert all(r["wall_ms"] >= r["host_ms"] > 0 and r["top_ops"] for r in rows)
-    assert (tmp_path / "table.md").read_text().count("| float32 |") == 4
+    assert (tmp_path / "table.md").read_text().count("| float32 |") == 8

@@ -80,10 +80,10 @@ else
 fi
 
 # rank-step: is a decode forward bound by the device or by the host (Python, launches, waits)?
-timeout 120 "$python" benchmarks/rank_step.py --device cuda --dtypes float16,float32 --requests 1,16,64,256 \
-  --tokens 1,8 --out "$out/rank_step" > "$out/rank_step.log" 2>&1
+timeout 180 "$python" benchmarks/rank_step.py --device cuda --dtypes bfloat16,float16,float32 --context 16,128 \
+  --requests 1,64 --tokens 1,8 --out "$out/rank_step" > "$out/rank_step.log" 2>&1
 rc=$?
-if [ "$rc" = 124 ]; then record rank-step FAIL "timed out after 120 s; see rank_step.log"
+if [ "$rc" = 124 ]; then record rank-step FAIL "timed out after 180 s; see rank_step.log"
 elif [ "$rc" != 0 ]; then record rank-step FAIL "benchmarks/rank_step.py exit $rc; see rank_step.log"
 else record rank-step PASS "wall, host and device-busy ms per forward in $out/rank_step/table.md"
 fi
