@@ -134,9 +134,18 @@ class Dispatch:
     def exchange_rows(self, rows: torch.Tensor, recv: list[int], send: list[int]) -> torch.Tensor:
         return rows
 
+    @staticmethod
+    def _combine(back: torch.Tensor, order: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+        """[n, H]: each token's k expert outputs (`back`, in `order`) weighted and summed in a
+        fixed order."""
+        y = torch.empty_like(back)
+        y[order] = back
+        n, k = topk_w.shape
+        return (y.view(n, k, back.shape[1]) * topk_w[..., None].to(y.dtype)).sum(1)
+
     def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor,
                  experts: LocalExperts, num_experts: int, stats: StepStats | None) -> torch.Tensor:
-        n, k = topk_idx.shape
+        k = topk_idx.shape[1]
         flat = topk_idx.reshape(-1)  # [n·k] global expert of each pair
         order = torch.argsort(flat, stable=True)  # sorted by expert, hence by owning rank
         t0 = time.perf_counter()
@@ -145,13 +154,11 @@ class Dispatch:
         if self.world == 1 and experts.uses_grouped(x):
             # One rank, grouped experts: the pairs sorted by expert are the experts' rows in order,
             # and the grouped matmul reads the groups' ends on the device: no host synchronisation.
-            done = experts(x[order // k], None, send_e)
-            y = torch.empty_like(done)
-            y[order] = done
+            out = self._combine(experts(x[order // k], None, send_e), order, topk_w)
             if stats is not None:
                 stats.experts_s += time.perf_counter() - t0
                 stats.unread.append(send_e)
-            return (y.view(n, k, x.shape[1]) * topk_w[..., None].to(y.dtype)).sum(1)
+            return out
         recv_e = self.exchange_counts(send_e)  # [E]: from rank s to my expert j at s·E_r + j
         per_rank = num_experts // self.world
         # The layer's one host synchronisation: both count vectors in one copy. The all-to-all's
@@ -173,9 +180,7 @@ class Dispatch:
         t2 = time.perf_counter()
         back = self.exchange_rows(done, send, recv)  # [n·k, H] in `order`
         t3 = time.perf_counter()
-        y = torch.empty_like(back)
-        y[order] = back
-        out = (y.view(n, k, x.shape[1]) * topk_w[..., None].to(y.dtype)).sum(1)  # fixed summation order
+        out = self._combine(back, order, topk_w)
         if stats is not None:
             stats.dispatch_s += t1 - t0
             stats.experts_s += t2 - t1
