@@ -19,6 +19,7 @@ import argparse
 import json
 import pathlib
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -89,14 +90,25 @@ def _preset_costs(model: str | ModelShape, hardware: str, ep: int, context: int)
         lambda b: float(cm.verify_curve(b, b * context).seconds(np.array([b]))[0]))
 
 
-def _run(policies, batches, block, trace, verify, ar, args, label: str) -> list[SimResult]:
+@dataclass(frozen=True)
+class Simulated:
+    """What one table simulates: a name, the acceptance trace, and the deployment's verify-step
+    and plain-decoding-step costs (`simulate`'s arguments)."""
+
+    label: str
+    trace: object
+    verify: object
+    ar: object
+
+
+def _run(sim: Simulated, policies, batches, block, args) -> list[SimResult]:
     a, b, c = (float(x) * 1e-3 for x in args.draft_ms.split(","))
     out = []
     for pol in policies:
         for batch in batches:
             cfg = SimConfig(batch, block, steps=args.steps, draft_cost=DraftCost(a, b, c), seed=args.seed)
-            r = simulate(policy_from_name(pol, block), cfg, trace, verify, ar)
-            print(f"{label:>28} {pol:>13} B={batch:<3} speedup {r.speedup:5.2f}  MAT {r.mat:5.2f}  "
+            r = simulate(policy_from_name(pol, block), cfg, sim.trace, sim.verify, sim.ar)
+            print(f"{sim.label:>28} {pol:>13} B={batch:<3} speedup {r.speedup:5.2f}  MAT {r.mat:5.2f}  "
                   f"keep {r.keep_ratio:4.2f}")
             out.append(r)
     return out
@@ -138,14 +150,15 @@ def reproduce(args: argparse.Namespace) -> tuple[list[SimResult], list[str]]:
     results = []
     for block in (16, 8):
         pols = [p for p, b in rows if b == block]
-        results += _run(pols, BATCHES, block, trace, DENSE_VERIFY_MS.curve, ar, args, f"dense table B{block}")
+        results += _run(Simulated(f"dense table B{block}", trace, DENSE_VERIFY_MS.curve, ar), pols, BATCHES, block,
+                        args)
     md += _speedup_table(results, rows, DENSE_SPEEDUP)
     md += ["", "## MoE presets (cost model from hardware and model presets, same trace)", ""]
     for model, hw, ep in MOE_DEPLOYMENTS:
         verify, ar_moe = _preset_costs(model, hw, ep, args.context)
         curve = verify(64).seconds(np.array([64 * n for n in (4, 8, 12, 16)])) * 1e3
-        res = _run(["full", "dcut-buckets", "dcut", "oracle"], BATCHES, 16, trace, verify, ar_moe, args,
-                   f"{model} {hw} EP{ep}")
+        res = _run(Simulated(f"{model} {hw} EP{ep}", trace, verify, ar_moe), ["full", "dcut-buckets", "dcut", "oracle"],
+                   BATCHES, 16, args)
         results += res
         md += [f"### {model}, {hw}, EP {ep}", "",
                f"Verify ms at B = 64, 25/50/75/100 % kept: {' / '.join(f'{x:.1f}' for x in curve)} "
@@ -208,8 +221,8 @@ def run(args: argparse.Namespace) -> int:
         verify, ar = _preset_costs(model, args.hardware, args.ep, args.context)
         batches = [int(b) for b in args.batch.split(",")]
         policies = [p for p in args.policies.split(",") if p]
-        results = _run(policies, batches, args.block, _trace(args), verify, ar, args,
-                       f"{label} {args.hardware} EP{args.ep}")
+        results = _run(Simulated(f"{label} {args.hardware} EP{args.ep}", _trace(args), verify, ar), policies, batches,
+                       args.block, args)
         md = [f"## {label}, {args.hardware}, EP {args.ep}, block {args.block}", "",
               "| policy | " + " | ".join(f"B={b}" for b in batches) + " |", "|---" * (len(batches) + 1) + "|"]
         for pol in policies:
