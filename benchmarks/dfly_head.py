@@ -110,8 +110,7 @@ def main() -> int:
     from actors.drafter.model import DraftModel
     from actors.target.checkpoint import load_model
     from deployments.bundle import BUNDLED, Bundle
-    from tools.demo.data import token_array
-    from tools.demo.distill import DistillSet, generate
+    from tools.demo.distill import DistillSpec, cached
 
     bundle = Bundle(BUNDLED)
     target = load_model(bundle.target).eval()
@@ -123,14 +122,8 @@ def main() -> int:
     layers = tuple(model.cfg.target_layers)
     sets = {}
     for split, count, frac in (("train", args.sequences, 0.25), ("validation", 256, 0.0)):
-        cache = pathlib.Path(f"runs/demo/distill_dfly_{split}_{count}_96.pt")
-        if cache.exists():
-            sets[split] = DistillSet(**torch.load(cache))
-        else:
-            sets[split] = generate(target, token_array(bundle.tokenizer, split), count, 32, 96, layers,
-                                   sample_fraction=frac, seed=5)
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(sets[split].__dict__, cache)
+        path = pathlib.Path(f"runs/demo/distill_dfly_{split}_{count}_96.pt")
+        sets[split] = cached(target, bundle.tokenizer, split, path, DistillSpec(count, 32, 96, layers, frac, seed=5))
     head = PredecessorHead(model.cfg.hidden_size, args.inner, target.embed_tokens)
     opt = torch.optim.AdamW(head.parameters(), lr=1e-3, weight_decay=0.01)
     rng = np.random.default_rng(0)

@@ -7,6 +7,7 @@ fed (prefill and each decode step), so no second pass is needed.
 
 from __future__ import annotations
 
+import pathlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from actors.target.model import ForwardBatch, MoETransformer
-from tools.demo.data import windows
+from tools.demo.data import token_array, windows
 
 
 @dataclass
@@ -25,17 +26,43 @@ class DistillSet:
     sampled: torch.Tensor  # [S] bool: continuation sampled (else greedy)
 
 
+@dataclass(frozen=True)
+class DistillSpec:
+    """What to distil: `count` sequences of `total_len` tokens from prompts of `prompt_len`, the
+    hidden states after `layers`, a `sample_fraction` of the continuations sampled at
+    `temperature` (the rest greedy), generated `batch` sequences at a time."""
+
+    count: int
+    prompt_len: int
+    total_len: int
+    layers: tuple[int, ...]
+    sample_fraction: float = 0.4
+    temperature: float = 0.8
+    batch: int = 64
+    seed: int = 0
+
+
+def cached(model: MoETransformer, tokenizer: str | pathlib.Path, split: str, path: pathlib.Path,
+           spec: DistillSpec) -> DistillSet:
+    """The set saved at `path`, or generated from the tokenizer's corpus `split` and saved there."""
+    if path.exists():
+        return DistillSet(**torch.load(path))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = generate(model, token_array(tokenizer, split), spec)
+    torch.save(data.__dict__, path)
+    return data
+
+
 @torch.inference_mode()
-def generate(model: MoETransformer, arr: np.ndarray, count: int, prompt_len: int, total_len: int,
-             layers: tuple[int, ...], sample_fraction: float = 0.4, temperature: float = 0.8,
-             batch: int = 64, seed: int = 0) -> DistillSet:
-    rng = np.random.default_rng(seed)
-    gen = torch.Generator().manual_seed(seed)
+def generate(model: MoETransformer, arr: np.ndarray, spec: DistillSpec) -> DistillSet:
+    count, prompt_len, total_len, layers = spec.count, spec.prompt_len, spec.total_len, spec.layers
+    rng = np.random.default_rng(spec.seed)
+    gen = torch.Generator().manual_seed(spec.seed)
     all_tokens, all_feats, all_sampled = [], [], []
-    for start in tqdm(range(0, count, batch), desc="distill", unit="batch"):
-        b = min(batch, count - start)
+    for start in tqdm(range(0, count, spec.batch), desc="distill", unit="batch"):
+        b = min(spec.batch, count - start)
         prompts = windows(arr, rng, b, prompt_len - 1)  # [b, prompt_len]
-        sampled = torch.from_numpy(rng.random(b) < sample_fraction)
+        sampled = torch.from_numpy(rng.random(b) < spec.sample_fraction)
         cache = model.new_cache(b * total_len + 16 * b)
         ids = list(range(b))
         tokens = torch.zeros(b, total_len, dtype=torch.long)
@@ -52,7 +79,7 @@ def generate(model: MoETransformer, arr: np.ndarray, count: int, prompt_len: int
             if pos >= total_len:
                 break
             greedy = logits.argmax(-1)
-            draws = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen).squeeze(-1)
+            draws = torch.multinomial(torch.softmax(logits / spec.temperature, -1), 1, generator=gen).squeeze(-1)
             nxt = torch.where(sampled, draws, greedy)
             tokens[:, pos] = nxt
             chunk = nxt[:, None].tolist()

@@ -24,8 +24,7 @@ from tqdm import tqdm
 
 from actors.drafter.model import DraftConfig, DraftModel
 from actors.target.checkpoint import load_model
-from tools.demo.data import token_array
-from tools.demo.distill import DistillSet, generate
+from tools.demo.distill import DistillSet, DistillSpec, cached
 from tools.demo.train_target import lr_at
 
 BLOCKS = (4, 8, 16)
@@ -88,12 +87,9 @@ def main() -> None:
     layers = tuple(int(x) for x in args.target_layers.split(","))
     tag = f"_s{args.sample_fraction:g}"
     cache = pathlib.Path(f"runs/demo/distill_{args.sequences}_{args.total_len}{tag}.pt")
-    if cache.exists():
-        data = DistillSet(**torch.load(cache))
-    else:
-        data = generate(target, token_array(args.tokenizer, "train"), args.sequences, args.prompt_len,
-                        args.total_len, layers, sample_fraction=args.sample_fraction, seed=args.seed)
-        torch.save(data.__dict__, cache)
+    data = cached(target, args.tokenizer, "train", cache,
+                  DistillSpec(args.sequences, args.prompt_len, args.total_len, layers, args.sample_fraction,
+                              seed=args.seed))
     cfg = DraftConfig(target.cfg.hidden_size, layers, num_layers=args.layers, block_size=max(BLOCKS),
                       rope_theta=target.cfg.rope_theta, head_tokens=args.head_tokens)
     for p in target.parameters():

@@ -20,7 +20,8 @@ import torch
 
 from actors.drafter.eagle3 import Eagle3Config, Eagle3Module
 from actors.target.rope import Rotary
-from tools.demo.train_mtp import distilled, fit, frozen_target, training_arguments
+from tools.demo.distill import DistillSpec, cached
+from tools.demo.train_mtp import fit, frozen_target, training_arguments
 
 LAYERS = (2, 4, 6)
 
@@ -34,8 +35,8 @@ def main() -> None:
 
     target = frozen_target(args)
     # the DFly head experiment's set (benchmarks/dfly_head.py writes and reads the same file)
-    data = distilled(target, args, pathlib.Path(f"runs/demo/distill_dfly_train_{args.sequences}_96.pt"), LAYERS,
-                     32, 96, 0.25, 5)
+    data = cached(target, args.tokenizer, "train", pathlib.Path(f"runs/demo/distill_dfly_train_{args.sequences}_96.pt"),
+                  DistillSpec(args.sequences, 32, 96, LAYERS, 0.25, seed=5))
     c = target.cfg
     cfg = Eagle3Config(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
                        num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,

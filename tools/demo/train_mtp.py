@@ -27,8 +27,7 @@ from tqdm import tqdm
 
 from actors.drafter.mtp import MTPConfig, MTPModule
 from actors.target.checkpoint import load_model
-from tools.demo.data import token_array
-from tools.demo.distill import DistillSet, generate
+from tools.demo.distill import DistillSpec, cached
 from tools.demo.train_target import lr_at
 
 
@@ -90,18 +89,6 @@ def frozen_target(args: argparse.Namespace):
     return target
 
 
-def distilled(target, args: argparse.Namespace, cache: pathlib.Path, layers: tuple[int, ...], prompt_len: int,
-              total_len: int, sample_fraction: float, seed: int) -> DistillSet:
-    """The self-distillation set (`distill.py`) from `cache`, generated and saved there if absent."""
-    if cache.exists():
-        return DistillSet(**torch.load(cache))
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    data = generate(target, token_array(args.tokenizer, "train"), args.sequences, prompt_len, total_len, layers,
-                    sample_fraction=sample_fraction, seed=seed)
-    torch.save(data.__dict__, cache)
-    return data
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     training_arguments(ap, "models/demo/mtp", 3072, "runs/demo/mtp_log.jsonl")
@@ -112,8 +99,9 @@ def main() -> None:
 
     target = frozen_target(args)
     layer = target.cfg.num_hidden_layers
-    data = distilled(target, args, pathlib.Path(f"runs/demo/distill_mtp_{args.sequences}_{args.total_len}.pt"),
-                     (layer,), args.prompt_len, args.total_len, args.sample_fraction, args.seed)
+    path = pathlib.Path(f"runs/demo/distill_mtp_{args.sequences}_{args.total_len}.pt")
+    spec = DistillSpec(args.sequences, args.prompt_len, args.total_len, (layer,), args.sample_fraction, seed=args.seed)
+    data = cached(target, args.tokenizer, "train", path, spec)
     with torch.no_grad():
         hidden = target.norm(data.features.float())  # [S, T, H]: what DeepSeek's main model hands over
     c = target.cfg
