@@ -5,6 +5,11 @@ domains, for comparing drafter kinds — code (a function's opening), docstring 
 prose (blocks of `#` lines) and documentation text (the README paragraphs of the installed
 packages' metadata: English written for people, the least code-like text this machine has
 offline, and text the demo model never saw).
+
+The project's own distribution is not one of those packages: its metadata holds README.md as
+it was when the checkout was last installed, and a checkout on `sys.path` shows a second copy
+(`dcut.egg-info`), so its paragraphs would move every "docs" prompt (the pool's length sets the
+draw) with each README edit and with how a script was started.
 """
 
 from __future__ import annotations
@@ -81,12 +86,15 @@ def _comment_blocks(max_chars: int) -> list[str]:
     return out
 
 
+PROJECT = "dcut"  # our own distribution: not a source of prompts (module docstring)
+
+
 def _doc_paragraphs(max_chars: int) -> list[str]:
     """Prose paragraphs of the installed packages' long descriptions (README text), by package
-    name: headings, lists, tables, code and link-heavy lines left out."""
+    name, the project's own left out: headings, lists, tables, code and link-heavy lines left out."""
     out = []
     dists = sorted(importlib.metadata.distributions(), key=lambda d: (d.metadata["Name"] or "").lower())
-    seen = set()
+    seen = {PROJECT}
     for d in dists:
         name = (d.metadata["Name"] or "").lower()
         if name in seen:
