@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import pathlib
 import shutil
@@ -39,6 +40,7 @@ set_local_env()
 
 STAGES = ("schedule", "look", "plan", "propose", "prune", "verify", "accept", "commit")
 OVERLAP_NAMES = {None: "", True: " (overlap)", False: " (sequential)"}  # as served; forced on; forced off
+HEAP_NAMES = {True: "", False: " (heap not frozen)"}  # as served (actors/heap.py); off
 POLICIES = "ar:8,full:5,full:16,tetris:8,dcut-buckets:8,dcut:8"  # policy:block (block − 1 drafts at most)
 
 
@@ -96,6 +98,7 @@ class Workload:
     cache: str
     real: bool = False  # the real target (as `dcut serve` builds it: on the GPU with DCUT_GPUS_PER_RANK=1)
     overlap: bool | None = None  # learning a step behind the next step's forward (`EngineConfig.overlap`)
+    freeze_heap: bool = True  # the start-up heap frozen out of the collector's full scans (actors/heap.py)
 
 
 def one_wave(policy: str, block: int, r: int, w: Workload, drafter: str = "ngram") -> dict:
@@ -105,6 +108,7 @@ def one_wave(policy: str, block: int, r: int, w: Workload, drafter: str = "ngram
     from actors.engine.coordinator import Engine
     from actors.engine.replay import ReplayEngine
     from actors.engine.sequence import SamplingParams
+    from actors.heap import Pauses
     from deployments.settings import ServeSettings
 
     # The real target's profile (copied into `cache`, where nothing learned is saved): the gate and
@@ -114,23 +118,28 @@ def one_wave(policy: str, block: int, r: int, w: Workload, drafter: str = "ngram
     # Every prompt prefilled in the first step, which takes no time here: the steps measured are
     # decode steps (a decode step verifies at most 17 tokens a request; a prefill step ~100).
     cfg = dataclasses.replace(cfg, kv_capacity_tokens=max(cfg.kv_capacity_tokens, 400 * r), prefill_chunk=1 << 20,
-                              prefill_budget=1 << 24, overlap=w.overlap)
+                              prefill_budget=1 << 24, overlap=w.overlap, freeze_heap=w.freeze_heap)
     timed = None if w.forward is None else (lambda shape: 0.0 if shape.tokens > 17 * shape.requests else
                                             w.forward(shape))
     eng = Engine(cfg) if w.real else ReplayEngine(cfg, w.table, timed)
     clock = StageClock(eng)
+    pauses = Pauses()  # the collector's pauses during the measured steps, each step's own
     batch = [w.prompts[i % len(w.prompts)] for i in range(r)]
     rids = [eng.add(p, SamplingParams(max_tokens=w.max_tokens)) for p in batch]
     steps = []
     try:
         while eng.pending:
+            gc_before = sum(pauses.seconds)
             t0 = time.perf_counter()
+            pauses.install()
             rec = eng.step()
+            pauses.remove()
             wall = time.perf_counter() - t0
             stages = clock.take()
             if rec is not None and rec.requests >= 0.9 * r and not rec.prefill_tokens:
                 own = wall - rec.target_compute_s - rec.draft_compute_s
-                steps.append({"wall": wall, "own": own, "forward": rec.target_compute_s,
+                steps.append({"wall": wall, "own": own, "gc": sum(pauses.seconds) - gc_before,
+                              "forward": rec.target_compute_s,
                               "draft": rec.draft_compute_s, "drafted": rec.drafted / rec.requests,
                               "kept": rec.kept / rec.requests, "accepted": rec.accepted / rec.requests, **stages})
         outputs = [eng.claim(rid).output for rid in rids]
@@ -142,9 +151,15 @@ def one_wave(policy: str, block: int, r: int, w: Workload, drafter: str = "ngram
         raise AssertionError(f"{policy} at R = {r}: no step decoded 90 % of the requests without prefill")
     med = {k: 1e3 * statistics.median(s[k] for s in steps) for k in ("wall", "own", "forward", "draft", *STAGES)}
     med["verify"] -= med["forward"]  # the stage's own part: building the batch, the group's bookkeeping
-    name = (policy if drafter == "ngram" else f"{policy} {drafter}") + OVERLAP_NAMES[w.overlap]
+    name = (policy if drafter == "ngram" else f"{policy} {drafter}") + OVERLAP_NAMES[w.overlap] + \
+        HEAP_NAMES[w.freeze_heap]
     return {"policy": name, "block": block, "requests": r, "steps": len(steps),
             **{f"{k}_ms": v for k, v in med.items()},
+            # The mean and the longest, which a median hides: a full collection stops one step.
+            "own_mean_ms": 1e3 * statistics.fmean(s["own"] for s in steps),
+            "own_max_ms": 1e3 * max(s["own"] for s in steps),
+            "wall_mean_ms": 1e3 * statistics.fmean(s["wall"] for s in steps),  # a pause inside a pass is not own
+            "gc_ms": 1e3 * statistics.fmean(s["gc"] for s in steps),
             "drafted_per_request": statistics.fmean(s["drafted"] for s in steps),
             "accepted_per_request": statistics.fmean(s["accepted"] for s in steps)}
 
@@ -168,6 +183,9 @@ def main() -> int:
     p.add_argument("--overlap", default="served",
                    help="served (as `dcut serve` builds the engine: on with GPU ranks), on (a step learnt behind "
                         "the next forward), off, or a comma list (each in turn per cell, alternating by round)")
+    p.add_argument("--heap", default="frozen",
+                   help="frozen (as served: the start-up heap out of the collector's full scans, actors/heap.py), "
+                        "unfrozen, or both ('frozen,unfrozen': each in turn per cell, alternating by round)")
     p.add_argument("--rounds", type=int, default=1, help="every cell this many times, in order (medians of rows)")
     p.add_argument("--out", default="runs/coordinator")
     args = p.parse_args()
@@ -192,13 +210,15 @@ def main() -> int:
     for f in pathlib.Path(ServeSettings().cost_model_cache).glob("cost_model_*.json"):
         shutil.copy(f, cache)
     overlaps = [{"on": True, "off": False, "served": None}[x] for x in args.overlap.split(",")]
+    heaps = [{"frozen": True, "unfrozen": False}[x] for x in args.heap.split(",")]
     for rnd in range(args.rounds):
         for r in (int(x) for x in args.requests.split(",")):
             for spec in args.policies.split(","):
                 policy, block = spec.split(":")
                 for drafter in drafters[:1] if policy == "ar" else drafters:  # `ar` drafts nothing
-                    for overlap in overlaps[::-1] if rnd % 2 else overlaps:  # alternating which goes first
-                        w = Workload(prompts, table, args.max_tokens, forward, cache, args.target == "real", overlap)
+                    for overlap, frozen in itertools.product(*(x[::-1] if rnd % 2 else x for x in (overlaps, heaps))):
+                        w = Workload(prompts, table, args.max_tokens, forward, cache, args.target == "real", overlap,
+                                     frozen)
                         row = one_wave(policy, int(block), r, w, drafter)
                         row["forward"] = "real" if args.target == "real" else args.forward
                         row["round"] = rnd
@@ -216,10 +236,11 @@ def main() -> int:
 
 
 def render(rows: list[dict]) -> str:
-    lines = ["| policy (drafts ≤) | R | steps | own ms / step | µs / request | " + " | ".join(STAGES) +
-             " | drafted / req | accepted / req |", "|---" * (9 + len(STAGES)) + "|"]
+    lines = ["| policy (drafts ≤) | R | steps | own ms / step | mean | longest | GC ms / step | µs / request | "
+             + " | ".join(STAGES) + " | drafted / req | accepted / req |", "|---" * (12 + len(STAGES)) + "|"]
     for r in rows:
         lines.append(f"| {r['policy']} ({r['block'] - 1}) | {r['requests']} | {r['steps']} | {r['own_ms']:.2f} | "
+                     f"{r['own_mean_ms']:.2f} | {r['own_max_ms']:.1f} | {r['gc_ms']:.2f} | "
                      f"{1e3 * r['own_ms'] / r['requests']:.0f} | "
                      + " | ".join(f"{r[s + '_ms']:.2f}" for s in STAGES)
                      + f" | {r['drafted_per_request']:.1f} | {r['accepted_per_request']:.2f} |")

@@ -36,6 +36,11 @@ class Metrics:
                                            "steps)"),
                 ("running", "requests decoding or prefilling in the engine"),
                 ("waiting", "requests queued in the engine, not yet admitted"),
+                ("gc_collections", "the engine process's garbage collections since start (they stop the step loop)"),
+                ("gc_full_collections", "of them full (generation 2): they scan every unfrozen object"),
+                ("gc_pause_s", "seconds the engine process spent in garbage collection since start"),
+                ("gc_longest_pause_s", "the engine process's longest garbage-collection pause since start"),
+                ("gc_frozen_objects", "objects frozen out of the collector's scans at the end of start-up"),
             )
         }
         self._ranks = Gauge("dcut_engine_rank_step_seconds", "mean own forward time per step of each EP rank "

@@ -8,13 +8,13 @@ schedule → look → plan → propose → prune → verify → accept → commi
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 
+from actors import heap
 from actors.drafter.kinds import kind as drafter_kind
 from actors.engine.config import EngineConfig
 from actors.engine.constraints import grammar_allowed
@@ -109,6 +109,9 @@ class Engine:
         # `overlap`, a step is learnt on `_learner`'s thread while the next step's forward runs.
         self._unlearnt: tuple[Step, list[int]] | None = None
         self._learner = ThreadPoolExecutor(1, thread_name_prefix="dcut-learn") if cfg.learns_behind else None
+        self.gc_pauses = heap.Pauses().install()  # the collector's pauses in this process, for /metrics
+        self._gc_threshold: tuple[int, int, int] | None = None  # the collector's, before this engine froze the heap
+        self._freeze_heap()
 
     def set_policy(self, name: str) -> None:
         """Switch the pruning policy between runs (same engine, same drafter; benchmarks)."""
@@ -250,11 +253,12 @@ class Engine:
             self.target.shutdown()
         except Exception:  # already down: nothing of it to free
             log.exception("shutting the failed target down")
-        gc.collect()  # a rank and its guests refer to each other
+        heap.collect_everything()  # a rank and its guests refer to each other
         try:
             self.target = self._new_target()
         finally:
             self.rebuilding_since = None
+        self._freeze_heap()  # the new group's model and ranks
         self.drafters.rebind(self.target)
         self.drafters.reset(running)
         self.scheduler.refeed()
@@ -482,6 +486,12 @@ class Engine:
         return np.array([max(0, min(block - 1, s.remaining - 1)) if self.drafters.drafting(s.rid) else 0
                          for s in batch], dtype=np.int64)
 
+    def _freeze_heap(self) -> None:
+        """The end of start-up (or of a rebuild): this process's heap frozen (actors/heap.py)."""
+        if self.cfg.freeze_heap:
+            before = heap.freeze()
+            self._gc_threshold = self._gc_threshold or before
+
     def _new_target(self) -> EPGroup:
         """The EP group: driven from this process (`in_process`, with the drafters as the ranks'
         guests), or every rank a Ray actor called per step."""
@@ -529,3 +539,6 @@ class Engine:
             self.step_log.close()
         self.target.shutdown()
         self.drafters.shutdown()
+        self.gc_pauses.remove()
+        if self._gc_threshold is not None:
+            heap.thaw(self._gc_threshold)  # what it let go of may hold cycles: collectable again

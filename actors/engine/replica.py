@@ -11,6 +11,7 @@ import numpy as np
 import ray
 import torch
 
+from actors import heap
 from actors.drafter.base import DraftOutput, cat_rows, merge_outputs
 from actors.drafter.kinds import BuildArgs
 from actors.drafter.kinds import kind as drafter_kind
@@ -184,4 +185,13 @@ class Drafter:
         return whereabouts()
 
 
-DrafterReplica = ray.remote(Drafter)
+class DrafterProcess(Drafter):
+    """A drafter replica in a process of its own (a Ray actor): its heap frozen once its model is
+    loaded (actors/heap.py); one hosted by a rank or the engine is frozen with that process."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        heap.freeze()
+
+
+DrafterReplica = ray.remote(DrafterProcess)

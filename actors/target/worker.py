@@ -13,7 +13,6 @@ its arguments) from the unit's control group and answers them; no Ray call per s
 
 from __future__ import annotations
 
-import gc
 import logging
 import socket
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ import numpy as np
 import ray
 import torch
 
+from actors import heap
 from actors.ray_env import whereabouts
 from actors.target import wire
 from actors.target.checkpoint import load_model, serving_dtype
@@ -305,7 +305,7 @@ class TargetRank:
         self.features = FeatureStore()
         self.parts = {"target": self}
         if self.spec.device != "cpu":
-            gc.collect()  # a cycle through a guest may still hold the cache's tensors
+            heap.collect_everything()  # a cycle through a guest may still hold the cache's tensors
             torch.cuda.empty_cache()
 
     def cache_info(self) -> dict:
@@ -314,7 +314,17 @@ class TargetRank:
                 "feature_rows": self.features.rows}
 
 
-TargetWorker = ray.remote(TargetRank)
+class TargetRankProcess(TargetRank):
+    """A rank in a process of its own (a Ray actor): its heap frozen once the model is loaded
+    (actors/heap.py); a rank in the engine's process is frozen with it."""
+
+    def setup(self, master: tuple[str, int]) -> dict:
+        out = super().setup(master)
+        heap.freeze()
+        return out
+
+
+TargetWorker = ray.remote(TargetRankProcess)
 
 
 def _num_experts(model_dir: str) -> int:

@@ -148,6 +148,9 @@ def test_metrics_are_exposed(server, client):
                  "dcut_engine_mat", "dcut_engine_keep_ratio", "dcut_engine_predicted_verify_s"):
         assert name in text
     assert re.search(r'^dcut_engine_drafter_drafts\{drafter="block",outcome="drafted"\} \S+$', text, re.M)
+    frozen = re.search(r"^dcut_engine_gc_frozen_objects (\S+)$", text, re.M)
+    assert frozen and float(frozen.group(1)) > 10_000  # the engine replica froze its start-up heap (actors/heap.py)
+    assert re.search(r"^dcut_engine_gc_longest_pause_s \S+$", text, re.M)
 
 
 def test_the_dashboard_queries_only_exported_metrics(server, client):
