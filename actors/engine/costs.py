@@ -31,6 +31,12 @@ log = logging.getLogger(__name__)
 # predicted 1.25 x what they took, drafting ones 0.99 x: drafting looked cheap at high load
 # (docs/benchmarks.md, session 16).
 STARTUP_GRID = ProfileGrid(requests=(1, 8, 32), tokens_per_request=(1, 4, 8, 16), contexts=(64, 256), repeats=1)
+# A cached profile is checked at start against a few forwards timed now (~0.6 s on the bundled model
+# here): one whose level is off by more than `STALE_LEVEL` either way was taken under other conditions
+# (other processes on the cores: a profile cached at 4 x the step's time, and with it a shape whose
+# marginal token cost was 15-20 % too low, survived every later start) and is made again.
+CHECK_GRID = ProfileGrid(requests=(1, 8), tokens_per_request=(1, 8), contexts=(64,), repeats=3)
+STALE_LEVEL = 2.0
 
 
 def device_identity(gpus_per_rank: float) -> str:
@@ -74,7 +80,12 @@ def startup_cost_model(target, cfg) -> CostModel:
     if cfg.cost_model_cache:
         cache = pathlib.Path(cfg.cost_model_cache) / f"cost_model_{deployment_key(cfg)}.json"
     if cache is not None and cache.exists():
-        return CostModel.from_json(cache.read_text())
+        cached = CostModel.from_json(cache.read_text())
+        level = measured_level(cached, target, model_cfg.vocab_size)
+        if 1 / STALE_LEVEL <= level <= STALE_LEVEL:
+            return cached
+        log.warning("the cached start-up profile %s predicts %.2f x the forwards timed now: profiling again",
+                    cache, 1 / level)
     samples = run_profile(target, STARTUP_GRID, model_cfg.vocab_size)
     model = fit_profile(samples, model_cfg.shape(pathlib.Path(cfg.target_dir).name), cfg.ep)
     if cache is not None:
@@ -82,6 +93,12 @@ def startup_cost_model(target, cfg) -> CostModel:
         cache.write_text(model.to_json())
     log.info("profiled the target at start-up: %s", {k: round(v, 6) for k, v in model.coef.items() if v})
     return model
+
+
+def measured_level(model: CostModel, target, vocab_size: int) -> float:
+    """Median of measured / predicted seconds over `CHECK_GRID`'s forwards, timed now."""
+    samples = run_profile(target, CHECK_GRID, vocab_size, seed=1)
+    return float(np.median([s.seconds / model.predict(s.shape) for s in samples]))
 
 
 # What the gate assumes of the drafter before any measurement (seconds: call, request, position,

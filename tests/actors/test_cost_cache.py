@@ -36,3 +36,35 @@ def test_fractional_gpus_are_refused_at_ep_above_one():
     dataclasses.replace(cfg, ep=2, gpus_per_rank=1.0)
     with pytest.raises(ValueError, match="whole number of GPUs"):
         dataclasses.replace(cfg, ep=2, gpus_per_rank=0.5)
+
+
+@pytest.mark.usefixtures("local_ray")
+def test_a_cached_profile_taken_under_other_conditions_is_made_again(tiny_bundle, tmp_path):
+    """A profile cached while other processes held the cores predicted 4 x the step's time, and
+    with its level its shape was off; every later start reused it. The start checks a few
+    forwards against the cached profile and profiles again when its level is off by more than
+    `STALE_LEVEL`; a profile that holds is kept as it is."""
+    import json
+
+    from actors.engine.config import EngineConfig
+    from actors.engine.coordinator import Engine
+    from actors.engine.costs import STALE_LEVEL, measured_level, startup_cost_model
+    from actors.target.config import MoEConfig
+
+    cfg = EngineConfig(target_dir=f"{tiny_bundle}/target", drafter="ngram", block=4, policy="dcut",
+                       cost_model_cache=str(tmp_path), freeze_heap=False)
+    eng = Engine(cfg)  # profiles now, and caches it
+    try:
+        (cache,) = tmp_path.glob("cost_model_*.json")
+        fresh = json.loads(cache.read_text())
+        vocab = MoEConfig.load(cfg.target_dir).vocab_size
+        assert 1 / STALE_LEVEL < measured_level(startup_cost_model(eng.target, cfg), eng.target, vocab) < STALE_LEVEL
+        assert json.loads(cache.read_text()) == fresh  # it held: kept as it was
+
+        stale = fresh | {"coef": {k: 4 * v for k, v in fresh["coef"].items()}}
+        cache.write_text(json.dumps(stale))
+        model = startup_cost_model(eng.target, cfg)
+        assert json.loads(cache.read_text())["coef"] != stale["coef"]  # made again, and cached
+        assert 1 / STALE_LEVEL < measured_level(model, eng.target, vocab) < STALE_LEVEL
+    finally:
+        eng.shutdown()
