@@ -34,7 +34,7 @@ STARTUP_GRID = ProfileGrid(requests=(1, 8, 32), tokens_per_request=(1, 4, 8, 16)
 # A cached profile is checked at start against a few forwards timed now (~0.6 s on the bundled model
 # here): one whose level is off by more than `STALE_LEVEL` either way was taken under other conditions
 # (other processes on the cores: a profile cached at 4 x the step's time, and with it a shape whose
-# marginal token cost was 15-20 % too low, survived every later start) and is made again.
+# marginal token cost, its level corrected, was 10-30 % too low, survived every later start) and is made again.
 CHECK_GRID = ProfileGrid(requests=(1, 8), tokens_per_request=(1, 8), contexts=(64,), repeats=3)
 STALE_LEVEL = 2.0
 
