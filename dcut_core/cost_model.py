@@ -239,9 +239,17 @@ def fit(base: CostModel, samples: Sequence[tuple[StepShape, float]],
 class OnlineCorrection:
     """Refines a cost model from measured step times while serving.
 
-    Keeps an exponentially weighted mean of log(measured / predicted) and multiplies
-    predictions by its exponential; keeps the most recent samples so `refit` can re-run the
-    full fit on live data. Both are cheap enough for the coordinator's step loop.
+    Two corrections. The level: an exponentially weighted mean of log(measured / predicted)
+    (`scale`). And the split of a step's time between the step it would be without drafts (its
+    requests' one token each, b) and what its extra tokens add (e = predicted − b): measured ≈
+    s_b·b + s_e·e, fitted by exponentially weighted least squares on relative errors, pulled
+    towards the level where the steps cannot tell the two apart (only plain steps, or every step
+    drafting alike). A profile whose shape is off — a slope measured on a busy machine — would
+    otherwise be corrected in level only: plain steps over-predicted, drafting steps
+    under-predicted, and drafting looked cheaper than it was (on the bundled model at one request
+    a fresh profile's plain steps took 0.90 × their prediction and steps verifying 5+ drafts 1.09 ×,
+    docs/benchmarks.md, session 26). Keeps the most recent samples so `refit` can re-run the full
+    fit on live data. All of it is a few float operations a step.
     """
 
     model: CostModel
@@ -250,12 +258,18 @@ class OnlineCorrection:
     log_ratio: float = 0.0
     observed: int = 0
     samples: list[tuple[StepShape, float]] = field(default_factory=list)
+    split_halflife_steps: float = 200.0  # the split's memory: drafting steps can be few among plain ones
+    ridge: float = 0.05  # the pull towards the level, in steps' worth: it decides only what the steps leave open
+    # The split's weighted normal equations over (b/m, e/m): [Σbb, Σbe, Σee, Σb, Σe].
+    _sums: list[float] = field(default_factory=lambda: [0.0] * 5, repr=False)
+    _split: tuple[float, float] | None = field(default=None, repr=False)  # (s_b, s_e), None: the level's
 
     def observe(self, shape: StepShape, seconds: float) -> float:
         """Learn from one measured step; returns the prediction for it made before learning
         (what `predict(shape)` said), so a caller that records both predicts once."""
-        predicted = self.model.predict(shape)
-        before = self.scale * predicted
+        b, e = self._parts(shape)
+        predicted = b + e
+        before = self._scaled(b, e)
         if predicted <= 0 or seconds <= 0:
             return before
         # A running mean over the first observations, then the half-life: a start-up profile
@@ -263,24 +277,62 @@ class OnlineCorrection:
         alpha = max(1.0 - 0.5 ** (1.0 / self.halflife_steps), 1.0 / (self.observed + 1))
         self.log_ratio += alpha * (math.log(seconds / predicted) - self.log_ratio)
         self.observed += 1
+        self._learn_split(b / seconds, e / seconds)
         self.samples.append((shape, seconds))
         if len(self.samples) > self.keep:
             del self.samples[: len(self.samples) - self.keep]
         return before
 
+    def _learn_split(self, xb: float, xe: float) -> None:
+        """One step's relative parts (b/m, e/m; the target is 1) into the split's sums, older
+        steps forgotten at `split_halflife_steps`; then (s_b, s_e) solved anew."""
+        g = 0.5 ** (1.0 / self.split_halflife_steps)
+        sums = self._sums
+        for i, v in enumerate((xb * xb, xb * xe, xe * xe, xb, xe)):
+            sums[i] = g * sums[i] + v
+        bb, be, ee, yb, ye = sums
+        s, lam = self.scale, self.ridge
+        a11, a12, a22 = bb + lam, be, ee + lam
+        det = a11 * a22 - a12 * a12
+        sb = ((yb + lam * s) * a22 - a12 * (ye + lam * s)) / det
+        se = (a11 * (ye + lam * s) - a12 * (yb + lam * s)) / det
+        self._split = (min(max(sb, s / 8), 8 * s), min(max(se, s / 8), 8 * s))
+
+    def _parts(self, shape: StepShape) -> tuple[float, float]:
+        """(b, e): the model's seconds for the step without its extra tokens, and what they add."""
+        full = self.model.predict(shape)
+        base = self.model.predict(StepShape(shape.requests, min(shape.tokens, shape.requests), shape.context))
+        return base, max(0.0, full - base)
+
+    def _scaled(self, b: float, e: float) -> float:
+        if self._split is None:
+            return self.scale * (b + e)
+        sb, se = self._split
+        return sb * b + se * e
+
     @property
     def scale(self) -> float:
         return math.exp(self.log_ratio)
 
+    @property
+    def split(self) -> tuple[float, float]:
+        """(s_b, s_e): the corrections of a step's base and of its extra tokens."""
+        return self._split or (self.scale, self.scale)
+
     def predict(self, shape: StepShape) -> float:
-        return self.scale * self.model.predict(shape)
+        return self._scaled(*self._parts(shape))
 
     def verify_curve(self, requests: int, context: int) -> StepCost:
+        """The model's curve for the batch, its base (at `requests` tokens) and what each token
+        adds to it corrected apart."""
         base = self.model.verify_curve(requests, context)
-        s = self.scale
-        return StepCost(lambda tokens: s * base.verify_seconds(tokens), 0.0, s * base.min_marginal)
+        sb, se = self.split
+        at_r = float(base.verify_seconds(np.array([requests]))[0]) if requests else 0.0
+        lift = sb * at_r - se * at_r  # s_b·b + s_e·(curve − b) = s_e·curve + (s_b − s_e)·b
+        return StepCost(lambda tokens: se * base.verify_seconds(tokens) + lift, 0.0, se * base.min_marginal)
 
     def refit(self, terms: Sequence[str] = TERMS) -> None:
         """Replace the model by a fit on the kept samples and reset the correction."""
         self.model = fit(self.model, self.samples, terms)
         self.log_ratio = 0.0
+        self._sums, self._split = [0.0] * 5, None

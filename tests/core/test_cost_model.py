@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from scipy.optimize import nnls as scipy_nnls
 
 from dcut_core.cost_model import (
@@ -165,3 +167,64 @@ def test_online_observe_returns_the_prediction_it_made_before_learning():
     before = online.predict(shape)
     assert online.observe(shape, 3 * before) == before
     assert online.predict(shape) > before  # it learned
+
+
+def _split_truth(model: CostModel, sb: float, se: float):
+    """A machine on which a step's base (its requests' one token each) takes sb × the model's
+    and each extra token se × what the model says it adds."""
+    def seconds(s: StepShape) -> float:
+        base = model.predict(StepShape(s.requests, s.requests, s.context))
+        return sb * base + se * (model.predict(s) - base)
+    return seconds
+
+
+MIXED_STEPS = [StepShape(r, r * per, r * ctx) for r in (1, 4, 16) for per in (1, 1, 2, 5, 8) for ctx in (64, 512)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.floats(0.5, 2.0), st.floats(0.5, 2.0))
+def test_the_split_recovers_a_base_and_a_token_cost_that_differ(sb, se):
+    model = preset(TINY_MOE, "cpu")
+    truth = _split_truth(model, sb, se)
+    online = OnlineCorrection(model)
+    for s in MIXED_STEPS * 20:
+        online.observe(s, truth(s))
+    got_b, got_e = online.split
+    assert got_b == pytest.approx(sb, rel=0.02) and got_e == pytest.approx(se, rel=0.02)
+    for s in (StepShape(1, 1, 100), StepShape(1, 8, 100), StepShape(32, 96, 32 * 300)):
+        assert online.predict(s) == pytest.approx(truth(s), rel=0.02)
+        curve = online.verify_curve(s.requests, s.context)
+        assert curve.seconds(np.array([s.tokens]))[0] == pytest.approx(online.predict(s), rel=1e-9)
+
+
+def test_plain_steps_alone_leave_the_token_cost_at_the_level():
+    # Nothing tells what an extra token costs: it is priced at the level the plain steps show,
+    # not at a guess from them.
+    model = preset(TINY_MOE, "cpu")
+    online = OnlineCorrection(model)
+    for r in (1, 4, 16, 64):
+        for _ in range(30):
+            s = StepShape(r, r, r * 200)
+            online.observe(s, 1.3 * model.predict(s))
+    sb, se = online.split
+    assert sb == pytest.approx(1.3, rel=0.01) and se == pytest.approx(1.3, rel=0.05)
+    drafting = StepShape(4, 20, 800)
+    assert online.predict(drafting) == pytest.approx(1.3 * model.predict(drafting), rel=0.03)
+
+
+def test_a_profile_that_underprices_tokens_makes_drafting_steps_dearer():
+    # The engine's case: plain steps over-predicted, drafting steps under-predicted by a
+    # level-only correction; with the split, a drafting step's predicted extra cost is the
+    # measured one, so the plan does not take drafting for cheaper than it is.
+    model = preset(TINY_MOE, "cpu")
+    truth = _split_truth(model, 0.9, 1.6)
+    online = OnlineCorrection(model)
+    for s in MIXED_STEPS * 10:
+        online.observe(s, truth(s))
+    plain, drafting = StepShape(1, 1, 100), StepShape(1, 8, 100)
+    level_only = online.scale
+    extra = online.predict(drafting) - online.predict(plain)
+    assert extra == pytest.approx(truth(drafting) - truth(plain), rel=0.02)
+    assert extra > 1.1 * level_only * (model.predict(drafting) - model.predict(plain))
+    online.refit(TERMS[:6])
+    assert online.split == (1.0, 1.0)
