@@ -27,19 +27,22 @@ import time
 from dataclasses import dataclass, field
 
 YOUNG = 50_000  # the youngest generation's threshold while frozen (CPython's default: 700)
+# The collector's thresholds before the first `freeze` (None: not raised), for `thaw`: process-wide,
+# as the collector is — two engines in one process (tests) must not leave each other's behind.
+_before: tuple[int, int, int] | None = None
 
 
-def freeze(young: int = YOUNG) -> tuple[int, int, int]:
+def freeze(young: int = YOUNG) -> None:
     """Collect, then freeze every object alive now (the end of a process's start-up), and let
     `young` more container objects than died be made before a young collection (a step at 1,024
     requests makes and drops tens of thousands; at 700 they set off collections that find almost
-    nothing, and push the older generations into theirs). Returns the thresholds before, for
-    `thaw`."""
-    before = gc.get_threshold()
+    nothing, and push the older generations into theirs)."""
+    global _before
+    if _before is None:
+        _before = gc.get_threshold()
     gc.collect()
     gc.freeze()
-    gc.set_threshold(max(young, before[0]), *before[1:])
-    return before
+    gc.set_threshold(max(young, _before[0]), *_before[1:])
 
 
 def collect_everything() -> None:
@@ -52,11 +55,14 @@ def collect_everything() -> None:
         gc.freeze()
 
 
-def thaw(threshold: tuple[int, int, int]) -> None:
-    """Frozen objects become collectable again, and the thresholds `freeze` found are back (a
-    process letting its engine go)."""
+def thaw() -> None:
+    """Frozen objects become collectable again, and the thresholds the first `freeze` found are
+    back (a process letting its engine go)."""
+    global _before
     gc.unfreeze()
-    gc.set_threshold(*threshold)
+    if _before is not None:
+        gc.set_threshold(*_before)
+        _before = None
 
 
 @dataclass

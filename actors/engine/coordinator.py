@@ -110,7 +110,6 @@ class Engine:
         self._unlearnt: tuple[Step, list[int]] | None = None
         self._learner = ThreadPoolExecutor(1, thread_name_prefix="dcut-learn") if cfg.learns_behind else None
         self.gc_pauses = heap.Pauses().install()  # the collector's pauses in this process, for /metrics
-        self._gc_threshold: tuple[int, int, int] | None = None  # the collector's, before this engine froze the heap
         self._freeze_heap()
 
     def set_policy(self, name: str) -> None:
@@ -489,8 +488,7 @@ class Engine:
     def _freeze_heap(self) -> None:
         """The end of start-up (or of a rebuild): this process's heap frozen (actors/heap.py)."""
         if self.cfg.freeze_heap:
-            before = heap.freeze()
-            self._gc_threshold = self._gc_threshold or before
+            heap.freeze()
 
     def _new_target(self) -> EPGroup:
         """The EP group: driven from this process (`in_process`, with the drafters as the ranks'
@@ -540,5 +538,5 @@ class Engine:
         self.target.shutdown()
         self.drafters.shutdown()
         self.gc_pauses.remove()
-        if self._gc_threshold is not None:
-            heap.thaw(self._gc_threshold)  # what it let go of may hold cycles: collectable again
+        if self.cfg.freeze_heap:
+            heap.thaw()  # what it let go of may hold cycles: collectable again

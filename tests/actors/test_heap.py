@@ -23,10 +23,10 @@ class Node:
 
 @pytest.fixture
 def thawed():
-    gc.unfreeze()  # whatever an earlier test left frozen
+    heap.thaw()  # whatever an earlier test left frozen
     threshold = gc.get_threshold()
     yield
-    gc.unfreeze()
+    heap.thaw()
     gc.set_threshold(*threshold)
 
 
@@ -83,3 +83,14 @@ def test_an_engine_freezes_its_heap_at_start_and_thaws_it_at_shutdown(tiny_bundl
     del eng
     gc.collect()
     assert rank() is None  # the closed rank (model, KV cache, guests) is collectable
+
+
+@pytest.mark.usefixtures("local_ray")
+def test_two_engines_in_one_process_leave_the_collector_as_they_found_it(tiny_bundle, tmp_path, thawed):
+    threshold = gc.get_threshold()
+    cfg = EngineConfig(target_dir=f"{tiny_bundle}/target", drafter="ngram", block=4, policy="ar",
+                       cost_model_cache=str(tmp_path))
+    first, second = Engine(cfg), Engine(cfg)
+    first.shutdown()
+    second.shutdown()
+    assert gc.get_threshold() == threshold and gc.get_freeze_count() == 0
