@@ -63,6 +63,8 @@ FLAT_CURVE = StepCost(lambda n: np.ones(len(n)), 0.0)  # a policy without a cost
 class Engine:
     """The coordinator's logic, usable in-process (tests) or inside the `BatchCoordinator` actor."""
 
+    checks_profile = True  # a cached start-up profile is checked against forwards timed at start
+
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
         self.policy = policy_from_name(cfg.policy, cfg.block, **cfg.dcut_options(cfg.policy))
@@ -463,7 +465,7 @@ class Engine:
         """The target's profiled step cost, once, for the policies that read it."""
         c = self.cfg
         if self.cost is None and self.policy.needs_cost_model:
-            self.cost = online(startup_cost_model(self.target, c))
+            self.cost = online(startup_cost_model(self.target, c, check=self.checks_profile))
 
     def _profile_drafter(self) -> None:
         """Seed the drafting gate's cost learner from a start-up profile of the drafter replicas'

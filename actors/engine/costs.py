@@ -72,16 +72,16 @@ def deployment_key(cfg) -> str:
     return hashlib.sha1(raw.encode()).hexdigest()[:16]
 
 
-def startup_cost_model(target, cfg) -> CostModel:
-    """Load the cached profile of this deployment (`cfg`: EngineConfig), or profile now (a few
-    seconds) and cache it."""
+def startup_cost_model(target, cfg, check: bool = True) -> CostModel:
+    """Load the cached profile of this deployment (`cfg`: EngineConfig) — checked against
+    forwards timed now (`check`) — or profile now (a few seconds) and cache it."""
     model_cfg = MoEConfig.load(cfg.target_dir)
     cache = None
     if cfg.cost_model_cache:
         cache = pathlib.Path(cfg.cost_model_cache) / f"cost_model_{deployment_key(cfg)}.json"
     if cache is not None and cache.exists():
         cached = CostModel.from_json(cache.read_text())
-        level = measured_level(cached, target, model_cfg.vocab_size)
+        level = measured_level(cached, target, model_cfg.vocab_size) if check else 1.0
         if 1 / STALE_LEVEL <= level <= STALE_LEVEL:
             return cached
         log.warning("the cached start-up profile %s predicts %.2f x the forwards timed now: profiling again",

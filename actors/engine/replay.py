@@ -21,6 +21,10 @@ class ReplayEngine(Engine):
     """`Engine` at EP 1 in process, its target a `ReplayGroup` answering from `continuations`
     (prompt tokens -> greedy output); a forward sleeps `forward_s(shape)` seconds when given."""
 
+    # Its forwards take what the caller says (or nothing): the real target's cached profile, copied
+    # in, is what its gate and pruning decide by, not a profile of the lookup.
+    checks_profile = False
+
     def __init__(self, cfg: EngineConfig, continuations: dict[tuple[int, ...], list[int]],
                  forward_s: Callable[[StepShape], float] | None = None) -> None:
         if cfg.ep != 1 or not cfg.in_process:

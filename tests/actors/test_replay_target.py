@@ -68,3 +68,21 @@ def test_a_forward_takes_the_time_it_is_given(greedy, tiny_bundle, tmp_path):
     finally:
         eng.shutdown()
     assert all(r.target_compute_s >= 0.004 for r in records)
+
+
+def test_the_real_targets_cached_profile_is_what_it_decides_by(greedy, tiny_bundle, tmp_path):
+    """Its forwards take nothing here: checked against them, the real target's profile would look
+    832 x too slow and be replaced by a profile of the lookup (actors/engine/costs.py's check is
+    for real targets only)."""
+    import json
+
+    real = Engine(config(tiny_bundle, tmp_path, "dcut"))  # profiles the real target and caches it
+    real.shutdown()
+    (cache,) = tmp_path.glob("cost_model_*.json")
+    profiled = json.loads(cache.read_text())["coef"]
+    eng = ReplayEngine(config(tiny_bundle, tmp_path, "dcut"), greedy)
+    try:
+        assert eng.cost.model.coef == profiled
+        assert json.loads(cache.read_text())["coef"] == profiled
+    finally:
+        eng.shutdown()
