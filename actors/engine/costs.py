@@ -98,7 +98,7 @@ def startup_cost_model(target, cfg, check: bool = True) -> CostModel:
 def measured_level(model: CostModel, target, vocab_size: int) -> float:
     """Median of measured / predicted seconds over `CHECK_GRID`'s forwards, timed now."""
     samples = run_profile(target, CHECK_GRID, vocab_size, seed=1)
-    return float(np.median([s.seconds / model.predict(s.shape) for s in samples]))
+    return float(np.median([s.seconds / max(model.predict(s.shape), 1e-12) for s in samples]))
 
 
 # What the gate assumes of the drafter before any measurement (seconds: call, request, position,
