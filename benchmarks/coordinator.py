@@ -108,7 +108,6 @@ def one_wave(policy: str, block: int, r: int, w: Workload, drafter: str = "ngram
     from actors.engine.coordinator import Engine
     from actors.engine.replay import ReplayEngine
     from actors.engine.sequence import SamplingParams
-    from actors.heap import Pauses
     from deployments.settings import ServeSettings
 
     # The real target's profile (copied into `cache`, where nothing learned is saved): the gate and
@@ -123,22 +122,20 @@ def one_wave(policy: str, block: int, r: int, w: Workload, drafter: str = "ngram
                                             w.forward(shape))
     eng = Engine(cfg) if w.real else ReplayEngine(cfg, w.table, timed)
     clock = StageClock(eng)
-    pauses = Pauses()  # the collector's pauses during the measured steps, each step's own
     batch = [w.prompts[i % len(w.prompts)] for i in range(r)]
     rids = [eng.add(p, SamplingParams(max_tokens=w.max_tokens)) for p in batch]
     steps = []
     try:
         while eng.pending:
-            gc_before = sum(pauses.seconds)
+            gc_before = sum(eng.gc_pauses.seconds)  # the engine counts its process's collections
             t0 = time.perf_counter()
-            pauses.install()
             rec = eng.step()
-            pauses.remove()
             wall = time.perf_counter() - t0
+            gc = sum(eng.gc_pauses.seconds) - gc_before
             stages = clock.take()
             if rec is not None and rec.requests >= 0.9 * r and not rec.prefill_tokens:
                 own = wall - rec.target_compute_s - rec.draft_compute_s
-                steps.append({"wall": wall, "own": own, "gc": sum(pauses.seconds) - gc_before,
+                steps.append({"wall": wall, "own": own, "gc": gc,
                               "forward": rec.target_compute_s,
                               "draft": rec.draft_compute_s, "drafted": rec.drafted / rec.requests,
                               "kept": rec.kept / rec.requests, "accepted": rec.accepted / rec.requests, **stages})

@@ -327,8 +327,8 @@ class OnlineCorrection:
         adds to it corrected apart."""
         base = self.model.verify_curve(requests, context)
         sb, se = self.split
-        at_r = float(base.verify_seconds(np.array([requests]))[0]) if requests else 0.0
-        lift = sb * at_r - se * at_r  # s_b·b + s_e·(curve − b) = s_e·curve + (s_b − s_e)·b
+        # s_b·b + s_e·(curve − b) = s_e·curve + (s_b − s_e)·b, b in floats as `_parts` has it
+        lift = (sb - se) * self.model.predict(StepShape(requests, requests, context)) if requests else 0.0
         return StepCost(lambda tokens: se * base.verify_seconds(tokens) + lift, 0.0, se * base.min_marginal)
 
     def refit(self, terms: Sequence[str] = TERMS) -> None:
