@@ -59,10 +59,10 @@ class EngineConfig:
     in_process: bool = True  # the coordinator's process is EP rank 0 and drives the others over the unit's
     # control group; each rank hosts a drafter replica (at EP 1 a step is function calls). False: every rank
     # and `drafters` drafter replicas are Ray actors, called per step (fault tests of a lone drafter's death)
-    drafter_dirs: tuple[tuple[str, str], ...] = ()
+    drafter_dirs: tuple[tuple[str, str], ...] = ()  # (kind, weights folder) of each kind hosted beside others
     # The end of start-up freezes this process's heap out of the cyclic collector's full scans
     # (actors/heap.py: a full collection of the start-up heap stalls the step loop for ~0.1 s).
-    freeze_heap: bool = True  # (kind, weights folder) of each kind hosted beside others
+    freeze_heap: bool = True
 
     @property
     def learns_behind(self) -> bool:
