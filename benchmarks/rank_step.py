@@ -37,7 +37,8 @@ import torch
 
 from actors.target.checkpoint import load_model
 from actors.target.host import upload
-from actors.target.model import ForwardBatch
+from actors.target.layers import AttentionGroup, AttentionPlan, plan_attention
+from actors.target.model import ForwardBatch, Prepared
 
 BUNDLED = pathlib.Path(__file__).resolve().parents[1] / "models" / "demo" / "target"
 
@@ -59,23 +60,131 @@ class StepRig:
         self.sync()
 
     def _forward(self, chunks: list[list[int]], ids: list[int] | None = None):
+        return self.model.forward(self.prepare(chunks, ids), self.cache)
+
+    def prepare(self, chunks: list[list[int]], ids: list[int] | None = None) -> Prepared:
         b = ForwardBatch.from_lists(ids or self.ids, chunks, "all")
         batch = ForwardBatch(b.request_ids, upload(b.tokens, self.device), b.cu, upload(b.logit_index, self.device))
-        return self.model.forward(self.model.prepare(batch, self.cache, b.tokens.numpy()), self.cache)
+        return self.model.prepare(batch, self.cache, b.tokens.numpy())
+
+    def inputs(self, chunks: list[list[int]]) -> list[torch.Tensor]:
+        """The device inputs of `model.compute` for one q-token step (blocks reserved, nothing
+        committed): tokens, logit index, then the attention plan's tensors (`plan_tensors`)."""
+        prep = self.prepare(chunks)
+        plan = plan_attention(self.cache, self.ids, prep.batch.cu, prep.starts, self.model.cfg.rotary, prep.lengths)
+        return [prep.batch.tokens, prep.batch.logit_index, *plan_tensors(plan)]
+
+    def compute(self, inputs: list[torch.Tensor]) -> torch.Tensor:
+        tokens, index, *rest = inputs
+        return self.model.compute(tokens, plan_from(rest), self.cache, index)[0]
+
+    def chunks(self, q: int) -> list[list[int]]:
+        return [self.rng.integers(0, self.vocab, q).tolist() for _ in self.ids]
+
+    def rollback(self) -> None:
+        self.cache.truncate_all(dict.fromkeys(self.ids, self.context))
 
     def step(self, q: int) -> float:
         """One forward of q tokens per request; the host seconds until the call returned."""
-        chunks = [self.rng.integers(0, self.vocab, q).tolist() for _ in self.ids]
+        chunks = self.chunks(q)
         t0 = time.perf_counter()
         self._forward(chunks)
         host = time.perf_counter() - t0
         self.sync()
-        self.cache.truncate_all(dict.fromkeys(self.ids, self.context))
+        self.rollback()
         return host
 
     def sync(self) -> None:
         if self.device != "cpu":
             torch.cuda.synchronize()
+
+
+def plan_tensors(plan: AttentionPlan) -> list[torch.Tensor]:
+    """The plan's tensors in a fixed order (one padded group: decoding and verifying)."""
+    if len(plan.groups) != 1 or plan.groups[0].rows is not None:
+        raise ValueError("a captured step needs its requests in one attention group")
+    g = plan.groups[0]
+    return [plan.write_slots, plan.cos, plan.sin, g.key_slots, g.mask, g.q_index, g.valid]
+
+
+def plan_from(tensors: list[torch.Tensor]) -> AttentionPlan:
+    write, cos, sin, key_slots, mask, q_index, valid = tensors
+    return AttentionPlan(write, [AttentionGroup(key_slots, mask, q_index, valid, None)], cos, sin)
+
+
+class GraphedStep:
+    """The rig's q-token forward (`model.compute`) captured once as a CUDA graph and replayed
+    with each step's inputs copied into the captured ones: what CUDA graphs would save a decode
+    or verify step of this shape. Every step of a rig has the same shapes (the cache is rolled
+    back), so one capture serves all. Raises RuntimeError where the forward waits for the host
+    (a synchronisation cannot be captured): checked first with sync debugging set to raise."""
+
+    def __init__(self, rig: StepRig, q: int) -> None:
+        self.rig, self.q = rig, q
+        self.inputs = rig.inputs(rig.chunks(q))
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            rig.compute(self.inputs)  # any host wait raises here, before a capture could break
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the default stream, as capture wants
+            for _ in range(2):
+                rig.compute(self.inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = rig.compute(self.inputs)
+        rig.sync()
+        rig.rollback()
+
+    def run(self, chunks: list[list[int]]) -> torch.Tensor:
+        """One step: host preparation, inputs copied in, replay; rolled back after."""
+        for static, new in zip(self.inputs, self.rig.inputs(chunks), strict=True):
+            static.copy_(new, non_blocking=True)
+        self.graph.replay()
+        return self.logits
+
+    def replay_ms(self, steps: int) -> float:
+        """Median wall ms of the replay alone (inputs unchanged: the device's own time)."""
+        walls = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            self.graph.replay()
+            self.rig.sync()
+            walls.append(time.perf_counter() - t0)
+        return 1e3 * statistics.median(walls)
+
+
+def measure_graph(rig: StepRig, q: int, steps: int) -> dict:
+    """Graphed step against the eager one: wall ms of a whole step (host preparation, copies,
+    replay) and of the replay alone, and the largest logit difference on the same inputs."""
+    if not rig.device.startswith("cuda"):
+        return {"graph_error": f"CUDA graphs need a CUDA device, not {rig.device}"}
+    try:
+        graphed = GraphedStep(rig, q)
+    except (RuntimeError, ValueError) as e:
+        rig.sync()
+        rig.rollback()
+        return {"graph_error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
+    chunks = rig.chunks(q)
+    eager = rig._forward(chunks)[0].float()
+    rig.sync()
+    rig.rollback()
+    diff = float((graphed.run(chunks).float() - eager).abs().max())
+    rig.sync()
+    rig.rollback()
+    walls = []
+    for _ in range(steps):
+        chunks = rig.chunks(q)
+        t0 = time.perf_counter()
+        graphed.run(chunks)
+        rig.sync()
+        walls.append(time.perf_counter() - t0)
+        rig.rollback()
+    return {"graph_wall_ms": 1e3 * statistics.median(walls), "graph_replay_ms": graphed.replay_ms(steps),
+            "graph_max_diff": diff}
 
 
 def profile_step(rig: StepRig, q: int) -> tuple[float, int, list[tuple[str, float, int]]]:
@@ -99,12 +208,11 @@ def count_syncs(rig: StepRig, q: int) -> tuple[int, dict[str, int]]:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            chunks = [rig.rng.integers(0, rig.vocab, q).tolist() for _ in rig.ids]
-            rig._forward(chunks)
+            rig._forward(rig.chunks(q))
         finally:
             torch.cuda.set_sync_debug_mode("default")
     rig.sync()
-    rig.cache.truncate_all(dict.fromkeys(rig.ids, rig.context))
+    rig.rollback()
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
     sites: dict[str, int] = {}
     for w in syncs:
@@ -113,7 +221,7 @@ def count_syncs(rig: StepRig, q: int) -> tuple[int, dict[str, int]]:
     return len(syncs), sites
 
 
-def measure(rig: StepRig, q: int, steps: int) -> dict:
+def measure(rig: StepRig, q: int, steps: int, graphs: bool = False) -> dict:
     for _ in range(3):
         rig.step(q)
     walls, hosts = [], []
@@ -123,8 +231,21 @@ def measure(rig: StepRig, q: int, steps: int) -> dict:
         walls.append(time.perf_counter() - t0)
     busy, kernels, top = profile_step(rig, q)
     syncs, sites = count_syncs(rig, q)
-    return {"wall_ms": 1e3 * statistics.median(walls), "host_ms": 1e3 * statistics.median(hosts),
-            "busy_ms": busy, "kernels": kernels, "syncs": syncs, "sync_sites": sites, "top_ops": top}
+    block = rig.model.moe_blocks()[0] if rig.model.moe_blocks() else None
+    probe = torch.zeros(1, device=rig.device, dtype=rig.model.lm_head.weight.dtype)
+    row = {"wall_ms": 1e3 * statistics.median(walls), "host_ms": 1e3 * statistics.median(hosts),
+           "busy_ms": busy, "kernels": kernels, "syncs": syncs, "sync_sites": sites, "top_ops": top,
+           "experts": "grouped" if block is not None and block.experts.uses_grouped(probe) else "loop"}
+    if graphs:
+        row |= measure_graph(rig, q, steps)
+    return row
+
+
+def graph_cells(row: dict) -> str:
+    if "graph_error" in row:
+        return " — | — | — | — |"
+    speedup = row["wall_ms"] / row["graph_wall_ms"]
+    return f" {row['graph_wall_ms']:.2f} | {row['graph_replay_ms']:.2f} | {speedup:.1f} | {row['graph_max_diff']:.2g} |"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,36 +257,49 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", default="128", help="tokens of context per request, comma-separated")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--model-dir", default=str(BUNDLED))
+    ap.add_argument("--graphs", default="auto", choices=["auto", "on", "off"],
+                    help="also the step captured as a CUDA graph (auto: on a CUDA device)")
     ap.add_argument("--out", default="runs/rank_step")
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    lines = ["| dtype | context | R | q | wall ms | host ms | busy ms | busy / wall | kernels | syncs |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    graphs = args.graphs == "on" or (args.graphs == "auto" and args.device.startswith("cuda"))
+    lines = ["| dtype | context | R | q | experts | wall ms | host ms | busy ms | busy / wall | kernels | syncs |"
+             + (" graphed wall ms | replay ms | eager / graphed | max logit diff |" if graphs else ""),
+             "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|---|" if graphs else "")]
     cells = [(d, c, r) for d in args.dtypes.split(",") for c in map(int, args.context.split(","))
              for r in map(int, args.requests.split(","))]
     for dtype_name, context, r in cells:
         rig = StepRig(args.model_dir, args.device, getattr(torch, dtype_name), r, context)
         for q in map(int, args.tokens.split(",")):
             row = {"device": args.device, "dtype": dtype_name, "context": context, "requests": r, "tokens": q}
-            row |= measure(rig, q, args.steps)
+            row |= measure(rig, q, args.steps, graphs)
             rows.append(row)
-            lines.append(f"| {dtype_name} | {context} | {r} | {q} | {row['wall_ms']:.2f} | {row['host_ms']:.2f} | "
-                         f"{row['busy_ms']:.2f} | {row['busy_ms'] / row['wall_ms']:.2f} | {row['kernels']} | "
-                         f"{row['syncs']} |")
+            lines.append(f"| {dtype_name} | {context} | {r} | {q} | {row['experts']} | {row['wall_ms']:.2f} | "
+                         f"{row['host_ms']:.2f} | {row['busy_ms']:.2f} | {row['busy_ms'] / row['wall_ms']:.2f} | "
+                         f"{row['kernels']} | {row['syncs']} |" + (graph_cells(row) if graphs else ""))
             print(lines[-1], flush=True)
         del rig
         if args.device != "cpu":
             torch.cuda.empty_cache()
     top = rows[len(rows) // 2]["top_ops"] if rows else []
+    footer = len(lines)
     lines += ["", f"Top host ops of one forward ({rows[len(rows) // 2]['dtype']}, R = "
               f"{rows[len(rows) // 2]['requests']}, q = {rows[len(rows) // 2]['tokens']}): self ms, calls", ""]
     lines += [f"- {name}: {ms:.3f} ms, {n}" for name, ms, n in top]
+    sites = {f"{r['dtype']}, {r['experts']} experts": r["sync_sites"] for r in rows if r["sync_sites"]}
+    if sites:
+        lines += ["", "Host waits in one forward, by Python line (first cell of each dtype):", ""]
+        lines += [f"- {k}: " + ", ".join(f"{site} × {n}" for site, n in v.items()) for k, v in sites.items()]
+    errors = {f"{r['dtype']}, R = {r['requests']}, q = {r['tokens']}": r["graph_error"] for r in rows
+              if "graph_error" in r}
+    if errors:
+        lines += ["", "Not captured as a CUDA graph:", ""] + [f"- {k}: {v}" for k, v in errors.items()]
     (out / "table.md").write_text("\n".join(lines) + "\n")
     (out / "results.json").write_text(json.dumps(rows, indent=1))
-    print("\n".join(lines[-len(top) - 2:]))
+    print("\n".join(lines[footer:]))
     return 0
 
 

@@ -18,7 +18,7 @@ from torch import nn
 from actors.target.config import MoEConfig
 from actors.target.kv_cache import CacheSpec, PagedKVCache
 from actors.target.latent import LatentAttention
-from actors.target.layers import Attention, RMSNorm, SwiGLU, plan_attention
+from actors.target.layers import Attention, AttentionPlan, RMSNorm, SwiGLU, plan_attention
 from actors.target.moe import MoEBlock, StepStats
 
 
@@ -145,13 +145,7 @@ class MoETransformer(nn.Module):
         prep = batch if isinstance(batch, Prepared) else self.prepare(batch, cache)
         batch = prep.batch
         plan = plan_attention(cache, batch.request_ids, batch.cu, prep.starts, self.cfg.rotary, prep.lengths)
-        x = self.embed_tokens(batch.tokens)  # [N, H]
-        captured: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
-            x = layer(x, plan, cache, stats)
-            if i + 1 in capture_layers:
-                captured[i + 1] = x
-        logits = self.lm_head(self.norm(x[batch.logit_index]))  # [M, V]
+        logits, captured = self.compute(batch.tokens, plan, cache, batch.logit_index, stats, capture_layers)
         for rid, n in zip(batch.request_ids, prep.lengths, strict=True):
             cache.commit(rid, n)
         if stats is not None:
@@ -160,6 +154,21 @@ class MoETransformer(nn.Module):
             stats.requests += len(prep.lengths)
             stats.context += sum(prep.starts)
         return logits, captured
+
+    def compute(self, tokens: torch.Tensor, plan: AttentionPlan, cache: PagedKVCache, logit_index: torch.Tensor,
+                stats: StepStats | None = None, capture_layers: tuple[int, ...] = ()
+                ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The forward's device work once its plan is built: embedding, layers (writing the new
+        tokens' keys and values at the plan's slots), norm and LM head. No cache bookkeeping and,
+        at one rank with grouped experts, no host synchronisation: the part a CUDA graph can
+        capture (`benchmarks/rank_step.py` measures it)."""
+        x = self.embed_tokens(tokens)  # [N, H]
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            x = layer(x, plan, cache, stats)
+            if i + 1 in capture_layers:
+                captured[i + 1] = x
+        return self.lm_head(self.norm(x[logit_index])), captured  # [M, V]
 
     def forward_train(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Whole sequences, causal, no cache (training): logits [B, T, V] and the mean

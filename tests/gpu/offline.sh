@@ -4,6 +4,8 @@
 # own dtype (as `dcut serve` serves it) with the block, n-gram and MTP drafters, and packs every log into
 # one archive. Usage, from the repository root on that machine:
 #   RESULTS=/tmp/gpu ARCHIVE=/somewhere/gpu.tgz bash tests/gpu/offline.sh [BUNDLE_DIR]
+# (SERVED="ngram mtp": which drafters' served benches to run, default block ngram mtp, "" none;
+# RUN_LIMIT: seconds for run.sh, default 300)
 # The machine needs python3 with torch (CUDA), numpy, msgpack, safetensors, tokenizers, jinja2, tqdm,
 # matplotlib, pytest and hypothesis; the bundle brings Ray, pydantic, jsonschema and llguidance.
 set -o pipefail
@@ -25,8 +27,8 @@ report() {
   echo "=== summary"; cat "$results/summary.txt"
   echo "=== test_cuda"; grep -E '^(FAILED|ERROR|SKIPPED)|passed|failed' "$results/test_cuda.log" | tail -20
   echo "=== coordinator"; cut -c1-160 "$results/coordinator/table.md" 2>/dev/null | head -16
-  echo "=== rank_step"; cut -c1-160 "$results/rank_step/table.md" 2>/dev/null
-  for d in block ngram mtp; do
+  echo "=== rank_step"; cut -c1-240 "$results/rank_step/table.md" 2>/dev/null
+  for d in ${SERVED-block ngram mtp}; do
     echo "=== served $d"
     "$PYTHON" - "$results/served_$d/results.json" <<'PY' 2>&1 | tail -8
 import json, sys
@@ -44,7 +46,7 @@ rc=$?; echo "run.sh exit $rc after $(elapsed)"
 [ "$rc" = 2 ] && exit 2  # no GPU: nothing to bench either
 # block: the engine check's drafter in float32, here in float16 (the first run's float16 `ar` with
 # MTP took twice float32's with block: dtype or drafter?)
-for d in block ngram mtp; do  # 12 prompts at C = 1 (C = 16: 48), 48 tokens each
+for d in ${SERVED-block ngram mtp}; do  # SERVED="": none; 12 prompts at C = 1 (C = 16: 48), 48 tokens each
   DCUT_GPUS_PER_RANK=1 timeout "${SERVED_LIMIT:-90}" "$PYTHON" -m deployments.cli bench --ep 1 --concurrency 1,16 \
     --policies ar,dcut --drafter $d --num-prompts 12 --max-tokens 48 --out "$results/served_$d" \
     > "$results/served_$d.log" 2>&1

@@ -16,7 +16,8 @@
 #               rows: whether the overlap pays on a GPU), then `dcut simulate` of DeepSeek-V3 on H200
 #               at EP 32 with those times
 #   rank-step   where one decode forward of the bundled target goes on the GPU: wall, host and
-#               device-busy ms, kernels launched and host waits per forward (benchmarks/rank_step.py)
+#               device-busy ms, kernels launched and host waits per forward, and the same step
+#               captured as a CUDA graph and replayed (benchmarks/rank_step.py)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-runs/gpu}
@@ -80,10 +81,10 @@ else
 fi
 
 # rank-step: is a decode forward bound by the device or by the host (Python, launches, waits)?
-timeout 180 "$python" benchmarks/rank_step.py --device cuda --dtypes bfloat16,float16,float32 --context 16,128 \
+timeout 240 "$python" benchmarks/rank_step.py --device cuda --dtypes bfloat16,float16,float32 --context 16,128 \
   --requests 1,64 --tokens 1,8 --out "$out/rank_step" > "$out/rank_step.log" 2>&1
 rc=$?
-if [ "$rc" = 124 ]; then record rank-step FAIL "timed out after 180 s; see rank_step.log"
+if [ "$rc" = 124 ]; then record rank-step FAIL "timed out after 240 s; see rank_step.log"
 elif [ "$rc" != 0 ]; then record rank-step FAIL "benchmarks/rank_step.py exit $rc; see rank_step.log"
 else record rank-step PASS "wall, host and device-busy ms per forward in $out/rank_step/table.md"
 fi
