@@ -67,15 +67,27 @@ class StepStats:
 
 @functools.cache
 def grouped_mm_runs(device: str, dtype: torch.dtype) -> bool:
-    """Whether torch's grouped matmul (`F.grouped_mm`) runs on this device in this dtype — probed
-    once on a tiny problem. Torch 2.13 runs it on the CPU in any float dtype and on CUDA in
-    bfloat16 on SM >= 80; elsewhere the experts fall back to one matmul per expert."""
+    """Whether torch's grouped matmul (`F.grouped_mm`) runs on this device in this dtype without
+    waiting for the host — probed once on a tiny problem. Torch runs it on the CPU in any float
+    dtype; on CUDA its one kernel takes bfloat16 on SM 9.x/10.x, and every other dtype goes
+    through a fallback that copies the groups' ends to the host and loops (seen on the H200 run
+    of 2026-12-04: two host waits a call in float16 and float32, where one matmul per expert
+    after one copy of the counts waits once). Where it does not, the experts run one matmul each."""
     if not hasattr(F, "grouped_mm"):
         return False
+    cuda = torch.device(device).type == "cuda"
     try:
         a = torch.zeros(16, 16, device=device, dtype=dtype)
         b = torch.zeros(2, 16, 16, device=device, dtype=dtype)
-        F.grouped_mm(a, b, offs=torch.tensor([8, 16], device=device, dtype=torch.int32))
+        offs = torch.tensor([8, 16], device=device, dtype=torch.int32)
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.set_sync_debug_mode("error")  # the host fallback's copy raises here
+        try:
+            F.grouped_mm(a, b, offs=offs)
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
     except (RuntimeError, NotImplementedError, TypeError):
         return False
     return True
