@@ -36,8 +36,8 @@ import numpy as np
 import torch
 
 from actors.target.checkpoint import load_model
+from actors.target.graphs import StepGraphs
 from actors.target.host import upload
-from actors.target.layers import AttentionGroup, AttentionPlan, plan_attention
 from actors.target.model import ForwardBatch, Prepared
 
 BUNDLED = pathlib.Path(__file__).resolve().parents[1] / "models" / "demo" / "target"
@@ -67,17 +67,6 @@ class StepRig:
         batch = ForwardBatch(b.request_ids, upload(b.tokens, self.device), b.cu, upload(b.logit_index, self.device))
         return self.model.prepare(batch, self.cache, b.tokens.numpy())
 
-    def inputs(self, chunks: list[list[int]]) -> list[torch.Tensor]:
-        """The device inputs of `model.compute` for one q-token step (blocks reserved, nothing
-        committed): tokens, logit index, then the attention plan's tensors (`plan_tensors`)."""
-        prep = self.prepare(chunks)
-        plan = plan_attention(self.cache, self.ids, prep.batch.cu, prep.starts, self.model.cfg.rotary, prep.lengths)
-        return [prep.batch.tokens, prep.batch.logit_index, *plan_tensors(plan)]
-
-    def compute(self, inputs: list[torch.Tensor]) -> torch.Tensor:
-        tokens, index, *rest = inputs
-        return self.model.compute(tokens, plan_from(rest), self.cache, index)[0]
-
     def chunks(self, q: int) -> list[list[int]]:
         return [self.rng.integers(0, self.vocab, q).tolist() for _ in self.ids]
 
@@ -99,92 +88,40 @@ class StepRig:
             torch.cuda.synchronize()
 
 
-def plan_tensors(plan: AttentionPlan) -> list[torch.Tensor]:
-    """The plan's tensors in a fixed order (one padded group: decoding and verifying)."""
-    if len(plan.groups) != 1 or plan.groups[0].rows is not None:
-        raise ValueError("a captured step needs its requests in one attention group")
-    g = plan.groups[0]
-    return [plan.write_slots, plan.cos, plan.sin, g.key_slots, g.mask, g.q_index, g.valid]
-
-
-def plan_from(tensors: list[torch.Tensor]) -> AttentionPlan:
-    write, cos, sin, key_slots, mask, q_index, valid = tensors
-    return AttentionPlan(write, [AttentionGroup(key_slots, mask, q_index, valid, None)], cos, sin)
-
-
-class GraphedStep:
-    """The rig's q-token forward (`model.compute`) captured once as a CUDA graph and replayed
-    with each step's inputs copied into the captured ones: what CUDA graphs would save a decode
-    or verify step of this shape. Every step of a rig has the same shapes (the cache is rolled
-    back), so one capture serves all. Raises RuntimeError where the forward waits for the host
-    (a synchronisation cannot be captured): checked first with sync debugging set to raise."""
-
-    def __init__(self, rig: StepRig, q: int) -> None:
-        self.rig, self.q = rig, q
-        self.inputs = rig.inputs(rig.chunks(q))
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            rig.compute(self.inputs)  # any host wait raises here, before a capture could break
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up off the default stream, as capture wants
-            for _ in range(2):
-                rig.compute(self.inputs)
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = rig.compute(self.inputs)
-        rig.sync()
-        rig.rollback()
-
-    def run(self, chunks: list[list[int]]) -> torch.Tensor:
-        """One step: host preparation, inputs copied in, replay; rolled back after."""
-        for static, new in zip(self.inputs, self.rig.inputs(chunks), strict=True):
-            static.copy_(new, non_blocking=True)
-        self.graph.replay()
-        return self.logits
-
-    def replay_ms(self, steps: int) -> float:
-        """Median wall ms of the replay alone (inputs unchanged: the device's own time)."""
-        walls = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            self.graph.replay()
-            self.rig.sync()
-            walls.append(time.perf_counter() - t0)
-        return 1e3 * statistics.median(walls)
-
-
 def measure_graph(rig: StepRig, q: int, steps: int) -> dict:
-    """Graphed step against the eager one: wall ms of a whole step (host preparation, copies,
-    replay) and of the replay alone, and the largest logit difference on the same inputs."""
+    """The step as the rank runs it on a GPU (`actors/target/graphs.py`: padded to its bucket,
+    replayed as a CUDA graph) against the eager one: wall ms of a whole step (plan, copies,
+    replay), of the replay alone, and the largest logit difference on the same inputs (the
+    padded shapes may round differently)."""
     if not rig.device.startswith("cuda"):
         return {"graph_error": f"CUDA graphs need a CUDA device, not {rig.device}"}
-    try:
-        graphed = GraphedStep(rig, q)
-    except (RuntimeError, ValueError) as e:
-        rig.sync()
-        rig.rollback()
-        return {"graph_error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
+    if not StepGraphs.wanted("auto", rig.model, 1, str(rig.model.lm_head.weight.device)):
+        return {"graph_error": "a step here waits for the host (experts without a grouped kernel in this dtype)"}
+    graphs = StepGraphs(rig.model, rig.cache, "auto")
     chunks = rig.chunks(q)
     eager = rig._forward(chunks)[0].float()
     rig.sync()
     rig.rollback()
-    diff = float((graphed.run(chunks).float() - eager).abs().max())
+    diff = float((graphs.forward(rig.prepare(chunks))[0].float() - eager).abs().max())
     rig.sync()
     rig.rollback()
     walls = []
     for _ in range(steps):
         chunks = rig.chunks(q)
         t0 = time.perf_counter()
-        graphed.run(chunks)
+        graphs.forward(rig.prepare(chunks))
         rig.sync()
         walls.append(time.perf_counter() - t0)
         rig.rollback()
-    return {"graph_wall_ms": 1e3 * statistics.median(walls), "graph_replay_ms": graphed.replay_ms(steps),
-            "graph_max_diff": diff}
+    (graph,) = graphs.captured()
+    replays = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        graph.replay()
+        rig.sync()
+        replays.append(time.perf_counter() - t0)
+    return {"graph_wall_ms": 1e3 * statistics.median(walls), "graph_replay_ms": 1e3 * statistics.median(replays),
+            "graph_max_diff": diff, "graph_capture_s": graphs.capture_s}
 
 
 def profile_step(rig: StepRig, q: int) -> tuple[float, int, list[tuple[str, float, int]]]:

@@ -43,6 +43,9 @@ class ServeSettings(BaseModel):
         "auto", description="what the ranks compute in: auto is the checkpoint's dtype on GPUs, float32 on the CPU")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="share of each rank's GPU memory its "
                                           "weights and KV cache may take")
+    cuda_graphs: Literal["auto", "off", "padded"] = Field(
+        "auto", description="decode and verify steps replayed as CUDA graphs where nothing in them waits for the host "
+        "(one rank, bfloat16 grouped experts); padded: the same padded steps, not captured (tests)")
     max_prompt_tokens: int = Field(1536, ge=1)
     max_tokens_limit: int = Field(512, ge=1)
     max_stop: int = Field(4, ge=0)
@@ -112,7 +115,7 @@ class ServeSettings(BaseModel):
             bundle.target, bundle.tokenizer, ",".join(kinds), bundle.drafter_dir(kinds[0]), s.block, s.policy, ep=s.ep,
             drafter_dirs=tuple((k, bundle.drafter_dir(k)) for k in kinds if bundle.drafter_dir(k)),
             drafters=s.drafters, max_running=s.max_running, kv_capacity_tokens=s.kv_capacity_tokens, dtype=s.dtype,
-            gpu_memory_utilization=s.gpu_memory_utilization,
+            gpu_memory_utilization=s.gpu_memory_utilization, cuda_graphs=s.cuda_graphs,
             threads_per_rank=s.threads_per_rank, cpus_per_rank=s.cpus_per_rank, gpus_per_rank=s.gpus_per_rank,
             cpus_per_drafter=s.cpus_per_drafter, eos_token_id=bundle.eos_token_id(),
             cost_model_cache=s.cost_model_cache, guard_threshold=s.guard_threshold, max_budget=s.max_budget,

@@ -24,6 +24,7 @@ class EngineConfig:
     max_running: int = 64
     kv_capacity_tokens: int = 65536  # per rank, on the CPU; a GPU rank sizes its cache from its free memory
     dtype: str = "auto"  # what the ranks compute in: the checkpoint's dtype on GPUs, float32 on the CPU
+    cuda_graphs: str = "auto"  # decode/verify steps as CUDA graphs where they can be (actors/target/graphs.py)
     gpu_memory_utilization: float = 0.9  # share of each rank's GPU its weights and KV cache may take
     prefill_chunk: int = 512  # prompt tokens per request per step
     prefill_budget: int = 2048  # prompt tokens per step in all, riding in the step's one forward
@@ -106,7 +107,7 @@ class EngineConfig:
         return EPConfig(self.target_dir, world=self.ep, placement=self.ep_placement, cpus_per_rank=self.cpus_per_rank,
                         group_timeout_s=self.group_timeout_s,
                         gpus_per_rank=self.gpus_per_rank, threads_per_rank=self.threads_per_rank,
-                        kv_capacity_tokens=self.kv_capacity_tokens, dtype=self.dtype,
+                        kv_capacity_tokens=self.kv_capacity_tokens, dtype=self.dtype, cuda_graphs=self.cuda_graphs,
                         gpu_memory_utilization=self.gpu_memory_utilization, placement_group=placement_group,
                         bundle_offset=self.layout().rank_bundle(0) if placement_group is not None else 0,
                         guests=guests)

@@ -59,8 +59,9 @@ def _cpuinfo() -> list[str]:
 
 def deployment_key(cfg) -> str:
     """Cache key of a profile (and of the learned state beside it): the model's config and
-    weights' size, the device and dtype the ranks compute in, EP size, threads, and whether the
-    rank runs in the caller's process (a Ray call per step is part of what is measured). A CPU
+    weights' size, the device and dtype the ranks compute in, EP size, threads, whether the rank
+    runs in the caller's process (a Ray call per step is part of what is measured), and CUDA
+    graphs where not left to `auto`. A CPU
     profile is never reused on a GPU, nor one GPU's on another."""
     path = pathlib.Path(cfg.target_dir)
     config = (path / "config.json").read_text()
@@ -68,6 +69,7 @@ def deployment_key(cfg) -> str:
     device = [device_identity(cfg.gpus_per_rank),
               str(serving_dtype(cfg.dtype, "cuda" if cfg.gpus_per_rank else "cpu", cfg.target_dir))]
     shape = [cfg.ep, cfg.threads_per_rank] + (["in-process"] if cfg.in_process else [])
+    shape += [f"graphs-{cfg.cuda_graphs}"] if cfg.cuda_graphs != "auto" else []  # a step's cost differs ×3–5
     raw = json.dumps([config, sizes, *device, *shape])
     return hashlib.sha1(raw.encode()).hexdigest()[:16]
 

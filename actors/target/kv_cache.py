@@ -56,6 +56,7 @@ class PagedKVCache:
         self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out low blocks first
         self._tables: dict[int, list[int]] = {}
         self._lengths: dict[int, int] = {}
+        self._scratch: int | None = None
 
     # -- bookkeeping ----------------------------------------------------------------------------
 
@@ -119,6 +120,17 @@ class PagedKVCache:
         if rid in self._tables:
             self._free.extend(reversed(self._tables.pop(rid)))
             del self._lengths[rid]
+
+    def scratch_slot(self) -> int:
+        """A slot no request will own: the first of a free block taken out of the pool for good
+        on the first call (the padding of graphed steps writes its keys there)."""
+        if self._scratch is None:
+            if not self._free:
+                raise KVCacheFull("no free block left for the scratch slot")
+            block = max(self._free)
+            self._free.remove(block)
+            self._scratch = block * self.spec.block_size
+        return self._scratch
 
     # -- slot arithmetic ------------------------------------------------------------------------
 

@@ -94,11 +94,29 @@ class AttentionPlan:
         return out
 
 
+@dataclass(frozen=True)
+class Padding:
+    """Fixed shapes for a forward replayed as a CUDA graph (actors/target/graphs.py): the
+    requests, the queries of each and the keys of each padded to these. The padding's tokens sit
+    after the real ones in flat order and write their keys at `scratch`, a cache slot no request
+    owns; padded requests attend to one key, padded queries of a request to none of its own."""
+
+    requests: int
+    queries: int
+    keys: int
+    scratch: int
+
+    @property
+    def tokens(self) -> int:
+        return self.requests * self.queries
+
+
 def plan_attention(cache: PagedKVCache, request_ids: list[int], cu: torch.Tensor, starts: list[int],
-                   rotary: Rotary, lengths: list[int] | None = None) -> AttentionPlan:
+                   rotary: Rotary, lengths: list[int] | None = None, padding: Padding | None = None) -> AttentionPlan:
     """Build the per-forward attention plan. Cache blocks must already be reserved. `lengths`:
     each request's new tokens, when the caller has them on the host already. The integer
-    arithmetic is numpy (host); only the finished indices and masks are tensors on the device."""
+    arithmetic is numpy (host); only the finished indices and masks are tensors on the device.
+    `padding`: every tensor in those fixed shapes (the requests must fit, and attend as one group)."""
     lengths = (cu[1:] - cu[:-1]).tolist() if lengths is None else lengths
     keys, write, by_span = [], [], {}
     for i, (rid, s, n) in enumerate(zip(request_ids, starts, lengths, strict=True)):
@@ -111,12 +129,18 @@ def plan_attention(cache: PagedKVCache, request_ids: list[int], cu: torch.Tensor
     offsets = np.zeros(len(lens_a) + 1, dtype=np.int64)
     np.cumsum(lens_a, out=offsets[1:])
     whole = len(by_span) <= 1
+    if padding is not None and (not whole or 0 not in by_span or len(lengths) > padding.requests
+                                or max(lengths) > padding.queries or max(starts_a + lens_a) > padding.keys):
+        raise ValueError(f"a forward of {len(lengths)} requests does not fit {padding}")
     ragged = _Ragged(keys, starts_a, lens_a, offsets)
-    groups = [_group(np.asarray(idx), ragged, whole, dev) for idx in by_span.values()]
+    groups = [_group(np.asarray(idx), ragged, whole, dev, padding) for idx in by_span.values()]
     total = int(offsets[-1])
     positions = np.arange(total) + np.repeat(starts_a - offsets[:-1], lens_a)  # [N] in flat order
-    cos, sin = rotary.cos_sin(torch.from_numpy(positions))
     write_slots = torch.cat(write) if write else torch.zeros(0, dtype=torch.long)
+    if padding is not None:  # the padding's tokens: position 0, keys written to the scratch slot
+        positions = np.concatenate([positions, np.zeros(padding.tokens - total, dtype=np.int64)])
+        write_slots = torch.cat([write_slots, torch.full((padding.tokens - total,), padding.scratch)])
+    cos, sin = rotary.cos_sin(torch.from_numpy(positions))
     return AttentionPlan(upload(write_slots, dev), groups, upload(cos, dev), upload(sin, dev))
 
 
@@ -130,13 +154,20 @@ class _Ragged(NamedTuple):
     offsets: np.ndarray
 
 
-def _group(idx: np.ndarray, ragged: _Ragged, whole: bool, dev) -> AttentionGroup:
-    """The padded attention of requests idx (of the forward's; `whole`: every one, in order)."""
+def _group(idx: np.ndarray, ragged: _Ragged, whole: bool, dev, padding: Padding | None = None) -> AttentionGroup:
+    """The padded attention of requests idx (of the forward's; `whole`: every one, in order);
+    `padding`: in its fixed shapes, the padded requests appending nothing."""
     keys, offsets = ragged.keys, ragged.offsets
     starts, lengths = ragged.starts[idx], ragged.lengths[idx]
     q, t = int(lengths.max()), int((starts + lengths).max())
+    if padding is not None:
+        extra = padding.requests - len(idx)
+        starts, lengths = np.pad(starts, (0, extra)), np.pad(lengths, (0, extra))
+        offsets = np.pad(offsets, (0, extra), mode="edge")
+        idx = np.concatenate([idx, np.arange(len(idx), padding.requests)])
+        q, t = padding.queries, padding.keys
     key_slots = torch.zeros(len(idx), t, dtype=torch.long)
-    for row, i in enumerate(idx.tolist()):
+    for row, i in enumerate(idx.tolist()[:len(keys)]):
         key_slots[row, :len(keys[i])] = keys[i]
     j = np.arange(q)
     q_valid = j[None, :] < lengths[:, None]  # [R_g, Q]
@@ -148,8 +179,11 @@ def _group(idx: np.ndarray, ragged: _Ragged, whole: bool, dev) -> AttentionGroup
     mask |= (~valid_t[:, :, None]) & (k_pos[None, None, :] == 0)  # padded queries see one key: no NaN
     q_index = np.where(q_valid, offsets[idx][:, None] + j[None, :], 0)
     rows = None if whole else upload(torch.from_numpy(q_index[q_valid]), dev)
+    valid = np.flatnonzero(q_valid)
+    if padding is not None:  # the padding's tokens read any padded query's output
+        valid = np.pad(valid, (0, padding.tokens - len(valid)))
     return AttentionGroup(upload(key_slots, dev), upload(mask[:, None], dev), upload(torch.from_numpy(q_index), dev),
-                          upload(torch.from_numpy(np.flatnonzero(q_valid)), dev), rows)
+                          upload(torch.from_numpy(valid), dev), rows)
 
 
 class Attention(nn.Module):

@@ -27,6 +27,7 @@ from actors.target import wire
 from actors.target.checkpoint import load_model, serving_dtype
 from actors.target.features import FeatureStore
 from actors.target.gpu import memory_in_use
+from actors.target.graphs import StepGraphs
 from actors.target.host import download, upload
 from actors.target.kv_cache import KVCacheFull, tokens_for_memory
 from actors.target.link import RankLink
@@ -58,6 +59,7 @@ class WorkerSpec:
     dtype: str = "auto"  # `checkpoint.serving_dtype`: the checkpoint's on an accelerator, float32 on the CPU
     gpu_memory_utilization: float = 0.9  # on a GPU the KV cache takes what this share leaves beside the weights
     activation_reserve_bytes: int = 2 << 30  # and beside this much kept for a step's activations
+    cuda_graphs: str = "auto"  # decode and verify steps replayed as CUDA graphs where they can be (graphs.py)
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,7 @@ class TargetRank:
         self.spec = spec
         self.model = None
         self.cache = None
+        self.graphs: StepGraphs | None = None
         self.features = FeatureStore()
         self._feature_layers: tuple[int, ...] = ()  # the layers side by side in stored rows
         self.data = self.link = None  # the unit's data and control groups (world > 1)
@@ -134,8 +137,12 @@ class TargetRank:
         if s.world > 1:
             apply_expert_parallel(self.model, s.rank, s.world, self.data)
         self.cache = self.model.new_cache(self._kv_tokens(), s.kv_block_size)
+        device = str(self.model.lm_head.weight.device)
+        if StepGraphs.wanted(s.cuda_graphs, self.model, s.world, device):
+            self.graphs = StepGraphs(self.model, self.cache, s.cuda_graphs)
         return {"rank": s.rank, "experts": (first, count), "dtype": str(dtype).removeprefix("torch."),
-                "kv_tokens": self.cache.num_blocks * s.kv_block_size} | whereabouts()
+                "kv_tokens": self.cache.num_blocks * s.kv_block_size,
+                "cuda_graphs": self.graphs.mode if self.graphs is not None else "off"} | whereabouts()
 
     def _kv_tokens(self) -> int:
         """The KV cache's size in tokens: as configured on the CPU; on a GPU, what fits in
@@ -181,7 +188,9 @@ class TargetRank:
         stats = StepStats()
         if prepared is None:  # no requests here, but the MoE collectives still need this rank
             prepared = Prepared(batch, [], [], [])
-        logits, captured = self.model.forward(prepared, self.cache, stats, rb.capture_layers)
+        graphed = (self.graphs.forward(prepared, stats, rb.capture_layers)
+                   if self.graphs is not None and prepared.lengths else None)
+        logits, captured = graphed or self.model.forward(prepared, self.cache, stats, rb.capture_layers)
         logits = logits.float()  # argmax, controls, sampling and log-probabilities: float32 in any dtype
         # Rows are picked by integer indices made on the host: an index by a boolean mask on a GPU
         # reads the mask back to the host first.
@@ -301,7 +310,7 @@ class TargetRank:
         driver's process, before its replacement loads: never two ranks' memory at once), and hand
         the GPU memory back to the device (other processes see it free; this one counts it free
         either way: `memory_in_use`)."""
-        self.model = self.cache = self.data = self.link = None
+        self.model = self.cache = self.graphs = self.data = self.link = None
         self.features = FeatureStore()
         self.parts = {"target": self}
         if self.spec.device != "cpu":

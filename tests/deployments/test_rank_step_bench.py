@@ -35,21 +35,7 @@ def test_every_step_sees_the_same_context_and_every_row_is_written(tmp_path):
     assert (tmp_path / "table.md").read_text().count("| float32 |") == 8
 
 
-def test_the_captured_steps_inputs_give_the_eager_forwards_logits():
-    """What `GraphedStep` captures and replays on a GPU (`model.compute` over the inputs copied
-    into fixed tensors) computes what the eager forward does; checked here without a capture: new
-    inputs copied into the first step's tensors, as a replay reads them."""
+def test_the_graphed_step_is_measured_only_on_a_gpu():
     bench = load_bench()
-    rig = bench.StepRig(str(bench.BUNDLED), "cpu", torch.float32, requests=3, context=20)
-    for q in (1, 4):
-        static = rig.inputs(rig.chunks(q))
-        rig.rollback()
-        chunks = rig.chunks(q)
-        eager = rig._forward(chunks)[0]
-        rig.rollback()
-        for held, new in zip(static, rig.inputs(chunks), strict=True):
-            held.copy_(new)
-        assert torch.equal(rig.compute(static), eager)
-        rig.rollback()
-        assert [rig.cache.length(r) for r in rig.ids] == [20, 20, 20]
+    rig = bench.StepRig(str(bench.BUNDLED), "cpu", torch.float32, requests=2, context=8)
     assert bench.measure_graph(rig, 1, 1) == {"graph_error": "CUDA graphs need a CUDA device, not cpu"}

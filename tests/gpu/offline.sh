@@ -28,9 +28,9 @@ report() {
   echo "=== test_cuda"; grep -E '^(FAILED|ERROR|SKIPPED)|passed|failed' "$results/test_cuda.log" | tail -20
   echo "=== coordinator"; cut -c1-160 "$results/coordinator/table.md" 2>/dev/null | head -16
   echo "=== rank_step"; cut -c1-240 "$results/rank_step/table.md" 2>/dev/null
-  for d in ${SERVED-block ngram mtp}; do
-    echo "=== served $d"
-    "$PYTHON" - "$results/served_$d/results.json" <<'PY' 2>&1 | tail -8
+  for d in $(for k in ${SERVED-block ngram mtp}; do echo "served_$k"; done) graphs_auto graphs_off; do
+    echo "=== $d"
+    "$PYTHON" - "$results/$d/results.json" <<'PY' 2>&1 | tail -8
 import json, sys
 keys = ["policy", "concurrency", "output_tok_s", "speedup_vs_ar", "mat", "lossless", "step_ms_mean",
         "target_compute_ms_mean", "draft_ms_mean"]

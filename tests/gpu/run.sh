@@ -10,6 +10,8 @@
 #   engine      every policy's greedy output equal to `ar` with the ranks on the GPU in float32, and a
 #               short bench of `ar` and `dcut` (`dcut bench` exits 1 when an output differs); bf16
 #               serving is checked in cuda-tests (divergences from `ar` only at near-ties)
+#   graphs      `dcut bench` in bfloat16 with the MTP drafter, its steps replayed as CUDA graphs
+#               (actors/target/graphs.py) and not: both lossless, tok/s of each
 #   coordinator the engine's own time per step next to the real GPU forward at 1, 64 and 256
 #               requests (benchmarks/coordinator.py --target real; outputs checked against greedy),
 #               with the learning behind the forward (as served on GPUs) and without (`(sequential)`
@@ -60,6 +62,24 @@ if "$python" -c 'import ray' 2>/dev/null; then
   fi
 else
   record engine FAIL "ray is not installed for $python: the engine was not checked"
+fi
+
+# graphs: the engine in bfloat16 (grouped experts: no host waits) with its decode and verify steps
+# replayed as CUDA graphs (the default where a step can be) and without; both lossless.
+if "$python" -c 'import ray' 2>/dev/null; then
+  failed=""
+  for g in auto off; do
+    DCUT_GPUS_PER_RANK=1 DCUT_DTYPE=bfloat16 DCUT_CUDA_GRAPHS=$g timeout 150 "$python" -m deployments.cli bench --ep 1 \
+      --concurrency 1,16 --policies ar,dcut --drafter mtp --num-prompts 12 --max-tokens 48 --out "$out/graphs_$g" \
+      > "$out/graphs_$g.log" 2>&1
+    rc=$?
+    [ "$rc" = 0 ] || failed="$failed cuda_graphs=$g (exit $rc; 1: an output differs from ar, 124: timed out)"
+  done
+  if [ -n "$failed" ]; then record graphs FAIL "dcut bench in bfloat16:$failed; see graphs_*.log"
+  else record graphs PASS "bfloat16 lossless with and without CUDA graphs; tok/s in $out/graphs_auto, $out/graphs_off"
+  fi
+else
+  record graphs FAIL "ray is not installed for $python: CUDA graphs were not checked in the engine"
 fi
 
 # coordinator: the engine's own time beside a real GPU forward, and what it means at EP 32.

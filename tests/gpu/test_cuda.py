@@ -218,6 +218,56 @@ def test_a_decode_forward_synchronises_once_per_moe_layer(dtype):
     assert len(syncs) <= budget, syncs
 
 
+def test_decode_and_verify_steps_replay_as_cuda_graphs():
+    """bf16 at EP 1 (`actors/target/graphs.py`): each bucket met is captured once; a replayed step
+    gives the same step padded and run eagerly bit for bit (the same kernels on the same shapes),
+    the unpadded forward's argmax except where its two best logits are near-tied, the same
+    features and cache lengths; and a graphed step waits for the host nowhere."""
+    import warnings
+
+    from actors.target.graphs import StepGraphs
+    from actors.target.host import upload
+
+    model = load_model(str(BUNDLED)).to("cuda", torch.bfloat16).eval()
+    assert StepGraphs.wanted("auto", model, 1, "cuda:0")
+    caches = [model.new_cache(8192) for _ in range(3)]
+    graphed, padded = StepGraphs(model, caches[0], "auto"), StepGraphs(model, caches[1], "padded")
+
+    def prepare(cache, ids, chunks):
+        b = ForwardBatch.from_lists(ids, chunks, "all")
+        batch = ForwardBatch(b.request_ids, upload(b.tokens, "cuda"), b.cu, upload(b.logit_index, "cuda"))
+        return model.prepare(batch, cache, b.tokens.numpy())
+
+    ids = list(range(len(PROMPTS)))
+    for cache in caches:
+        model.forward(prepare(cache, ids, PROMPTS), cache)
+    steps = [[[1], [2], [3]], [[4, 5, 6], [7], [8, 9]], [[1], [2], [3]], [list(range(20, 31)), [5], [6, 7]]]
+    syncs = 0
+    for chunks in steps:
+        prep = prepare(caches[0], ids, chunks)
+        captures = graphed.captures
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                got, feats = graphed.forward(prep, StepStats(), capture_layers=(2,))
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        if graphed.captures == captures:  # a capture itself synchronises (torch.cuda.graph); a replay must not
+            syncs += sum("synchroniz" in str(w.message) for w in caught)
+        same, same_feats = padded.forward(prepare(caches[1], ids, chunks), StepStats(), capture_layers=(2,))
+        want = model.forward(prepare(caches[2], ids, chunks), caches[2], capture_layers=(2,))[0].float()
+        assert torch.equal(got, same) and torch.equal(feats[2], same_feats[2])
+        top2 = want.topk(2, dim=-1).values
+        differ = got.float().argmax(-1) != want.argmax(-1)
+        assert bool(((top2[:, 0] - top2[:, 1])[differ] < 0.1).all()), "argmax differs away from a near-tie"
+    assert syncs == 0
+    assert [caches[0].length(r) for r in ids] == [caches[2].length(r) for r in ids]
+    # buckets (requests, queries, keys): (4, 1, 64), (4, 4, 64), (4, 16, 64); the third step replays the first's
+    assert graphed.stats() | {"capture_s": 0} == {"mode": "auto", "graphs": 3, "captures": 3, "replays": 4,
+                                                  "capture_s": 0}
+
+
 def test_a_world_size_one_nccl_group_dispatches_and_agrees():
     """The data group on NCCL, world size 1 (one GPU): the MoE exchanges go through its
     all-to-all and give the local dispatch's logits; the all-reduce of `all_agree` takes a device

@@ -1,0 +1,184 @@
+"""CUDA graphs of a rank's decode and verify forwards (one rank, grouped experts).
+
+On a GPU the bundled model's forward is bound by the host: ~430 kernels launched from Python
+take 7.5–15 ms where the device is busy 0.7–1.5 ms (`benchmarks/rank_step.py`, H200,
+2026-12-04). Replayed as a CUDA graph the same forward took 1.7–4.5 ms with bit-equal logits.
+A graph replays fixed shapes, so a step is padded to a bucket — requests to a power of two,
+each request's new tokens to a power of two (at most `QUERY_SPAN`: decoding and verifying, not
+prefill chunks), its keys to a power of two — and the graph of that bucket, captured the first
+time it is met, is replayed with the step's inputs copied into the ones it captured. The
+padding's tokens compute beside the real ones and write their keys to one scratch slot of the
+cache; nothing reads them.
+
+A step graphs only where nothing in it waits for the host: one rank (the all-to-all of EP > 1
+needs its split sizes on the host) whose experts run as torch's grouped matmul without a host
+fallback (bfloat16 on SM 9.x/10.x: `moe.grouped_mm_runs`). Other steps run eagerly, as does
+every step with `mode="off"`. `mode="padded"` runs the padded step without capturing, on any
+device: what the CPU tests check (the padding is exact), and the replay runs the same kernels.
+
+What a graphed step does not report: the experts each MoE layer touched (`StepStats.per_layer`;
+the padding's tokens route too). Its other statistics are the host's, as in an eager step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from actors.target.kv_cache import PagedKVCache
+from actors.target.layers import QUERY_SPAN, AttentionGroup, AttentionPlan, Padding, plan_attention
+from actors.target.model import MoETransformer, Prepared
+from actors.target.moe import StepStats, grouped_mm_runs
+
+MAX_REQUESTS = 256  # larger steps run eagerly (their launches are a small share of their work)
+MIN_KEYS = 64
+MODES = ("auto", "off", "padded")
+
+
+def _pow2(n: int, least: int = 1) -> int:
+    return max(least, 1 << max(0, n - 1).bit_length())
+
+
+@dataclass
+class _Captured:
+    """One bucket's graph: the inputs it reads and the outputs it writes, fixed tensors."""
+
+    inputs: list[torch.Tensor]  # tokens, logit index, then the plan's (`_plan_tensors`)
+    logits: torch.Tensor | None = None  # [padding.tokens, V]
+    features: dict[int, torch.Tensor] | None = None  # layer -> [padding.tokens, H]
+    graph: torch.cuda.CUDAGraph | None = None  # None: `padded` mode, run eagerly
+
+
+def _plan_tensors(plan: AttentionPlan) -> list[torch.Tensor]:
+    (g,) = plan.groups
+    return [plan.write_slots, plan.cos, plan.sin, g.key_slots, g.mask, g.q_index, g.valid]
+
+
+def _plan_from(tensors: list[torch.Tensor]) -> AttentionPlan:
+    write, cos, sin, key_slots, mask, q_index, valid = tensors
+    return AttentionPlan(write, [AttentionGroup(key_slots, mask, q_index, valid, None)], cos, sin)
+
+
+class StepGraphs:
+    """A rank's graphed forwards: one per bucket met, at most `max_graphs` (the least recently
+    replayed goes first). Owns the cache's scratch slot and the graphs' memory pool."""
+
+    def __init__(self, model: MoETransformer, cache: PagedKVCache, mode: str = "auto", max_graphs: int = 64) -> None:
+        if mode not in MODES:
+            raise ValueError(f"cuda_graphs must be one of {MODES}, not {mode!r}")
+        self.model, self.cache, self.mode, self.max_graphs = model, cache, mode, max_graphs
+        self.capture = mode == "auto"
+        self.scratch = cache.scratch_slot()
+        self._graphs: OrderedDict[tuple, _Captured] = OrderedDict()
+        self._pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.captures = self.replays = 0
+        self.capture_s = 0.0
+
+    @staticmethod
+    def wanted(mode: str, model: MoETransformer, world: int, device: str) -> bool:
+        """Whether a rank in this setting graphs its steps (`mode` "auto": where nothing waits for
+        the host; "padded": always, uncaptured; "off": never)."""
+        if mode == "padded":
+            return True
+        if mode != "auto" or world != 1 or torch.device(device).type != "cuda" or model.cfg.latent:
+            return False
+        blocks = model.moe_blocks()
+        return all(b.experts.grouped is not False for b in blocks) and (
+            not blocks or grouped_mm_runs(device, model.lm_head.weight.dtype))
+
+    def padding(self, prepared: Prepared) -> Padding | None:
+        """The bucket of a step, or None where it runs eagerly."""
+        lengths, starts = prepared.lengths, prepared.starts
+        if not lengths or len(lengths) > MAX_REQUESTS or max(lengths) > QUERY_SPAN:
+            return None
+        keys = max(s + n for s, n in zip(starts, lengths, strict=True))
+        return Padding(_pow2(len(lengths)), _pow2(max(lengths)), _pow2(keys, MIN_KEYS), self.scratch)
+
+    @torch.inference_mode()
+    def forward(self, prepared: Prepared, stats: StepStats | None = None, capture_layers: tuple[int, ...] = ()
+                ) -> tuple[torch.Tensor, dict[int, torch.Tensor]] | None:
+        """`model.forward` of a prepared step through its bucket's graph: logits [M, V] and the
+        captured layers' states [N, H] (views of the graph's outputs: read them before the next
+        step). None where the step does not graph (the caller runs it eagerly)."""
+        padding = self.padding(prepared)
+        if padding is None:
+            return None
+        t0 = time.perf_counter()
+        batch = prepared.batch
+        n, m = len(batch.tokens), len(batch.logit_index)
+        plan = plan_attention(self.cache, batch.request_ids, batch.cu, prepared.starts, self.model.cfg.rotary,
+                              prepared.lengths, padding)
+        key = (padding.requests, padding.queries, padding.keys, capture_layers)
+        step = self._graphs.get(key)
+        if step is None:
+            step = self._capture(key, padding, capture_layers)
+        self._graphs.move_to_end(key)
+        tokens, index, *rest = step.inputs
+        tokens[:n].copy_(batch.tokens, non_blocking=True)
+        tokens[n:].zero_()
+        index[:m].copy_(batch.logit_index, non_blocking=True)
+        index[m:].zero_()
+        for held, new in zip(rest, _plan_tensors(plan), strict=True):
+            held.copy_(new, non_blocking=True)
+        if step.graph is not None:
+            step.graph.replay()
+            self.replays += 1
+        else:
+            step.logits, step.features = self._compute(step, capture_layers)
+        for rid, k in zip(batch.request_ids, prepared.lengths, strict=True):
+            self.cache.commit(rid, k)
+        if stats is not None:
+            stats.total_s += time.perf_counter() - t0
+            stats.tokens += n
+            stats.requests += len(prepared.lengths)
+            stats.context += sum(prepared.starts)
+        return step.logits[:m], {k: v[:n] for k, v in step.features.items()}
+
+    def _compute(self, step: _Captured, capture_layers: tuple[int, ...]):
+        tokens, index, *rest = step.inputs
+        return self.model.compute(tokens, _plan_from(rest), self.cache, index, None, capture_layers)
+
+    def _capture(self, key: tuple, padding: Padding, capture_layers: tuple[int, ...]) -> _Captured:
+        """A bucket's fixed inputs, and on a GPU its graph: warmed up on a side stream, then
+        captured into the rank's pool. The warm-up writes keys only at the scratch slot."""
+        dev = self.cache.k.device
+        zeros = [torch.zeros(padding.tokens, dtype=torch.long, device=dev) for _ in range(2)]  # tokens, logit index
+        step = _Captured([*zeros, *_blank_plan(padding, self.model, dev)])
+        if self.capture:
+            t0 = time.perf_counter()
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                self._compute(step, capture_layers)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            step.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(step.graph, pool=self._pool):
+                step.logits, step.features = self._compute(step, capture_layers)
+            self.captures += 1
+            self.capture_s += time.perf_counter() - t0
+        self._graphs[key] = step
+        while len(self._graphs) > self.max_graphs:
+            self._graphs.popitem(last=False)
+        return step
+
+    def captured(self) -> list[torch.cuda.CUDAGraph]:
+        """The graphs held, least recently replayed first."""
+        return [step.graph for step in self._graphs.values() if step.graph is not None]
+
+    def stats(self) -> dict:
+        return {"mode": self.mode, "graphs": len(self._graphs), "captures": self.captures, "replays": self.replays,
+                "capture_s": round(self.capture_s, 3)}
+
+
+def _blank_plan(padding: Padding, model: MoETransformer, dev) -> list[torch.Tensor]:
+    """A plan's tensors in `padding`'s shapes for a step of padding alone."""
+    t, r, q = padding.tokens, padding.requests, padding.queries
+    cos, sin = model.cfg.rotary.cos_sin(torch.zeros(t, dtype=torch.long))
+    mask = torch.zeros(r, 1, q, padding.keys, dtype=torch.bool)
+    mask[..., 0] = True
+    return [torch.full((t,), padding.scratch, dtype=torch.long, device=dev), cos.to(dev), sin.to(dev),
+            torch.zeros(r, padding.keys, dtype=torch.long, device=dev), mask.to(dev),
+            torch.zeros(r, q, dtype=torch.long, device=dev), torch.zeros(t, dtype=torch.long, device=dev)]

@@ -1,0 +1,94 @@
+"""`actors/target/graphs.py`: decode and verify steps padded to a bucket's fixed shapes (what a
+CUDA graph replays) compute what the eager step computes — checked here uncaptured
+(`mode="padded"`), on the CPU; the capture itself runs in tests/gpu/run.sh."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from actors.target.graphs import MAX_REQUESTS, StepGraphs
+from actors.target.layers import QUERY_SPAN, Padding, plan_attention
+from actors.target.model import ForwardBatch, Prepared
+from actors.target.moe import StepStats
+from tests.conftest import tiny_model
+
+
+def prepare(model, cache, ids, chunks) -> Prepared:
+    return model.prepare(ForwardBatch.from_lists(ids, chunks, "all"), cache)
+
+
+def test_padded_steps_give_the_eager_steps_logits_features_and_cache():
+    """Prefill (eager: too long to graph), then decoding and verifying steps of varying requests
+    and lengths, through the padded path on one cache and the eager forward on another."""
+    model = tiny_model(seed=1)
+    eager_cache, padded_cache = model.new_cache(2048), model.new_cache(2048)
+    graphs = StepGraphs(model, padded_cache, mode="padded")
+    rng = np.random.default_rng(0)
+    prompts = {rid: rng.integers(0, 96, 40 + 3 * rid).tolist() for rid in range(5)}
+    steps = [(list(prompts), list(prompts.values()))]  # prefill: 40+ tokens each
+    shapes = [([0, 1, 2, 3, 4], [1] * 5), ([0, 2, 4], [3, 1, 7]), ([1, 3], [9, 2]), ([0, 1, 2, 3, 4], [1] * 5),
+              ([4, 0], [5, 5]), ([2], [1])]
+    for ids, lengths in shapes:
+        steps.append((ids, [rng.integers(0, 96, n).tolist() for n in lengths]))
+    graphed = 0
+    for ids, chunks in steps:
+        want, want_feats = model.forward(prepare(model, eager_cache, ids, chunks), eager_cache, StepStats(),
+                                         capture_layers=(1, 3))
+        stats = StepStats()
+        prep = prepare(model, padded_cache, ids, chunks)
+        out = graphs.forward(prep, stats, capture_layers=(1, 3))
+        if out is None:
+            assert max(len(c) for c in chunks) > QUERY_SPAN
+            out = model.forward(prep, padded_cache, stats, capture_layers=(1, 3))
+        else:
+            graphed += 1
+            assert stats.tokens == sum(map(len, chunks)) and stats.requests == len(ids)
+        got, feats = out
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        for layer in (1, 3):
+            torch.testing.assert_close(feats[layer], want_feats[layer], rtol=1e-5, atol=1e-5)
+        for rid in ids:  # the same lengths, and the same keys and values at each request's positions
+            n = eager_cache.length(rid)
+            assert padded_cache.length(rid) == n
+            a, b = eager_cache.slots(rid, 0, n), padded_cache.slots(rid, 0, n)
+            torch.testing.assert_close(padded_cache.k[:, b], eager_cache.k[:, a], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(padded_cache.v[:, b], eager_cache.v[:, a], rtol=1e-5, atol=1e-5)
+    assert graphed == len(steps) - 1
+    assert graphs.stats()["graphs"] == 5 and graphs.stats()["captures"] == 0  # 5 distinct buckets, none captured
+
+
+def test_a_step_is_bucketed_to_powers_of_two_and_long_ones_run_eagerly():
+    model = tiny_model()
+    cache = model.new_cache(4096)
+    graphs = StepGraphs(model, cache, mode="padded")
+    assert graphs.scratch == cache.scratch_slot()  # one slot, taken once
+    assert graphs.scratch // cache.spec.block_size == cache.num_blocks - 1
+    free = cache.free_tokens
+    prep = prepare(model, cache, [0, 1, 2], [[1] * 70, [2] * 10, [3] * 5])
+    assert graphs.padding(prep) is None  # a 70-token chunk: prefill, eager
+    assert cache.free_tokens < free
+    cache.release_all([0, 1, 2])
+    prep = prepare(model, cache, [0, 1, 2], [[1] * 30, [2] * 3, [3] * 5])
+    assert graphs.padding(prep) == Padding(4, 32, 64, graphs.scratch)
+    for rid, n in zip([0, 1, 2], [30, 3, 5], strict=True):
+        cache.commit(rid, n)
+    prep = prepare(model, cache, [0, 1, 2], [[1] * 2, [2], [3] * 3])
+    assert graphs.padding(prep) == Padding(4, 4, 64, graphs.scratch)  # keys: 33 → 64
+    too_many = Padding(2, 4, 64, graphs.scratch)
+    with pytest.raises(ValueError, match="does not fit"):
+        plan_attention(cache, prep.batch.request_ids, prep.batch.cu, prep.starts, model.cfg.rotary, prep.lengths,
+                       too_many)
+    assert MAX_REQUESTS >= 64
+
+
+def test_graphs_are_wanted_only_where_a_step_can_be_captured():
+    model = tiny_model()
+    assert not StepGraphs.wanted("auto", model, 1, "cpu")  # no CUDA here
+    assert not StepGraphs.wanted("off", model, 1, "cpu")
+    assert StepGraphs.wanted("padded", model, 2, "cpu")
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        StepGraphs(model, model.new_cache(256), mode="always")
