@@ -5,8 +5,11 @@ take 7.5–15 ms where the device is busy 0.7–1.5 ms (`benchmarks/rank_step.py
 2026-12-04). Replayed as a CUDA graph the same forward took 1.7–4.5 ms with bit-equal logits.
 A graph replays fixed shapes, so a step is padded to a bucket — requests to a power of two,
 each request's new tokens to a power of two (at most `QUERY_SPAN`: decoding and verifying, not
-prefill chunks), its keys to a power of two — and the graph of that bucket, captured the first
-time it is met, is replayed with the step's inputs copied into the ones it captured. The
+prefill chunks), its keys to 64 · 4^i — and the graph of that bucket, captured the first time
+it is met (70–100 ms), is replayed with the step's inputs copied into the ones it captured. A
+graph outputs the states of every layer any step has asked for (the drafters' features), so a
+bucket has one graph whichever drafters a step serves. The graphs share one memory pool: a
+graph's outputs are valid until the next replay (the rank reads them within its step). The
 padding's tokens compute beside the real ones and write their keys to one scratch slot of the
 cache; nothing reads them.
 
@@ -38,8 +41,17 @@ MIN_KEYS = 64
 MODES = ("auto", "off", "padded")
 
 
-def _pow2(n: int, least: int = 1) -> int:
-    return max(least, 1 << max(0, n - 1).bit_length())
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _keys_bucket(n: int) -> int:
+    """Keys per request padded to 64 · 4^i: few buckets (a capture costs 70–100 ms on the H200)
+    for attention over at most 4 × the keys (the gathered keys are a small share of a step)."""
+    keys = MIN_KEYS
+    while keys < n:
+        keys *= 4
+    return keys
 
 
 @dataclass
@@ -47,6 +59,7 @@ class _Captured:
     """One bucket's graph: the inputs it reads and the outputs it writes, fixed tensors."""
 
     inputs: list[torch.Tensor]  # tokens, logit index, then the plan's (`_plan_tensors`)
+    layers: tuple[int, ...] = ()  # the layers whose states it outputs (features for the drafters)
     logits: torch.Tensor | None = None  # [padding.tokens, V]
     features: dict[int, torch.Tensor] | None = None  # layer -> [padding.tokens, H]
     graph: torch.cuda.CUDAGraph | None = None  # None: `padded` mode, run eagerly
@@ -74,6 +87,7 @@ class StepGraphs:
         self.scratch = cache.scratch_slot()
         self._graphs: OrderedDict[tuple, _Captured] = OrderedDict()
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self._layers: tuple[int, ...] = ()
         self.captures = self.replays = 0
         self.capture_s = 0.0
 
@@ -87,7 +101,7 @@ class StepGraphs:
             return False
         blocks = model.moe_blocks()
         return all(b.experts.grouped is not False for b in blocks) and (
-            not blocks or grouped_mm_runs(device, model.lm_head.weight.dtype))
+            not blocks or grouped_mm_runs(device, model.lm_head.weight.dtype, without_host=True))
 
     def padding(self, prepared: Prepared) -> Padding | None:
         """The bucket of a step, or None where it runs eagerly."""
@@ -95,7 +109,7 @@ class StepGraphs:
         if not lengths or len(lengths) > MAX_REQUESTS or max(lengths) > QUERY_SPAN:
             return None
         keys = max(s + n for s, n in zip(starts, lengths, strict=True))
-        return Padding(_pow2(len(lengths)), _pow2(max(lengths)), _pow2(keys, MIN_KEYS), self.scratch)
+        return Padding(_pow2(len(lengths)), _pow2(max(lengths)), _keys_bucket(keys), self.scratch)
 
     @torch.inference_mode()
     def forward(self, prepared: Prepared, stats: StepStats | None = None, capture_layers: tuple[int, ...] = ()
@@ -111,10 +125,12 @@ class StepGraphs:
         n, m = len(batch.tokens), len(batch.logit_index)
         plan = plan_attention(self.cache, batch.request_ids, batch.cu, prepared.starts, self.model.cfg.rotary,
                               prepared.lengths, padding)
-        key = (padding.requests, padding.queries, padding.keys, capture_layers)
+        key = (padding.requests, padding.queries, padding.keys)
         step = self._graphs.get(key)
-        if step is None:
-            step = self._capture(key, padding, capture_layers)
+        if step is None or not set(capture_layers) <= set(step.layers):
+            # every graph outputs every layer asked for so far: one graph a bucket, whatever the step's drafters
+            self._layers = tuple(sorted(set(self._layers) | set(capture_layers)))
+            step = self._capture(key, padding, self._layers)
         self._graphs.move_to_end(key)
         tokens, index, *rest = step.inputs
         tokens[:n].copy_(batch.tokens, non_blocking=True)
@@ -127,7 +143,7 @@ class StepGraphs:
             step.graph.replay()
             self.replays += 1
         else:
-            step.logits, step.features = self._compute(step, capture_layers)
+            step.logits, step.features = self._compute(step)
         for rid, k in zip(batch.request_ids, prepared.lengths, strict=True):
             self.cache.commit(rid, k)
         if stats is not None:
@@ -135,28 +151,28 @@ class StepGraphs:
             stats.tokens += n
             stats.requests += len(prepared.lengths)
             stats.context += sum(prepared.starts)
-        return step.logits[:m], {k: v[:n] for k, v in step.features.items()}
+        return step.logits[:m], {k: step.features[k][:n] for k in capture_layers}
 
-    def _compute(self, step: _Captured, capture_layers: tuple[int, ...]):
+    def _compute(self, step: _Captured):
         tokens, index, *rest = step.inputs
-        return self.model.compute(tokens, _plan_from(rest), self.cache, index, None, capture_layers)
+        return self.model.compute(tokens, _plan_from(rest), self.cache, index, None, step.layers)
 
-    def _capture(self, key: tuple, padding: Padding, capture_layers: tuple[int, ...]) -> _Captured:
+    def _capture(self, key: tuple, padding: Padding, layers: tuple[int, ...]) -> _Captured:
         """A bucket's fixed inputs, and on a GPU its graph: warmed up on a side stream, then
         captured into the rank's pool. The warm-up writes keys only at the scratch slot."""
         dev = self.cache.k.device
         zeros = [torch.zeros(padding.tokens, dtype=torch.long, device=dev) for _ in range(2)]  # tokens, logit index
-        step = _Captured([*zeros, *_blank_plan(padding, self.model, dev)])
+        step = _Captured([*zeros, *_blank_plan(padding, self.model, dev)], layers)
         if self.capture:
             t0 = time.perf_counter()
             side = torch.cuda.Stream(dev)
             side.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(side):
-                self._compute(step, capture_layers)
+                self._compute(step)
             torch.cuda.current_stream(dev).wait_stream(side)
             step.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(step.graph, pool=self._pool):
-                step.logits, step.features = self._compute(step, capture_layers)
+                step.logits, step.features = self._compute(step)
             self.captures += 1
             self.capture_s += time.perf_counter() - t0
         self._graphs[key] = step

@@ -66,13 +66,14 @@ class StepStats:
 
 
 @functools.cache
-def grouped_mm_runs(device: str, dtype: torch.dtype) -> bool:
-    """Whether torch's grouped matmul (`F.grouped_mm`) runs on this device in this dtype without
-    waiting for the host — probed once on a tiny problem. Torch runs it on the CPU in any float
-    dtype; on CUDA its one kernel takes bfloat16 on SM 9.x/10.x, and every other dtype goes
-    through a fallback that copies the groups' ends to the host and loops (seen on the H200 run
-    of 2026-12-04: two host waits a call in float16 and float32, where one matmul per expert
-    after one copy of the counts waits once). Where it does not, the experts run one matmul each."""
+def grouped_mm_runs(device: str, dtype: torch.dtype, without_host: bool = False) -> bool:
+    """Whether torch's grouped matmul (`F.grouped_mm`) runs on this device in this dtype —
+    probed once on a tiny problem; `without_host`: and without waiting for the host. Torch runs
+    it on the CPU in any float dtype; on CUDA its one kernel takes bfloat16 on SM 9.x/10.x, and
+    every other dtype goes through a fallback that copies the groups' ends to the host and
+    loops over them. The fallback still beats one matmul per expert from Python (H200,
+    2026-12-04, float16: 10.1 ms a decode forward with 12 host waits against 16.9 ms with 6), so
+    the experts take it; only a CUDA graph needs the kernel itself (`actors/target/graphs.py`)."""
     if not hasattr(F, "grouped_mm"):
         return False
     cuda = torch.device(device).type == "cuda"
@@ -80,13 +81,13 @@ def grouped_mm_runs(device: str, dtype: torch.dtype) -> bool:
         a = torch.zeros(16, 16, device=device, dtype=dtype)
         b = torch.zeros(2, 16, 16, device=device, dtype=dtype)
         offs = torch.tensor([8, 16], device=device, dtype=torch.int32)
-        if cuda:
+        if cuda and without_host:
             torch.cuda.synchronize(device)
             torch.cuda.set_sync_debug_mode("error")  # the host fallback's copy raises here
         try:
             F.grouped_mm(a, b, offs=offs)
         finally:
-            if cuda:
+            if cuda and without_host:
                 torch.cuda.set_sync_debug_mode("default")
     except (RuntimeError, NotImplementedError, TypeError):
         return False

@@ -92,3 +92,18 @@ def test_graphs_are_wanted_only_where_a_step_can_be_captured():
     assert StepGraphs.wanted("padded", model, 2, "cpu")
     with pytest.raises(ValueError, match="cuda_graphs"):
         StepGraphs(model, model.new_cache(256), mode="always")
+
+
+def test_a_bucket_keeps_one_graph_whatever_layers_its_steps_ask_for():
+    """A step asking for layers its bucket's graph does not output makes the graph again with
+    every layer asked for so far; later steps asking for fewer reuse it."""
+    model = tiny_model()
+    cache = model.new_cache(2048)
+    graphs = StepGraphs(model, cache, mode="padded")
+    ids = [0, 1]
+    model.forward(prepare(model, cache, ids, [[1] * 40, [2] * 40]), cache)
+    for layers in [(), (1, 3), (), (3,)]:
+        out = graphs.forward(prepare(model, cache, ids, [[3], [4]]), capture_layers=layers)
+        assert out is not None and set(out[1]) == set(layers)
+        assert all(v.shape == (2, model.cfg.hidden_size) for v in out[1].values())
+    assert graphs.stats()["graphs"] == 1 and graphs._layers == (1, 3)

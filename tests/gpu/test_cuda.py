@@ -187,7 +187,7 @@ def test_a_decode_forward_synchronises_once_per_moe_layer(dtype):
     counts stay on the device), else at most one per MoE layer (the expert counts) and one per
     forward (the batch's lengths). float16 (the demo checkpoint's, as served): torch's grouped
     matmul has no kernel for it and waits twice a call in its fallback (12 a forward on the
-    2026-12-04 run), so the experts must take the one-matmul-each path there."""
+    2026-12-04 run; still faster than one matmul per expert), so two per MoE layer there."""
     import warnings
 
     from actors.target.host import upload
@@ -214,7 +214,10 @@ def test_a_decode_forward_synchronises_once_per_moe_layer(dtype):
     from actors.target.moe import grouped_mm_runs
 
     # EP 1 with grouped experts: no MoE layer reads its counts back (session 25); else one each
-    budget = 1 if grouped_mm_runs("cuda", dtype) else model.cfg.moe_layers + 1
+    if grouped_mm_runs("cuda", dtype, without_host=True):
+        budget = 1
+    else:  # the fallback's two copies of the groups' ends, or the counts' one copy
+        budget = (2 if grouped_mm_runs("cuda", dtype) else 1) * model.cfg.moe_layers + 1
     assert len(syncs) <= budget, syncs
 
 
