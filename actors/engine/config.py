@@ -108,6 +108,7 @@ class EngineConfig:
                         group_timeout_s=self.group_timeout_s,
                         gpus_per_rank=self.gpus_per_rank, threads_per_rank=self.threads_per_rank,
                         kv_capacity_tokens=self.kv_capacity_tokens, dtype=self.dtype, cuda_graphs=self.cuda_graphs,
+                        graph_warmup_requests=self.max_running,
                         gpu_memory_utilization=self.gpu_memory_utilization, placement_group=placement_group,
                         bundle_offset=self.layout().rank_bundle(0) if placement_group is not None else 0,
                         guests=guests)

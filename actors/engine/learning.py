@@ -57,10 +57,11 @@ def plain(st: Step) -> bool:
 
 
 def _learn_cost(st: Step, cost, observed: dict | None) -> Learnt:
-    """The cost model's correction learns the step's forward (verification steps only)."""
+    """The cost model's correction learns the step's forward (verification steps only, and not
+    one whose rank captured a CUDA graph: the capture's 70–100 ms is no step's cost)."""
     if cost is None:
         return Learnt(float("nan"), observed)
-    if st.feeding:  # the correction learns verification steps only (pruning's curve)
+    if st.feeding or any(r.graph_captures for r in st.out.rank_stats):
         return Learnt(cost.predict(shape(st)), observed)
     return Learnt(cost.observe(shape(st), st.out.wall_s), observed)
 

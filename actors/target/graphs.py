@@ -4,8 +4,8 @@ On a GPU the bundled model's forward is bound by the host: ~430 kernels launched
 take 7.5–15 ms where the device is busy 0.7–1.5 ms (`benchmarks/rank_step.py`, H200,
 2026-12-04). Replayed as a CUDA graph the same forward took 1.7–4.5 ms with bit-equal logits.
 A graph replays fixed shapes, so a step is padded to a bucket — requests to a power of two,
-each request's new tokens to a power of two (at most `QUERY_SPAN`: decoding and verifying, not
-prefill chunks), its keys to 64 · 4^i — and the graph of that bucket, captured the first time
+each request's new tokens to 1, 4, 16 or `QUERY_SPAN` (decoding and verifying, not prefill
+chunks), its keys to 64 · 4^i — and the graph of that bucket, captured the first time
 it is met (70–100 ms), is replayed with the step's inputs copied into the ones it captured. A
 graph outputs the states of every layer any step has asked for (the drafters' features), so a
 bucket has one graph whichever drafters a step serves. The graphs share one memory pool: a
@@ -38,6 +38,8 @@ from actors.target.moe import StepStats, grouped_mm_runs
 
 MAX_REQUESTS = 256  # larger steps run eagerly (their launches are a small share of their work)
 MIN_KEYS = 64
+WARM_QUERIES = (1, 4, 16)  # decoding, and verifying up to 3 and up to 15 drafts a request
+WARM_KEYS = (256,)  # prompt and output up to 256 tokens; longer contexts capture their buckets when met
 MODES = ("auto", "off", "padded")
 
 
@@ -45,13 +47,13 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _keys_bucket(n: int) -> int:
-    """Keys per request padded to 64 · 4^i: few buckets (a capture costs 70–100 ms on the H200)
-    for attention over at most 4 × the keys (the gathered keys are a small share of a step)."""
-    keys = MIN_KEYS
-    while keys < n:
-        keys *= 4
-    return keys
+def _pow4(n: int, least: int) -> int:
+    """The least `least` · 4^i ≥ n: few buckets (a capture costs 70–100 ms on the H200) for at
+    most 4 × the work in that dimension (small next to a step's launches on a GPU)."""
+    size = least
+    while size < n:
+        size *= 4
+    return size
 
 
 @dataclass
@@ -79,10 +81,13 @@ class StepGraphs:
     """A rank's graphed forwards: one per bucket met, at most `max_graphs` (the least recently
     replayed goes first). Owns the cache's scratch slot and the graphs' memory pool."""
 
-    def __init__(self, model: MoETransformer, cache: PagedKVCache, mode: str = "auto", max_graphs: int = 64) -> None:
+    def __init__(self, model: MoETransformer, cache: PagedKVCache, mode: str = "auto", max_graphs: int = 64,
+                 warm_requests: int = 0) -> None:
         if mode not in MODES:
             raise ValueError(f"cuda_graphs must be one of {MODES}, not {mode!r}")
         self.model, self.cache, self.mode, self.max_graphs = model, cache, mode, max_graphs
+        self.warm_requests = min(warm_requests, MAX_REQUESTS)
+        self._warm = warm_requests <= 0  # warmed up (nothing to warm: buckets are captured as met)
         self.capture = mode == "auto"
         self.scratch = cache.scratch_slot()
         self._graphs: OrderedDict[tuple, _Captured] = OrderedDict()
@@ -109,7 +114,8 @@ class StepGraphs:
         if not lengths or len(lengths) > MAX_REQUESTS or max(lengths) > QUERY_SPAN:
             return None
         keys = max(s + n for s, n in zip(starts, lengths, strict=True))
-        return Padding(_pow2(len(lengths)), _pow2(max(lengths)), _keys_bucket(keys), self.scratch)
+        queries = min(_pow4(max(lengths), 1), QUERY_SPAN)  # 1 (decoding), 4, 16, 32 (verifying)
+        return Padding(_pow2(len(lengths)), queries, _pow4(keys, MIN_KEYS), self.scratch)
 
     @torch.inference_mode()
     def forward(self, prepared: Prepared, stats: StepStats | None = None, capture_layers: tuple[int, ...] = ()
@@ -121,6 +127,9 @@ class StepGraphs:
         if padding is None:
             return None
         t0 = time.perf_counter()
+        captures = self.captures
+        if not self._warm:
+            self.warm_up(capture_layers)
         batch = prepared.batch
         n, m = len(batch.tokens), len(batch.logit_index)
         plan = plan_attention(self.cache, batch.request_ids, batch.cu, prepared.starts, self.model.cfg.rotary,
@@ -139,6 +148,8 @@ class StepGraphs:
         index[m:].zero_()
         for held, new in zip(rest, _plan_tensors(plan), strict=True):
             held.copy_(new, non_blocking=True)
+        if stats is not None:
+            stats.graph_captures += self.captures - captures
         if step.graph is not None:
             step.graph.replay()
             self.replays += 1
@@ -152,6 +163,23 @@ class StepGraphs:
             stats.requests += len(prepared.lengths)
             stats.context += sum(prepared.starts)
         return step.logits[:m], {k: step.features[k][:n] for k in capture_layers}
+
+    def warm_up(self, layers: tuple[int, ...] = ()) -> None:
+        """Capture the buckets most steps meet — every power of two of requests up to
+        `warm_requests`, `WARM_QUERIES` × `WARM_KEYS` — outputting `layers`. Run by the first
+        graphed step (at start: the engine's cost-model profile or its check), so serving does
+        not stall on captures (a first round on the H200 ran at a third of the second's speed
+        while its buckets were captured)."""
+        self._warm = True
+        self._layers = tuple(sorted(set(self._layers) | set(layers)))
+        requests = [1 << i for i in range(self.warm_requests.bit_length()) if 1 << i <= self.warm_requests]
+        if requests[-1] < self.warm_requests:
+            requests.append(_pow2(self.warm_requests))
+        for r in requests:
+            for q in WARM_QUERIES:
+                for keys in WARM_KEYS:
+                    if (r, q, keys) not in self._graphs:
+                        self._capture((r, q, keys), Padding(r, q, keys, self.scratch), self._layers)
 
     def _compute(self, step: _Captured):
         tokens, index, *rest = step.inputs

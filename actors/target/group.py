@@ -51,6 +51,7 @@ class EPConfig:
     kv_capacity_tokens: int = 65536  # per rank, on the CPU (a GPU rank sizes its cache from its memory)
     dtype: str = "auto"  # what the ranks compute in (`checkpoint.serving_dtype`)
     cuda_graphs: str = "auto"  # `graphs.StepGraphs`: auto (where a step can be), off, or padded (uncaptured: tests)
+    graph_warmup_requests: int = 0  # its usual buckets up to this many requests captured at the first step
     gpu_memory_utilization: float = 0.9
     kv_block_size: int = 16
     step_timeout_s: float = 120.0
@@ -364,7 +365,8 @@ def rank_spec(cfg: EPConfig, rank: int, device: str | None = None) -> WorkerSpec
                       kv_capacity_tokens=cfg.kv_capacity_tokens, kv_block_size=cfg.kv_block_size,
                       group_timeout_s=cfg.group_timeout_s, rendezvous_timeout_s=cfg.start_timeout_s,
                       backend="nccl" if gpu else "gloo", device=device or ("cuda" if gpu else "cpu"), dtype=cfg.dtype,
-                      gpu_memory_utilization=cfg.gpu_memory_utilization, cuda_graphs=cfg.cuda_graphs)
+                      gpu_memory_utilization=cfg.gpu_memory_utilization, cuda_graphs=cfg.cuda_graphs,
+                      graph_warmup_requests=cfg.graph_warmup_requests)
 
 
 def _scatter(dest: list[np.ndarray], parts: list[np.ndarray]) -> np.ndarray:

@@ -36,6 +36,7 @@ class StepStats:
     tokens: int = 0
     requests: int = 0
     context: int = 0  # Σ over requests of cached tokens before this forward
+    graph_captures: int = 0  # CUDA graphs captured in this forward (70–100 ms each: not a step's cost)
     per_layer: list[int] = field(default_factory=list, repr=False)
     # [E] pairs per expert of each MoE layer that counted on the device only (one rank, grouped
     # experts: nothing on the host needs the counts), read back with the step's results (`settle`)

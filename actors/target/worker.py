@@ -60,6 +60,7 @@ class WorkerSpec:
     gpu_memory_utilization: float = 0.9  # on a GPU the KV cache takes what this share leaves beside the weights
     activation_reserve_bytes: int = 2 << 30  # and beside this much kept for a step's activations
     cuda_graphs: str = "auto"  # decode and verify steps replayed as CUDA graphs where they can be (graphs.py)
+    graph_warmup_requests: int = 0  # and the usual buckets up to this many requests captured at the first step
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,7 @@ class TargetRank:
         self.cache = self.model.new_cache(self._kv_tokens(), s.kv_block_size)
         device = str(self.model.lm_head.weight.device)
         if StepGraphs.wanted(s.cuda_graphs, self.model, s.world, device):
-            self.graphs = StepGraphs(self.model, self.cache, s.cuda_graphs)
+            self.graphs = StepGraphs(self.model, self.cache, s.cuda_graphs, warm_requests=s.graph_warmup_requests)
         return {"rank": s.rank, "experts": (first, count), "dtype": str(dtype).removeprefix("torch."),
                 "kv_tokens": self.cache.num_blocks * s.kv_block_size,
                 "cuda_graphs": self.graphs.mode if self.graphs is not None else "off"} | whereabouts()

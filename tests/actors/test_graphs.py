@@ -107,3 +107,46 @@ def test_a_bucket_keeps_one_graph_whatever_layers_its_steps_ask_for():
         assert out is not None and set(out[1]) == set(layers)
         assert all(v.shape == (2, model.cfg.hidden_size) for v in out[1].values())
     assert graphs.stats()["graphs"] == 1 and graphs._layers == (1, 3)
+
+
+def test_a_step_that_captured_a_graph_does_not_teach_the_cost_correction():
+    """A capture's 70–100 ms lands in one step's forward: the online correction (which would read
+    it as the step's cost) skips that step and learns from the next."""
+    from types import SimpleNamespace
+
+    from actors.engine.learning import _learn_cost
+
+    class Cost:  # records which of its calls the learning made
+        def __init__(self):
+            self.calls = []
+
+        def observe(self, shape, seconds):
+            self.calls.append("observe")
+            return 0.01
+
+        def predict(self, shape):
+            self.calls.append("predict")
+            return 0.01
+
+    cost = Cost()
+    for captures in (1, 0):
+        st = SimpleNamespace(feeding=[], batch=[0, 1], verify_tokens=6, prefill_tokens=0, context=40,
+                             out=SimpleNamespace(wall_s=0.09, rank_stats=[StepStats(graph_captures=captures)]))
+        _learn_cost(st, cost, None)
+    assert cost.calls == ["predict", "observe"]
+
+
+def test_the_first_graphed_step_warms_up_the_usual_buckets():
+    model = tiny_model()
+    cache = model.new_cache(4096)
+    graphs = StepGraphs(model, cache, mode="padded", warm_requests=5)
+    model.forward(prepare(model, cache, [0], [[1] * 40]), cache)  # prefill: not graphed, nothing warmed
+    assert graphs.stats()["graphs"] == 0
+    free = cache.free_tokens
+    assert graphs.forward(prepare(model, cache, [0], [[2]]), capture_layers=(2,)) is not None
+    warm = {(r, q, 256) for r in (1, 2, 4, 8) for q in (1, 4, 16)}
+    assert set(graphs._graphs) == warm | {(1, 1, 64)}  # and the step's own bucket
+    assert all(step.layers == (2,) for step in graphs._graphs.values())
+    assert cache.free_tokens == free  # warming writes only the scratch slot: no request's blocks
+    graphs.forward(prepare(model, cache, [0], [[3]]))
+    assert len(graphs._graphs) == len(warm) + 1  # warmed once
