@@ -25,6 +25,7 @@ class StepTotals:
     accepted: int = 0
     verify_tokens: int = 0
     prefill_tokens: int = 0
+    graph_captures: int = 0
     step_s: float = 0.0
     measured_verify_s: float = 0.0
 

@@ -116,7 +116,8 @@ def record(st: Step, predicted: float, history: StepHistory, overhead: StepOverh
                      target_compute_s=max((r.total_s for r in out.rank_stats), default=0.0),
                      draft_compute_s=drafts.compute_seconds + (st.lookahead.seconds if st.lookahead else 0.0),
                      prefill_tokens=st.prefill_tokens,
-                     rank_compute_s=tuple(r.total_s for r in out.rank_stats))
+                     rank_compute_s=tuple(r.total_s for r in out.rank_stats),
+                     graph_captures=sum(r.graph_captures for r in out.rank_stats))
     history.append(rec)
     if not st.feeding:  # what drafting adds outside the passes (prefill chunks would blur it)
         overhead.observe(rec.drafted > 0, rec.step_s - rec.target_compute_s - rec.draft_s)

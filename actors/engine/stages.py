@@ -100,6 +100,7 @@ class StepRecord:
     draft_compute_s: float = 0.0  # the slowest replica's own drafting time
     prefill_tokens: int = 0  # prompt tokens fed in the same forward (chunked prefill)
     rank_compute_s: tuple[float, ...] = ()  # each rank's own forward time, in rank order
+    graph_captures: int = 0  # CUDA graphs the ranks captured in this step (actors/target/graphs.py)
 
     @property
     def overhead_s(self) -> float:

@@ -5,7 +5,7 @@
 # one archive. Usage, from the repository root on that machine:
 #   RESULTS=/tmp/gpu ARCHIVE=/somewhere/gpu.tgz bash tests/gpu/offline.sh [BUNDLE_DIR]
 # (SERVED="ngram mtp": which drafters' served benches to run, default block ngram mtp, "" none;
-# RUN_LIMIT: seconds for run.sh, default 300)
+# RUN_LIMIT: seconds for run.sh, default 480)
 # The machine needs python3 with torch (CUDA), numpy, msgpack, safetensors, tokenizers, jinja2, tqdm,
 # matplotlib, pytest and hypothesis; the bundle brings Ray, pydantic, jsonschema and llguidance.
 set -o pipefail
@@ -41,7 +41,7 @@ PY
   echo "archive $archive after $(elapsed)"
 }
 trap report EXIT
-OUT=$results timeout "${RUN_LIMIT:-300}" bash tests/gpu/run.sh
+OUT=$results timeout "${RUN_LIMIT:-480}" bash tests/gpu/run.sh
 rc=$?; echo "run.sh exit $rc after $(elapsed)"
 [ "$rc" = 2 ] && exit 2  # no GPU: nothing to bench either
 # block: the engine check's drafter in float32, here in float16 (the first run's float16 `ar` with

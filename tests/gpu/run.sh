@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU checks for one CUDA machine, under 5 minutes. Run from anywhere: `bash tests/gpu/run.sh`
+# GPU checks for one CUDA machine, about 5 minutes (8 at most). Run from anywhere: `bash tests/gpu/run.sh`
 # (writes to ${OUT:-runs/gpu}). Every check is named, its log kept, and the script exits non-zero
 # when any check fails, times out, is skipped on a GPU machine, or when there is no GPU at all
 # (then it says that nothing was checked). tests/gpu/README.md says what each check covers.
