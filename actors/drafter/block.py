@@ -70,8 +70,8 @@ class BlockDrafter:
         starts = [self.context_length(rid) for rid in request_ids]
         dev = self.device
         positions = torch.cat([torch.arange(s, s + n, device="cpu") for s, n in zip(starts, rows, strict=True)]).to(dev)
-        slots = torch.cat([self.cache.slots(rid, s, s + n) for rid, s, n in zip(request_ids, starts, rows,
-                                                                                  strict=True) if n]).to(dev)
+        ends = [s + n for s, n in zip(starts, rows, strict=True)]
+        slots = torch.from_numpy(self.cache.slots_between(request_ids, starts, ends)).to(dev)
         proj = self.model.project(torch.cat(feats))  # [Σn, H]
         cos, sin = self.model.rope(positions)
         for i, layer in enumerate(self.model.layers):
@@ -103,16 +103,11 @@ class BlockDrafter:
         (benchmarks/drafter_block.py; docs/benchmarks.md)."""
         lengths = [min(n, self.block - 1) for n in lengths]
         block = max(lengths, default=0) + 1 if self.cut else self.block
-        b = len(request_ids)
         ctx = [self.context_length(rid) for rid in request_ids]
         t = max(ctx, default=0)
-        key_slots = torch.zeros(b, t, dtype=torch.long, device="cpu")
-        for i, (rid, n) in enumerate(zip(request_ids, ctx, strict=True)):
-            if n:
-                key_slots[i, :n] = self.cache.slots(rid, 0, n)
         # the batch's small integers are built on the host, then sent in one copy each
         dev = self.device
-        key_slots = key_slots.to(dev, non_blocking=True)
+        key_slots = torch.from_numpy(self.cache.slot_rows(request_ids, np.asarray(ctx), t)).to(dev, non_blocking=True)
         ctx_t, lengths_t = torch.tensor(ctx, device=dev), torch.tensor(lengths, device=dev)
         mask = torch.arange(t, device=dev)[None, :] < ctx_t[:, None]  # [B, T]
         ctx_kv = [(self.cache.k[i][key_slots], self.cache.v[i][key_slots]) for i in range(len(self.model.layers))]

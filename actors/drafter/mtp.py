@@ -211,17 +211,14 @@ class MTPDrafter:
         positions = torch.cat([torch.arange(s + 1, s + 1 + n, device="cpu") for s, n in zip(starts, counts,
                                                                                           strict=True)]).to(dev)
         q, k, v = self.module.qkv(x, positions)  # pair j sits at position j
-        slots = torch.cat([self.cache.slots(rid, s, s + n) for rid, s, n in zip(rids, starts, counts,
-                                                                                strict=True)]).to(dev)
+        ends = [s + n for s, n in zip(starts, counts, strict=True)]
+        slots = torch.from_numpy(self.cache.slots_between(rids, starts, ends)).to(dev)
         self.cache.k[0, slots], self.cache.v[0, slots] = k, v
         for rid, n in zip(rids, counts, strict=True):
             self.cache.commit(rid, n)
         newest = torch.cumsum(torch.tensor(counts, device=dev), 0) - 1
         ctx = [s + n for s, n in zip(starts, counts, strict=True)]
-        keys = torch.zeros(len(rids), max(ctx), dtype=torch.long, device="cpu")
-        for i, (rid, t) in enumerate(zip(rids, ctx, strict=True)):
-            keys[i, :t] = self.cache.slots(rid, 0, t)
-        keys = keys.to(dev, non_blocking=True)
+        keys = torch.from_numpy(self.cache.slot_rows(rids, np.asarray(ctx), max(ctx))).to(dev, non_blocking=True)
         mask = torch.arange(max(ctx), device=dev)[None, :] < torch.tensor(ctx, device=dev)[:, None]  # [R, T]
         attn = _attend(q[newest][:, None], self.cache.k[0][keys], self.cache.v[0][keys], mask[:, None], self.scale)
         g = self.module.finish(x[newest], attn[:, 0])
@@ -244,9 +241,7 @@ class MTPDrafter:
             ctx = [self.cache.length(request_ids[i]) for i in live]
             t = max(ctx)
             dev = self.device
-            keys = torch.zeros(len(live), t, dtype=torch.long, device="cpu")
-            for j, i in enumerate(live):
-                keys[j, :ctx[j]] = self.cache.slots(request_ids[i], 0, ctx[j])
+            keys = torch.from_numpy(self.cache.slot_rows([request_ids[i] for i in live], np.asarray(ctx), t))
             keys, ctx_t = keys.to(dev, non_blocking=True), torch.tensor(ctx, device=dev)
             n = max(lengths)
             # keys and values: the cached pairs, then room for the chain's own (written in place)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -133,6 +134,39 @@ class PagedKVCache:
         return self._scratch
 
     # -- slot arithmetic ------------------------------------------------------------------------
+
+    def block_table(self, request_ids: list[int], blocks: int = 0) -> np.ndarray:
+        """[R, B] every request's blocks, padded with 0 (B: the most any holds, at least `blocks`;
+        a request the cache does not hold has none)."""
+        tables = [self._tables.get(rid, ()) for rid in request_ids]
+        out = np.zeros((len(tables), max(blocks, max(map(len, tables), default=0))), dtype=np.int64)
+        for row, table in zip(out, tables, strict=True):
+            row[:len(table)] = table
+        return out
+
+    def slot_rows(self, request_ids: list[int], ends: np.ndarray, width: int) -> np.ndarray:
+        """[R, width] slot of positions 0 .. width - 1 of each request, 0 at and past its `ends`
+        (every request's keys side by side: one numpy expression, not a loop of tensor ops)."""
+        bs = self.spec.block_size
+        table = self.block_table(request_ids, -(-width // bs))
+        pos = np.arange(width)
+        slots = table[:, pos // bs] * bs + pos % bs
+        slots[pos[None, :] >= np.asarray(ends)[:, None]] = 0
+        return slots
+
+    def slots_between(self, request_ids: list[int], starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """Flat slots of positions starts[i] .. ends[i] - 1 of each request, in request order."""
+        starts, ends = np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
+        counts = ends - starts
+        if not counts.sum():
+            return np.zeros(0, dtype=np.int64)
+        bs = self.spec.block_size
+        table = self.block_table(request_ids)
+        rows = np.repeat(np.arange(len(counts)), counts)
+        first = np.zeros(len(counts) + 1, dtype=np.int64)
+        np.cumsum(counts, out=first[1:])
+        pos = np.arange(first[-1]) - np.repeat(first[:-1] - starts, counts)
+        return table[rows, pos // bs] * bs + pos % bs
 
     def slots(self, rid: int, start: int, end: int) -> torch.Tensor:
         """Slot index of positions start..end-1 of request rid: [end - start], on the host (the

@@ -118,11 +118,8 @@ def plan_attention(cache: PagedKVCache, request_ids: list[int], cu: torch.Tensor
     arithmetic is numpy (host); only the finished indices and masks are tensors on the device.
     `padding`: every tensor in those fixed shapes (the requests must fit, and attend as one group)."""
     lengths = (cu[1:] - cu[:-1]).tolist() if lengths is None else lengths
-    keys, write, by_span = [], [], {}
-    for i, (rid, s, n) in enumerate(zip(request_ids, starts, lengths, strict=True)):
-        slots = cache.slots(rid, 0, s + n)
-        keys.append(slots)
-        write.append(slots[s:])
+    by_span: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
         by_span.setdefault(0 if n <= QUERY_SPAN else n.bit_length(), []).append(i)
     dev = cache.k.device  # built on the host (small integer arithmetic), used where the cache lives
     starts_a, lens_a = np.asarray(starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
@@ -132,11 +129,11 @@ def plan_attention(cache: PagedKVCache, request_ids: list[int], cu: torch.Tensor
     if padding is not None and (not whole or 0 not in by_span or len(lengths) > padding.requests
                                 or max(lengths) > padding.queries or max(starts_a + lens_a) > padding.keys):
         raise ValueError(f"a forward of {len(lengths)} requests does not fit {padding}")
-    ragged = _Ragged(keys, starts_a, lens_a, offsets)
+    ragged = _Ragged(cache, list(request_ids), starts_a, lens_a, offsets)
     groups = [_group(np.asarray(idx), ragged, whole, dev, padding) for idx in by_span.values()]
     total = int(offsets[-1])
     positions = np.arange(total) + np.repeat(starts_a - offsets[:-1], lens_a)  # [N] in flat order
-    write_slots = torch.cat(write) if write else torch.zeros(0, dtype=torch.long)
+    write_slots = torch.from_numpy(cache.slots_between(request_ids, starts_a, starts_a + lens_a))
     if padding is not None:  # the padding's tokens: position 0, keys written to the scratch slot
         positions = np.concatenate([positions, np.zeros(padding.tokens - total, dtype=np.int64)])
         write_slots = torch.cat([write_slots, torch.full((padding.tokens - total,), padding.scratch)])
@@ -145,10 +142,11 @@ def plan_attention(cache: PagedKVCache, request_ids: list[int], cu: torch.Tensor
 
 
 class _Ragged(NamedTuple):
-    """A forward's requests: each one's key slots, first new position, new tokens, and offset
-    of its first new token in the flat batch ([R + 1])."""
+    """A forward's requests: the cache holding them, their ids, each one's first new position,
+    new tokens, and offset of its first new token in the flat batch ([R + 1])."""
 
-    keys: list[torch.Tensor]
+    cache: PagedKVCache
+    request_ids: list[int]
     starts: np.ndarray
     lengths: np.ndarray
     offsets: np.ndarray
@@ -157,18 +155,18 @@ class _Ragged(NamedTuple):
 def _group(idx: np.ndarray, ragged: _Ragged, whole: bool, dev, padding: Padding | None = None) -> AttentionGroup:
     """The padded attention of requests idx (of the forward's; `whole`: every one, in order);
     `padding`: in its fixed shapes, the padded requests appending nothing."""
-    keys, offsets = ragged.keys, ragged.offsets
+    offsets = ragged.offsets
     starts, lengths = ragged.starts[idx], ragged.lengths[idx]
     q, t = int(lengths.max()), int((starts + lengths).max())
+    key_slots = ragged.cache.slot_rows([ragged.request_ids[i] for i in idx.tolist()], starts + lengths, t)
     if padding is not None:
         extra = padding.requests - len(idx)
         starts, lengths = np.pad(starts, (0, extra)), np.pad(lengths, (0, extra))
         offsets = np.pad(offsets, (0, extra), mode="edge")
         idx = np.concatenate([idx, np.arange(len(idx), padding.requests)])
         q, t = padding.queries, padding.keys
-    key_slots = torch.zeros(len(idx), t, dtype=torch.long)
-    for row, i in enumerate(idx.tolist()[:len(keys)]):
-        key_slots[row, :len(keys[i])] = keys[i]
+        key_slots = np.pad(key_slots, ((0, extra), (0, t - key_slots.shape[1])))
+    key_slots = torch.from_numpy(key_slots)
     j = np.arange(q)
     q_valid = j[None, :] < lengths[:, None]  # [R_g, Q]
     q_pos = torch.from_numpy(starts[:, None] + j[None, :])  # [R_g, Q]

@@ -184,3 +184,37 @@ def test_grouped_experts_equal_one_matmul_per_expert(make_tiny, dtype):
     for loop, grouped in zip(runs[False], runs[True], strict=True):
         assert torch.equal(loop, grouped)
     assert 2 * model.cfg.num_experts_per_tok < model.cfg.num_experts  # the decode step leaves experts idle
+
+
+def test_the_caches_slot_arrays_equal_its_per_request_slots():
+    """`slot_rows` and `slots_between` (one numpy expression for a whole step) against `slots`,
+    one request at a time, over requests whose blocks interleave and were freed and reused."""
+    from actors.target.kv_cache import CacheSpec, PagedKVCache
+
+    rng = np.random.default_rng(7)
+    cache = PagedKVCache(CacheSpec(1, 1, 4, 4096, block_size=16))
+    lengths = {}
+    for _ in range(6):  # grow, truncate and release in turns: tables of scattered blocks
+        grow = {rid: int(rng.integers(1, 40)) for rid in rng.choice(12, 6, replace=False).tolist()}
+        cache.reserve(grow)
+        for rid, n in grow.items():
+            cache.commit(rid, n)
+            lengths[rid] = lengths.get(rid, 0) + n
+        rid = int(rng.choice(list(lengths)))
+        if rng.random() < 0.5:
+            lengths[rid] = int(rng.integers(0, lengths[rid] + 1))
+            cache.truncate(rid, lengths[rid])
+        else:
+            cache.release(rid)
+            del lengths[rid]
+    ids = list(lengths)
+    ends = np.array([lengths[r] for r in ids])
+    starts = np.array([int(rng.integers(0, e + 1)) for e in ends])
+    width = int(ends.max()) + 5
+    rows = cache.slot_rows(ids, ends, width)
+    for i, rid in enumerate(ids):
+        assert rows[i, :ends[i]].tolist() == cache.slots(rid, 0, int(ends[i])).tolist()
+        assert not rows[i, ends[i]:].any()
+    flat = torch.cat([cache.slots(rid, int(s), int(e)) for rid, s, e in zip(ids, starts, ends, strict=True)])
+    assert cache.slots_between(ids, starts, ends).tolist() == flat.tolist()
+    assert cache.slots_between(ids, ends, ends).tolist() == []
