@@ -41,6 +41,8 @@ class Metrics:
                 ("gc_pause_s", "seconds the engine process spent in garbage collection since start"),
                 ("gc_longest_pause_s", "the engine process's longest garbage-collection pause since start"),
                 ("gc_frozen_objects", "objects frozen out of the collector's scans at the end of start-up"),
+                ("graph_captures", "CUDA graphs the ranks captured since start (each stalls its step; most are "
+                                   "captured at the first step)"),
             )
         }
         self._ranks = Gauge("dcut_engine_rank_step_seconds", "mean own forward time per step of each EP rank "

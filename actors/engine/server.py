@@ -235,6 +235,7 @@ class AsyncEngine:
             "rank_step_s": [float(np.mean(t)) for t in zip(*(r.rank_compute_s for r in recs if r.rank_compute_s),
                                                            strict=False)],
             "gpus": [dataclasses.asdict(d) for d in device_usage()],
+            "graph_captures": self.engine.history.totals.graph_captures,
             **self.engine.gc_pauses.stats(),
         }
 

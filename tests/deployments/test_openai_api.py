@@ -151,6 +151,7 @@ def test_metrics_are_exposed(server, client):
     frozen = re.search(r"^dcut_engine_gc_frozen_objects (\S+)$", text, re.M)
     assert frozen and float(frozen.group(1)) > 10_000  # the engine replica froze its start-up heap (actors/heap.py)
     assert re.search(r"^dcut_engine_gc_longest_pause_s \S+$", text, re.M)
+    assert re.search(r"^dcut_engine_graph_captures 0\.0$", text, re.M)  # CPU ranks: no CUDA graphs
 
 
 def test_the_dashboard_queries_only_exported_metrics(server, client):
