@@ -150,3 +150,33 @@ def test_the_first_graphed_step_warms_up_the_usual_buckets():
     assert cache.free_tokens == free  # warming writes only the scratch slot: no request's blocks
     graphs.forward(prepare(model, cache, [0], [[3]]))
     assert len(graphs._graphs) == len(warm) + 1  # warmed once
+
+
+def test_the_profile_times_no_forward_that_captured_a_graph():
+    """The start-up profile (and its check) runs once more a forward whose rank captured a CUDA
+    graph: the capture's time is no step's. A real target, whose first forward of each shape
+    reports a capture and a second more, as a capturing GPU rank's would."""
+    from actors.target.local import LocalTarget
+    from actors.target.profile import ProfileGrid, run_profile
+
+    class Capturing:
+        def __init__(self, target):
+            self.target, self.seen = target, set()
+
+        def forward(self, ids, chunks, logits="last", **kw):
+            out = self.target.forward(ids, chunks, logits=logits, **kw)
+            shape = (len(ids), len(chunks[0]))
+            if logits == "all" and shape not in self.seen:
+                self.seen.add(shape)
+                out.wall_s += 1.0
+                out.rank_stats[0].graph_captures = 3
+            return out
+
+        def truncate(self, lengths):
+            self.target.truncate(lengths)
+
+        def release(self, ids):
+            self.target.release(ids)
+
+    samples = run_profile(Capturing(LocalTarget(tiny_model())), ProfileGrid((1, 2), (1, 4), (8,), 1), 96)
+    assert len(samples) == 4 and all(s.seconds < 0.5 for s in samples)
