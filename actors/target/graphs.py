@@ -5,7 +5,7 @@ take 7.5–15 ms where the device is busy 0.7–1.5 ms (`benchmarks/rank_step.py
 2026-12-04). Replayed as a CUDA graph the same forward took 1.7–4.5 ms with bit-equal logits.
 A graph replays fixed shapes, so a step is padded to a bucket — requests to a power of two,
 each request's new tokens to 1, 4, 16 or `QUERY_SPAN` (decoding and verifying, not prefill
-chunks), its keys to 64 · 4^i — and the graph of that bucket, captured the first time
+chunks), its keys to 256 · 4^i — and the graph of that bucket, captured the first time
 it is met (70–100 ms), is replayed with the step's inputs copied into the ones it captured. A
 graph outputs the states of every layer any step has asked for (the drafters' features), so a
 bucket has one graph whichever drafters a step serves. The graphs share one memory pool: a
@@ -37,9 +37,9 @@ from actors.target.model import MoETransformer, Prepared
 from actors.target.moe import StepStats, grouped_mm_runs
 
 MAX_REQUESTS = 256  # larger steps run eagerly (their launches are a small share of their work)
-MIN_KEYS = 64
+MIN_KEYS = 256  # a bucket of short contexts too: their attention is a sliver of a step, a capture is not
 WARM_QUERIES = (1, 4, 16)  # decoding, and verifying up to 3 and up to 15 drafts a request
-WARM_KEYS = (256,)  # prompt and output up to 256 tokens; longer contexts capture their buckets when met
+WARM_KEYS = (MIN_KEYS,)  # prompt and output up to 256 tokens; longer contexts capture their buckets when met
 MODES = ("auto", "off", "padded")
 
 

@@ -58,7 +58,7 @@ def test_padded_steps_give_the_eager_steps_logits_features_and_cache():
             torch.testing.assert_close(padded_cache.k[:, b], eager_cache.k[:, a], rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(padded_cache.v[:, b], eager_cache.v[:, a], rtol=1e-5, atol=1e-5)
     assert graphed == len(steps) - 1
-    assert graphs.stats()["graphs"] == 5 and graphs.stats()["captures"] == 0  # 5 distinct buckets, none captured
+    assert graphs.stats()["graphs"] == 4 and graphs.stats()["captures"] == 0  # 4 distinct buckets, none captured
 
 
 def test_a_step_is_bucketed_to_powers_of_two_and_long_ones_run_eagerly():
@@ -73,12 +73,12 @@ def test_a_step_is_bucketed_to_powers_of_two_and_long_ones_run_eagerly():
     assert cache.free_tokens < free
     cache.release_all([0, 1, 2])
     prep = prepare(model, cache, [0, 1, 2], [[1] * 30, [2] * 3, [3] * 5])
-    assert graphs.padding(prep) == Padding(4, 32, 64, graphs.scratch)
+    assert graphs.padding(prep) == Padding(4, 32, 256, graphs.scratch)
     for rid, n in zip([0, 1, 2], [30, 3, 5], strict=True):
         cache.commit(rid, n)
     prep = prepare(model, cache, [0, 1, 2], [[1] * 2, [2], [3] * 3])
-    assert graphs.padding(prep) == Padding(4, 4, 64, graphs.scratch)  # keys: 33 → 64
-    too_many = Padding(2, 4, 64, graphs.scratch)
+    assert graphs.padding(prep) == Padding(4, 4, 256, graphs.scratch)  # keys: 33 → 256
+    too_many = Padding(2, 4, 256, graphs.scratch)
     with pytest.raises(ValueError, match="does not fit"):
         plan_attention(cache, prep.batch.request_ids, prep.batch.cu, prep.starts, model.cfg.rotary, prep.lengths,
                        too_many)
@@ -145,11 +145,11 @@ def test_the_first_graphed_step_warms_up_the_usual_buckets():
     free = cache.free_tokens
     assert graphs.forward(prepare(model, cache, [0], [[2]]), capture_layers=(2,)) is not None
     warm = {(r, q, 256) for r in (1, 2, 4, 8) for q in (1, 4, 16)}
-    assert set(graphs._graphs) == warm | {(1, 1, 64)}  # and the step's own bucket
+    assert set(graphs._graphs) == warm  # the step's own bucket among them
     assert all(step.layers == (2,) for step in graphs._graphs.values())
     assert cache.free_tokens == free  # warming writes only the scratch slot: no request's blocks
     graphs.forward(prepare(model, cache, [0], [[3]]))
-    assert len(graphs._graphs) == len(warm) + 1  # warmed once
+    assert len(graphs._graphs) == len(warm)  # warmed once
 
 
 def test_the_profile_times_no_forward_that_captured_a_graph():

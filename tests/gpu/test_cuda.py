@@ -269,7 +269,7 @@ def test_decode_and_verify_steps_replay_as_cuda_graphs():
         assert bool((gap <= 2 * noise).all()), "an argmax differs beyond the padded shapes' rounding"
     assert syncs == 0
     assert [caches[0].length(r) for r in ids] == [caches[2].length(r) for r in ids]
-    # buckets (requests, queries, keys): (4, 1, 64), (4, 4, 64), (4, 16, 64); the third step replays the first's
+    # buckets (requests, queries, keys): (4, 1, 256), (4, 4, 256), (4, 16, 256); the third step replays the first's
     assert graphed.stats() | {"capture_s": 0} == {"mode": "auto", "graphs": 3, "captures": 3, "replays": 4,
                                                   "capture_s": 0}
 
