@@ -212,13 +212,14 @@ class MTPDrafter:
                                                                                           strict=True)]).to(dev)
         q, k, v = self.module.qkv(x, positions)  # pair j sits at position j
         ends = [s + n for s, n in zip(starts, counts, strict=True)]
-        slots = torch.from_numpy(self.cache.slots_between(rids, starts, ends)).to(dev)
+        table = self.cache.block_table(rids)  # once: the new pairs' slots, then every key
+        slots = torch.from_numpy(self.cache.between_of(table, starts, ends)).to(dev)
         self.cache.k[0, slots], self.cache.v[0, slots] = k, v
         for rid, n in zip(rids, counts, strict=True):
             self.cache.commit(rid, n)
         newest = torch.cumsum(torch.tensor(counts, device=dev), 0) - 1
-        ctx = [s + n for s, n in zip(starts, counts, strict=True)]
-        keys = torch.from_numpy(self.cache.slot_rows(rids, np.asarray(ctx), max(ctx))).to(dev, non_blocking=True)
+        ctx = ends
+        keys = torch.from_numpy(self.cache.rows_of(table, np.asarray(ctx), max(ctx))).to(dev, non_blocking=True)
         mask = torch.arange(max(ctx), device=dev)[None, :] < torch.tensor(ctx, device=dev)[:, None]  # [R, T]
         attn = _attend(q[newest][:, None], self.cache.k[0][keys], self.cache.v[0][keys], mask[:, None], self.scale)
         g = self.module.finish(x[newest], attn[:, 0])

@@ -155,13 +155,7 @@ class StepGraphs:
             self.replays += 1
         else:
             step.logits, step.features = self._compute(step)
-        for rid, k in zip(batch.request_ids, prepared.lengths, strict=True):
-            self.cache.commit(rid, k)
-        if stats is not None:
-            stats.total_s += time.perf_counter() - t0
-            stats.tokens += n
-            stats.requests += len(prepared.lengths)
-            stats.context += sum(prepared.starts)
+        self.model.committed(prepared, self.cache, stats, t0)
         return step.logits[:m], {k: step.features[k][:n] for k in capture_layers}
 
     def warm_up(self, layers: tuple[int, ...] = ()) -> None:

@@ -135,11 +135,11 @@ class PagedKVCache:
 
     # -- slot arithmetic ------------------------------------------------------------------------
 
-    def block_table(self, request_ids: list[int], blocks: int = 0) -> np.ndarray:
-        """[R, B] every request's blocks, padded with 0 (B: the most any holds, at least `blocks`;
-        a request the cache does not hold has none)."""
+    def block_table(self, request_ids: list[int]) -> np.ndarray:
+        """[R, B] every request's blocks, padded with 0 (B: the most any holds; a request the
+        cache does not hold has none)."""
         tables = [self._tables.get(rid, ()) for rid in request_ids]
-        out = np.zeros((len(tables), max(blocks, max(map(len, tables), default=0))), dtype=np.int64)
+        out = np.zeros((len(tables), max(map(len, tables), default=0)), dtype=np.int64)
         for row, table in zip(out, tables, strict=True):
             row[:len(table)] = table
         return out
@@ -147,21 +147,29 @@ class PagedKVCache:
     def slot_rows(self, request_ids: list[int], ends: np.ndarray, width: int) -> np.ndarray:
         """[R, width] slot of positions 0 .. width - 1 of each request, 0 at and past its `ends`
         (every request's keys side by side: one numpy expression, not a loop of tensor ops)."""
+        return self.rows_of(self.block_table(request_ids), ends, width)
+
+    def slots_between(self, request_ids: list[int], starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """Flat slots of positions starts[i] .. ends[i] - 1 of each request, in request order."""
+        return self.between_of(self.block_table(request_ids), starts, ends)
+
+    def rows_of(self, table: np.ndarray, ends: np.ndarray, width: int) -> np.ndarray:
+        """`slot_rows` of the requests whose `block_table` this is (one table for a step's calls)."""
         bs = self.spec.block_size
-        table = self.block_table(request_ids, -(-width // bs))
+        if table.shape[1] * bs < width:  # positions past every request's blocks: slot 0, masked
+            table = np.pad(table, ((0, 0), (0, -(-width // bs) - table.shape[1])))
         pos = np.arange(width)
         slots = table[:, pos // bs] * bs + pos % bs
         slots[pos[None, :] >= np.asarray(ends)[:, None]] = 0
         return slots
 
-    def slots_between(self, request_ids: list[int], starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-        """Flat slots of positions starts[i] .. ends[i] - 1 of each request, in request order."""
+    def between_of(self, table: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """`slots_between` of the requests whose `block_table` this is."""
         starts, ends = np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
         counts = ends - starts
         if not counts.sum():
             return np.zeros(0, dtype=np.int64)
         bs = self.spec.block_size
-        table = self.block_table(request_ids)
         rows = np.repeat(np.arange(len(counts)), counts)
         first = np.zeros(len(counts) + 1, dtype=np.int64)
         np.cumsum(counts, out=first[1:])

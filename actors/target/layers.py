@@ -129,11 +129,12 @@ def plan_attention(cache: PagedKVCache, request_ids: list[int], cu: torch.Tensor
     if padding is not None and (not whole or 0 not in by_span or len(lengths) > padding.requests
                                 or max(lengths) > padding.queries or max(starts_a + lens_a) > padding.keys):
         raise ValueError(f"a forward of {len(lengths)} requests does not fit {padding}")
-    ragged = _Ragged(cache, list(request_ids), starts_a, lens_a, offsets)
+    table = cache.block_table(request_ids)  # once for the step: every group's keys and the writes
+    ragged = _Ragged(cache, table, starts_a, lens_a, offsets)
     groups = [_group(np.asarray(idx), ragged, whole, dev, padding) for idx in by_span.values()]
     total = int(offsets[-1])
     positions = np.arange(total) + np.repeat(starts_a - offsets[:-1], lens_a)  # [N] in flat order
-    write_slots = torch.from_numpy(cache.slots_between(request_ids, starts_a, starts_a + lens_a))
+    write_slots = torch.from_numpy(cache.between_of(table, starts_a, starts_a + lens_a))
     if padding is not None:  # the padding's tokens: position 0, keys written to the scratch slot
         positions = np.concatenate([positions, np.zeros(padding.tokens - total, dtype=np.int64)])
         write_slots = torch.cat([write_slots, torch.full((padding.tokens - total,), padding.scratch)])
@@ -142,11 +143,11 @@ def plan_attention(cache: PagedKVCache, request_ids: list[int], cu: torch.Tensor
 
 
 class _Ragged(NamedTuple):
-    """A forward's requests: the cache holding them, their ids, each one's first new position,
-    new tokens, and offset of its first new token in the flat batch ([R + 1])."""
+    """A forward's requests: the cache holding them, their block table, each one's first new
+    position, new tokens, and offset of its first new token in the flat batch ([R + 1])."""
 
     cache: PagedKVCache
-    request_ids: list[int]
+    table: np.ndarray
     starts: np.ndarray
     lengths: np.ndarray
     offsets: np.ndarray
@@ -158,7 +159,7 @@ def _group(idx: np.ndarray, ragged: _Ragged, whole: bool, dev, padding: Padding 
     offsets = ragged.offsets
     starts, lengths = ragged.starts[idx], ragged.lengths[idx]
     q, t = int(lengths.max()), int((starts + lengths).max())
-    key_slots = ragged.cache.slot_rows([ragged.request_ids[i] for i in idx.tolist()], starts + lengths, t)
+    key_slots = ragged.cache.rows_of(ragged.table[idx], starts + lengths, t)
     if padding is not None:
         extra = padding.requests - len(idx)
         starts, lengths = np.pad(starts, (0, extra)), np.pad(lengths, (0, extra))

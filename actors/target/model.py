@@ -146,14 +146,20 @@ class MoETransformer(nn.Module):
         batch = prep.batch
         plan = plan_attention(cache, batch.request_ids, batch.cu, prep.starts, self.cfg.rotary, prep.lengths)
         logits, captured = self.compute(batch.tokens, plan, cache, batch.logit_index, stats, capture_layers)
-        for rid, n in zip(batch.request_ids, prep.lengths, strict=True):
+        self.committed(prep, cache, stats, t0)
+        return logits, captured
+
+    @staticmethod
+    def committed(prep: Prepared, cache: PagedKVCache, stats: StepStats | None, started: float) -> None:
+        """After a forward's device work (eager, or a graph's replay): its tokens count as
+        written in the cache, and the step's statistics take its time and size."""
+        for rid, n in zip(prep.batch.request_ids, prep.lengths, strict=True):
             cache.commit(rid, n)
         if stats is not None:
-            stats.total_s += time.perf_counter() - t0
-            stats.tokens += len(batch.tokens)
+            stats.total_s += time.perf_counter() - started
+            stats.tokens += len(prep.batch.tokens)
             stats.requests += len(prep.lengths)
             stats.context += sum(prep.starts)
-        return logits, captured
 
     def compute(self, tokens: torch.Tensor, plan: AttentionPlan, cache: PagedKVCache, logit_index: torch.Tensor,
                 stats: StepStats | None = None, capture_layers: tuple[int, ...] = ()
