@@ -24,7 +24,10 @@ class DriverGroup(EPGroup):
     other rank over the unit's control group (`link.RankLink`), rank 0's own part done here
     meanwhile, then their answers; Ray only starts, places and kills the ranks. A rank that dies
     closes its sockets and the call in flight fails at once; one that hangs fails the collective
-    after `group_timeout_s`, or the wait for its answer after `step_timeout_s`."""
+    after `group_timeout_s`, and so does the wait for its answer: rank 0 waits for answers once its
+    own part of the call is done, and a peer that far behind would have held up rank 0's
+    collectives as long (one stopped after the step's last collective, before answering, used to
+    cost the whole `step_timeout_s`)."""
 
     def __init__(self, cfg: EPConfig) -> None:
         if cfg.world < 2:
@@ -105,7 +108,7 @@ class DriverGroup(EPGroup):
         ones are kept for their own `Answer`."""
         while seq not in self._answers[rank]:
             try:
-                got = wire.read_reply(self.link.recv(rank, self.cfg.step_timeout_s))
+                got = wire.read_reply(self.link.recv(rank, min(self.cfg.step_timeout_s, self.cfg.group_timeout_s)))
             except (RuntimeError, wire.WireError) as exc:  # gone, hung, or not speaking this link
                 self._fail(f"rank failed: rank {rank}: {str(exc).splitlines()[0]}", exc)
             self._answers[rank][self._answered[rank]] = got

@@ -10,9 +10,10 @@ engine's step is then function calls). `DriverGroup` (actors/target/driver.py) i
 in the caller's process and the other ranks answering it over the unit's control group (no Ray
 call per step).
 
-Failure model: the group is one unit. If any rank dies, or a step exceeds `step_timeout_s`, the
-step raises `EPGroupError` at once (without waiting for the survivors, which would sit in a
-collective), every actor of the group is killed, and the group refuses further work. A batch that
+Failure model: the group is one unit. If any rank dies, a step exceeds `step_timeout_s`, or a
+rank has not answered a call `group_timeout_s` after another did, the step raises `EPGroupError`
+at once (without waiting for the survivors, which would sit in a collective), every actor of the
+group is killed, and the group refuses further work. A batch that
 a rank rejects before any collective (KV cache full, bad token ids) raises `BatchRejected` and
 leaves the group healthy.
 """
@@ -277,10 +278,12 @@ class EPGroup:
         """Call `method` on every rank whose `args` are not None (all at once) and return their
         results in rank order; `answer=False` need not wait for them."""
         return self._gather([getattr(w, method).remote(*a) for w, a in zip(self.workers, args, strict=True)
-                             if a is not None], self.cfg.step_timeout_s)
+                             if a is not None], self.cfg.step_timeout_s, self.cfg.group_timeout_s)
 
-    def _gather(self, refs: list, timeout_s: float) -> list:
-        """ray.get for a group call: fail fast on the first dead rank, bounded by timeout_s."""
+    def _gather(self, refs: list, timeout_s: float, straggler_s: float | None = None) -> list:
+        """ray.get for a group call: fail fast on the first dead rank, bounded by timeout_s, and
+        by `straggler_s` after the first answer (one rank answered a step: it passed every
+        collective, so the others did too, or hang: one stopped after the last, before answering)."""
         if self._broken:
             raise EPGroupError(f"EP group is down: {self._broken}")
         deadline = time.monotonic() + timeout_s
@@ -288,7 +291,10 @@ class EPGroup:
         while pending:
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
-                self._fail(f"step exceeded {timeout_s:.0f} s (a rank hung)")
+                self._fail(f"step exceeded {timeout_s:.0f} s, or {straggler_s:.0f} s after another rank answered "
+                           "(a rank hung)")
+            if straggler_s is not None:
+                deadline = min(deadline, time.monotonic() + straggler_s)
             try:
                 results[ready[0]] = ray.get(ready[0])
             except BatchRejected as exc:
@@ -345,7 +351,7 @@ class InProcessGroup(EPGroup):
         """A handle on guest `name` of the rank (actor-call syntax, answered at once)."""
         return InProcess(self.local.parts[name])
 
-    def _gather(self, results: list, timeout_s: float) -> list:
+    def _gather(self, results: list, timeout_s: float, straggler_s: float | None = None) -> list:
         if self._broken:
             raise EPGroupError(f"EP group is down: {self._broken}")
         return results

@@ -4,6 +4,11 @@ process driving the others over the unit's control group (`DriverGroup`)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import time
+
 import numpy as np
 import pytest
 
@@ -168,6 +173,26 @@ def test_dead_rank_fails_the_step_quickly_and_the_group_stays_down(tiny_checkpoi
     assert not group.healthy
     with pytest.raises(EPGroupError, match="down"):
         group.forward([1], [[7]])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_rank_stopped_before_it_answers_fails_the_call_after_the_group_timeout(tiny_checkpoint, kind):
+    """A rank stopped (SIGSTOP: a hung process) after its last collective, before it answers: the
+    others answered, so it is waited for `group_timeout_s`, not the step timeout (a CI run spent
+    its test's two minutes in such a wait). A call with no collective stands in for that moment."""
+    group = make_group(kind, EPConfig(tiny_checkpoint, world=2, step_timeout_s=300, group_timeout_s=2))
+    pid = group.ranks[1]["pid"]
+    try:
+        group.forward([1], [[1, 2]])
+        os.kill(pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(EPGroupError, match="rank"):
+            group.cache_info()
+        assert time.monotonic() - start < 30 and not group.healthy
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        group.shutdown()
 
 
 @pytest.mark.parametrize("kind", KINDS)
