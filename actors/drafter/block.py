@@ -12,7 +12,7 @@ import torch
 
 from actors.drafter.base import DraftOutput, on
 from actors.drafter.model import DraftModel
-from actors.target.kv_cache import CacheSpec, PagedKVCache
+from actors.target.kv_cache import CacheSpec, PagedKVCache, gather, scatter
 
 
 class BlockDrafter:
@@ -76,7 +76,8 @@ class BlockDrafter:
         cos, sin = self.model.rope(positions)
         for i, layer in enumerate(self.model.layers):
             k, v = layer.context_kv(proj, cos, sin)
-            self.cache.k[i, slots], self.cache.v[i, slots] = k, v
+            scatter(self.cache.k[i], slots, k)
+            scatter(self.cache.v[i], slots, v)
         for rid, n in growth.items():
             self.cache.commit(rid, n)
 
@@ -110,7 +111,8 @@ class BlockDrafter:
         key_slots = torch.from_numpy(self.cache.slot_rows(request_ids, np.asarray(ctx), t)).to(dev, non_blocking=True)
         ctx_t, lengths_t = torch.tensor(ctx, device=dev), torch.tensor(lengths, device=dev)
         mask = torch.arange(t, device=dev)[None, :] < ctx_t[:, None]  # [B, T]
-        ctx_kv = [(self.cache.k[i][key_slots], self.cache.v[i][key_slots]) for i in range(len(self.model.layers))]
+        ctx_kv = [(gather(self.cache.k[i], key_slots), gather(self.cache.v[i], key_slots))
+                  for i in range(len(self.model.layers))]
         ragged = self.cut and len(set(lengths)) > 1
         sizes = lengths_t + 1 if ragged else None
         hidden = self.model.block_hidden(torch.tensor(last_tokens, device=dev), ctx_t, ctx_kv, mask, block, sizes)

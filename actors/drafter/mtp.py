@@ -28,7 +28,7 @@ from torch import nn
 
 from actors.drafter.base import DraftOutput, on
 from actors.drafter.block import sample_drafts
-from actors.target.kv_cache import CacheSpec, PagedKVCache
+from actors.target.kv_cache import CacheSpec, PagedKVCache, gather, scatter
 from actors.target.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin
 from dcut_core.chains import ChainCut, ChainStop
 
@@ -214,14 +214,16 @@ class MTPDrafter:
         ends = [s + n for s, n in zip(starts, counts, strict=True)]
         table = self.cache.block_table(rids)  # once: the new pairs' slots, then every key
         slots = torch.from_numpy(self.cache.between_of(table, starts, ends)).to(dev)
-        self.cache.k[0, slots], self.cache.v[0, slots] = k, v
+        scatter(self.cache.k[0], slots, k)
+        scatter(self.cache.v[0], slots, v)
         for rid, n in zip(rids, counts, strict=True):
             self.cache.commit(rid, n)
         newest = torch.cumsum(torch.tensor(counts, device=dev), 0) - 1
         ctx = ends
         keys = torch.from_numpy(self.cache.rows_of(table, np.asarray(ctx), max(ctx))).to(dev, non_blocking=True)
         mask = torch.arange(max(ctx), device=dev)[None, :] < torch.tensor(ctx, device=dev)[:, None]  # [R, T]
-        attn = _attend(q[newest][:, None], self.cache.k[0][keys], self.cache.v[0][keys], mask[:, None], self.scale)
+        attn = _attend(q[newest][:, None], gather(self.cache.k[0], keys), gather(self.cache.v[0], keys), mask[:, None],
+                       self.scale)
         g = self.module.finish(x[newest], attn[:, 0])
         for rid, row in zip(rids, g, strict=True):
             self._last[rid] = row
@@ -248,7 +250,7 @@ class MTPDrafter:
             # keys and values: the cached pairs, then room for the chain's own (written in place)
             k_all = self.cache.k.new_zeros((len(live), t + n, *self.cache.k.shape[2:]))
             v_all = self.cache.v.new_zeros((len(live), t + n, *self.cache.v.shape[2:]))
-            k_all[:, :t], v_all[:, :t] = self.cache.k[0][keys], self.cache.v[0][keys]
+            k_all[:, :t], v_all[:, :t] = gather(self.cache.k[0], keys), gather(self.cache.v[0], keys)
             mask = torch.zeros(len(live), t + n, dtype=torch.bool, device=dev)
             mask[:, :t] = torch.arange(t, device=dev)[None, :] < ctx_t[:, None]
             cut = None if stop is None else ChainCut(stop, np.array([lengths[i] for i in live]))

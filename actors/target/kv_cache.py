@@ -183,3 +183,15 @@ class PagedKVCache:
         table = torch.tensor(self._tables[rid], dtype=torch.long, device="cpu")
         pos = torch.arange(start, end, device="cpu")
         return table[pos // bs] * bs + pos % bs
+
+
+def gather(table: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """`table[slots]` for an index of any shape into the first dimension of one layer's keys or
+    values, as one `index_select`: advanced indexing took 2–4 × as long on a CPU (one request's
+    161 slots 18 → 8 µs; 64 requests × 300 slots 2.2 → 0.54 ms; docs/target.md)."""
+    return table.index_select(0, slots.reshape(-1)).view(*slots.shape, *table.shape[1:])
+
+
+def scatter(table: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """`table[slots] = rows` in place (slots 1-D, distinct but for a graph's scratch slot)."""
+    table.index_copy_(0, slots, rows.to(table.dtype))

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from actors.target.config import MoEConfig
-from actors.target.kv_cache import PagedKVCache
+from actors.target.kv_cache import PagedKVCache, gather, scatter
 from actors.target.layers import AttentionPlan, RMSNorm, apply_rope
 
 
@@ -79,9 +79,9 @@ class LatentAttention(nn.Module):
         if x.shape[0] == 0:  # an EP rank with no requests this step still runs the MoE collectives
             return torch.zeros_like(x)
         queries, rows = self._latent(x, plan.cos, plan.sin)
-        cache.k[self.layer, plan.write_slots] = rows[:, None].to(cache.k.dtype)
+        scatter(cache.k[self.layer], plan.write_slots, rows[:, None])
         def keys_of(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            keys = cache.k[self.layer][slots].transpose(1, 2).to(x.dtype)  # [R, 1, T, L + r]
+            keys = gather(cache.k[self.layer], slots).transpose(1, 2).to(x.dtype)  # [R, 1, T, L + r]
             return keys, keys[..., :self.rank]
 
         return self._out(plan.attend(queries, keys_of, scale=self.scale, enable_gqa=True))  # [N, H, L] in flat order

@@ -13,7 +13,7 @@ from torch import nn
 
 from actors.target.config import MoEConfig
 from actors.target.host import upload
-from actors.target.kv_cache import PagedKVCache
+from actors.target.kv_cache import PagedKVCache, gather, scatter
 from actors.target.rope import Rotary
 
 
@@ -229,11 +229,11 @@ class Attention(nn.Module):
             return torch.zeros_like(x)
         q, k, v = self.qkv(x)
         q, k = self.rope(q, k, plan.cos, plan.sin)
-        cache.k[self.layer, plan.write_slots] = k.to(cache.k.dtype)
-        cache.v[self.layer, plan.write_slots] = v.to(cache.v.dtype)
+        scatter(cache.k[self.layer], plan.write_slots, k)
+        scatter(cache.v[self.layer], plan.write_slots, v)
         def keys_of(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [R, Hkv, T, D] each
-            return (cache.k[self.layer][slots].transpose(1, 2).to(q.dtype),
-                    cache.v[self.layer][slots].transpose(1, 2).to(q.dtype))
+            return (gather(cache.k[self.layer], slots).transpose(1, 2).to(q.dtype),
+                    gather(cache.v[self.layer], slots).transpose(1, 2).to(q.dtype))
 
         out = plan.attend(q, keys_of, enable_gqa=self.heads != self.kv_heads)  # [N, H, D] in flat order
         return self.o_proj(out.reshape(n, self.heads * self.head_dim))
