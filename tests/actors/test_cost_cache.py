@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 
 import actors.accelerator
+import actors.engine.costs
 from actors.engine.costs import deployment_key
 from deployments.settings import ServeSettings
 
@@ -26,6 +27,8 @@ def test_the_key_tells_devices_and_shapes_apart(monkeypatch):
     others = {deployment_key(dataclasses.replace(cfg, **change))
               for change in ({"ep": 2}, {"threads_per_rank": cfg.threads_per_rank + 1}, {"in_process": False})}
     assert len({on_cpu, on_h100, on_h200, *others}) == 6
+    monkeypatch.setattr(actors.engine.costs, "FORWARD_REVISION", actors.engine.costs.FORWARD_REVISION + 1)
+    assert deployment_key(cfg) != on_cpu  # the ranks' code moved a forward's cost: profiled again
 
 
 def test_fractional_gpus_are_refused_at_ep_above_one():
