@@ -4,8 +4,9 @@ On a GPU the bundled model's forward is bound by the host: ~430 kernels launched
 take 7.5–15 ms where the device is busy 0.7–1.5 ms (`benchmarks/rank_step.py`, H200,
 2026-12-04). Replayed as a CUDA graph the same forward took 1.7–4.5 ms with bit-equal logits.
 A graph replays fixed shapes, so a step is padded to a bucket — requests to a power of two,
-each request's new tokens to 1, 4, 16 or `QUERY_SPAN` (decoding and verifying, not prefill
-chunks), its keys to 256 · 4^i — and the graph of that bucket, captured the first time
+each request's new tokens to 1, 4, 16 or `QUERY_SPAN` (decoding, verifying, and prefill chunks
+of up to `QUERY_SPAN` tokens; a step with a longer chunk runs eagerly, every request of it), its
+keys to 256 · 4^i — and the graph of that bucket, captured at start (`warm_up`) or the first time
 it is met (70–100 ms), is replayed with the step's inputs copied into the ones it captured. A
 graph outputs the states of every layer any step has asked for (the drafters' features), so a
 bucket has one graph whichever drafters a step serves. The graphs share one memory pool: a
@@ -38,7 +39,8 @@ from actors.target.moe import StepStats, grouped_mm_runs
 
 MAX_REQUESTS = 256  # larger steps run eagerly (their launches are a small share of their work)
 MIN_KEYS = 256  # a bucket of short contexts too: their attention is a sliver of a step, a capture is not
-WARM_QUERIES = (1, 4, 16)  # decoding, and verifying up to 3 and up to 15 drafts a request
+WARM_QUERIES = (1, 4, 16, QUERY_SPAN)  # decoding; verifying up to 3 or 15 drafts; a short prompt admitted
+# beside them (17-32 tokens: without it, serving met that bucket in run Z6's padded check)
 WARM_KEYS = (MIN_KEYS,)  # prompt and output up to 256 tokens; longer contexts capture their buckets when met
 MODES = ("auto", "off", "padded")
 

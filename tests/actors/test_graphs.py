@@ -144,7 +144,7 @@ def test_the_first_graphed_step_warms_up_the_usual_buckets():
     assert graphs.stats()["graphs"] == 0
     free = cache.free_tokens
     assert graphs.forward(prepare(model, cache, [0], [[2]]), capture_layers=(2,)) is not None
-    warm = {(r, q, 256) for r in (1, 2, 4, 8) for q in (1, 4, 16)}
+    warm = {(r, q, 256) for r in (1, 2, 4, 8) for q in (1, 4, 16, QUERY_SPAN)}
     assert set(graphs._graphs) == warm  # the step's own bucket among them
     assert all(step.layers == (2,) for step in graphs._graphs.values())
     assert cache.free_tokens == free  # warming writes only the scratch slot: no request's blocks
