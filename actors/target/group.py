@@ -291,8 +291,8 @@ class EPGroup:
         while pending:
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
-                self._fail(f"step exceeded {timeout_s:.0f} s, or {straggler_s:.0f} s after another rank answered "
-                           "(a rank hung)")
+                after = "" if straggler_s is None else f", or {straggler_s:.0f} s after another rank answered"
+                self._fail(f"step exceeded {timeout_s:.0f} s{after} (a rank hung)")
             if straggler_s is not None:
                 deadline = min(deadline, time.monotonic() + straggler_s)
             try:

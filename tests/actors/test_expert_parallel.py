@@ -195,6 +195,25 @@ def test_a_rank_stopped_before_it_answers_fails_the_call_after_the_group_timeout
         group.shutdown()
 
 
+def test_a_call_without_a_straggler_bound_times_out_with_its_reason(tiny_checkpoint):
+    """The start's wait (no bound after a first answer) names the timeout it ran out of."""
+    import ray
+
+    @ray.remote
+    def hang():
+        time.sleep(30)
+
+    group = EPGroup.__new__(EPGroup)
+    group.cfg, group._broken = EPConfig(tiny_checkpoint), None
+    group.shutdown = lambda: None
+    ref = hang.remote()
+    try:
+        with pytest.raises(EPGroupError, match=r"step exceeded 0 s \(a rank hung\)"):
+            group._gather([ref], 0.2)
+    finally:
+        ray.cancel(ref, force=True)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_profile_samples_fit_the_cost_model(tiny_checkpoint, kind):
     group = make_group(kind, EPConfig(tiny_checkpoint, world=2))
