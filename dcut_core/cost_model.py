@@ -65,6 +65,9 @@ class CostModel:
     coef: dict[str, float]
     pad_tokens: tuple[int, ...] = ()
     source: str = "preset"
+    # The last `_closed_form` asked, ((requests, context), parts): a step asks for its own shape
+    # up to six times (the curve, the prediction it records, what the correction learns).
+    _last: list = field(default_factory=lambda: [None], init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         unknown = set(self.coef) - set(TERMS)
@@ -158,6 +161,14 @@ class CostModel:
     def _closed_form(self, requests: int, context: int) -> tuple[float, float, float, float, float]:
         """(a, b, per_rank, d, log_miss): the step's seconds at n tokens are
         a + b·n + per_rank·ceil(n / EP) + d·(1 − exp(n · log_miss))."""
+        last = self._last[0]  # one read: another thread may replace it
+        if last is not None and last[0] == (requests, context):
+            return last[1]
+        parts = self._parts_at(requests, context)
+        self._last[0] = ((requests, context), parts)
+        return parts
+
+    def _parts_at(self, requests: int, context: int) -> tuple[float, float, float, float, float]:
         m, c, ep = self.model, self.coef, self.ep
         moe = float(m.moe_layers) if m.is_moe else 0.0
         req = max(requests, 1)

@@ -94,6 +94,20 @@ class StepCost:
             raise ValueError("step cost must be finite and positive for every budget")
         return out
 
+    def tabulated(self, lo: int, hi: int) -> StepCost:
+        """The same curve with its values at lo..hi tokens computed (and checked) once: a step's
+        gate and pruning ask it at every budget they scan, a lookup each; a count outside the
+        table asks this curve."""
+        table = self.seconds(np.arange(lo, hi + 1, dtype=np.int64))
+
+        def curve(tokens: np.ndarray) -> np.ndarray:
+            i = np.asarray(tokens, dtype=np.int64) - lo
+            if i.size and (i.min() < 0 or i.max() > hi - lo):
+                return self.seconds(i + lo)
+            return table[i]
+
+        return StepCost(curve, 0.0, self.min_marginal, checked=True)
+
 
 @dataclass(frozen=True)
 class PruneDecision:

@@ -67,8 +67,12 @@ def segment_cumprod(values: np.ndarray, cu: np.ndarray) -> np.ndarray:
 
 
 def leading_true(mask: np.ndarray, cu: np.ndarray) -> np.ndarray:
-    """Per request, how many entries of `mask` [N] are True before its first False: [R]."""
-    return segment_sums(segment_cumprod(mask.astype(np.float64), cu).astype(np.int64), cu)
+    """Per request, how many entries of `mask` [N] are True before its first False: [R]. The
+    first False at or after each request's start, found among all of them by one search."""
+    cu = np.asarray(cu, dtype=np.int64)
+    stops = np.flatnonzero(np.logical_not(mask))
+    first = np.append(stops, len(mask))[np.searchsorted(stops, cu[:-1])]
+    return np.minimum(first, cu[1:]) - cu[:-1]
 
 
 def gather(cu: np.ndarray, rows: np.ndarray, lengths: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:

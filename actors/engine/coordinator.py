@@ -228,7 +228,10 @@ class Engine:
             context = sum(s.cached for s in batch)
             curve = self.cost.verify_curve(len(batch), context) if self.cost else FLAT_CURVE
             drafting = bool(batch) and self.can_draft and self.policy.drafts
-            st = Step(batch, feeding, time.perf_counter(), context, curve, self._caps(batch) if drafting else None)
+            caps = self._caps(batch) if drafting else None
+            if caps is not None:  # every count the gate and pruning ask about, computed once
+                curve = curve.tabulated(len(batch), len(batch) + int(caps.sum()))
+            st = Step(batch, feeding, time.perf_counter(), context, curve, caps)
             st.lookahead = self.look(st)
             st.plan = self.plan(st)
             st.drafts = self.propose(st)

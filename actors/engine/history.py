@@ -31,9 +31,11 @@ class StepTotals:
 
     def add(self, rec: StepRecord) -> None:
         self.steps += 1
-        for f in fields(self):
-            if f.name != "steps":
-                setattr(self, f.name, getattr(self, f.name) + getattr(rec, f.name))
+        for name in _SUMMED:
+            setattr(self, name, getattr(self, name) + getattr(rec, name))
+
+
+_SUMMED = tuple(f.name for f in fields(StepTotals) if f.name != "steps")  # StepRecord's fields of the same names
 
 
 class StepHistory:

@@ -30,7 +30,9 @@ def verify_batch(pool, capture: tuple[int, ...], batch: list[Sequence], drafts: 
     r, kept = len(batch), np.asarray(kept, dtype=np.int64)
     counts = 1 + kept  # the last token, then the kept drafts
     cu = np.zeros(r + 1 + len(feeding), dtype=np.int64)
-    np.cumsum([*counts.tolist(), *(len(f.tokens) for f in feeding)], out=cu[1:])
+    np.cumsum(counts, out=cu[1:r + 1])
+    if feeding:
+        cu[r + 1:] = cu[r] + np.cumsum([len(f.tokens) for f in feeding])
     tokens = np.empty(int(cu[-1]), dtype=np.int64)
     tokens[cu[:r]] = np.fromiter((s.last for s in batch), dtype=np.int64, count=r)
     if kept.any():  # each request's first kept drafts, after its last token

@@ -213,7 +213,6 @@ class EPGroup:
             res = results[0]
             out = TargetOutput(res.argmax, rows_cu, res.logits if batch.with_logits else None, [], stats, started_s,
                                res.sampled)
-            dest = [np.arange(int(rows_cu[-1]), dtype=np.int64)]
             members = [np.arange(len(batch), dtype=np.int64)]
         else:
             dest = [ragged.gather(rows_cu, idx)[0] for idx in per_rank]
@@ -387,6 +386,8 @@ def _features_of(batch: VerifyBatch, members: list[np.ndarray], results: list) -
     """Each request's feature rows that came back ({} for one whose stay on its rank): a rank
     ships every token's rows of each request it does not keep, in its order."""
     out: list[dict[int, np.ndarray]] = [{} for _ in range(len(batch))]
+    if not any(res.features for res in results):  # the usual step: nothing shipped
+        return out
     lengths = np.diff(batch.cu)
     for idx, res in zip(members, results, strict=True):
         if not res.features:

@@ -210,6 +210,31 @@ def test_the_survival_floor_changes_no_decision():
             assert a.predicted_seconds == pytest.approx(b.predicted_seconds)
 
 
+def test_a_tabulated_curve_answers_as_the_curve_inside_and_outside_its_table():
+    """`StepCost.tabulated` (the engine's step: one table for the gate and pruning) gives every
+    value the curve gives, and every policy the same decision, at counts inside its table and
+    beyond it."""
+    from dcut_core.cost_model import preset
+    from dcut_core.hardware import MODELS
+
+    rng = np.random.default_rng(3)
+    for trial in range(200):
+        rows = random_rows(rng, int(rng.integers(1, 12)), 8)
+        cost = (preset(MODELS["moe-35b-a3b"], "h20", ep=8).verify_curve(len(rows), int(rng.integers(0, 9000)))
+                if trial % 2 else random_cost(rng))
+        r, n = len(rows), sum(len(x) for x in rows)
+        table = cost.tabulated(r, r + int(rng.integers(0, n + 1)))  # at times shorter than the drafts
+        assert table.min_marginal == cost.min_marginal
+        counts = np.arange(r, r + n + 4, dtype=np.int64)
+        assert table.seconds(counts).tolist() == cost.seconds(counts).tolist()
+        assert table.seconds(counts[::-1]).tolist() == cost.seconds(counts[::-1]).tolist()
+        batch = DraftBatch.from_rows(rows)
+        for policy in (Dcut(), Dcut(guard_threshold=0.0), Dcut(max_budget=3), DcutBuckets()):
+            a, b = policy.choose(batch, table), policy.choose(batch, cost)
+            assert a.kept.tolist() == b.kept.tolist() and a.guard == b.guard
+            assert a.predicted_seconds == b.predicted_seconds
+
+
 def test_guarded_dcut_never_loses_more_than_the_threshold():
     rng = np.random.default_rng(1)
     for _ in range(300):

@@ -51,6 +51,17 @@ def test_greedy_property_random():
             assert out.tokens[out.cu_tokens[i]:out.cu_tokens[i + 1]].tolist() == t[: a + 1].tolist()
 
 
+def test_leading_true_against_a_loop():
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        lengths = rng.integers(0, 5, rng.integers(0, 7))
+        cu = ragged.offsets_from_lengths(lengths)
+        mask = rng.random(int(cu[-1])) < rng.random()
+        want = [next((j for j in range(k) if not mask[cu[i] + j]), k) for i, k in enumerate(lengths.tolist())]
+        got = ragged.leading_true(mask, cu)
+        assert got.tolist() == want and got.dtype == np.int64
+
+
 def random_dist(rng, v, sharp=1.0):
     p = rng.dirichlet(np.full(v, sharp))
     return p
