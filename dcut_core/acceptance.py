@@ -102,8 +102,15 @@ class Calibrator:
         )
 
     def estimate(self, confidence: np.ndarray, margin: np.ndarray, position: np.ndarray) -> np.ndarray:
-        """Calibrated P(accept | prefix accepted) [N]."""
-        return _sigmoid(self.features(confidence, margin, position) @ self.weights)
+        """Calibrated P(accept | prefix accepted) [N]: `features` @ weights, the terms summed
+        directly (no [N, 4] matrix: a step asks for a few drafts, and the matrix was most of it)."""
+        w0, w1, w2, w3 = self.weights.tolist()
+        z = w1 * _logit(np.asarray(confidence, dtype=np.float64)) + w0
+        if w2:
+            z += w2 * np.asarray(margin, dtype=np.float64)
+        if w3:
+            z += (w3 / self.block) * np.asarray(position, dtype=np.float64)
+        return _sigmoid(z)
 
     def observe(self, confidence: np.ndarray, margin: np.ndarray, position: np.ndarray,
                 accepted: np.ndarray) -> None:

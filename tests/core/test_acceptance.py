@@ -94,6 +94,18 @@ def test_uncalibrated_estimate_is_the_raw_confidence():
     np.testing.assert_allclose(cal.estimate(conf, np.zeros(3), np.zeros(3)), conf, atol=1e-9)
 
 
+def test_the_estimate_is_the_logistic_of_the_design_matrix():
+    """`Calibrator.estimate` sums its terms directly; it equals the model its fit is written in,
+    sigmoid(features @ weights), to rounding, for any weights (zeros included) and block."""
+    rng = np.random.default_rng(5)
+    for _ in range(500):
+        cal = Calibrator(block=int(rng.integers(1, 17)), weights=rng.normal(size=4) * (rng.random(4) < 0.7))
+        n = int(rng.integers(0, 12))
+        conf, margin, pos = rng.random(n), rng.random(n), rng.integers(0, 16, n)
+        z = cal.features(conf, margin, pos) @ cal.weights
+        np.testing.assert_allclose(cal.estimate(conf, margin, pos), 1.0 / (1.0 + np.exp(-z)), rtol=1e-12, atol=1e-15)
+
+
 def test_censoring_keeps_the_estimate_unbiased():
     # Every draft is accepted with p = 0.8 given its prefix; the drafter always says 0.5.
     # Requests keep a random prefix (pruning) and stop at the first rejection. Counting the
