@@ -68,6 +68,30 @@ class StageClock:
         return out
 
 
+class CallCounter:
+    """Python and C function calls made on the stepping thread while it is installed
+    (`sys.setprofile`): a count that does not move with the machine's speed, where the own time's
+    medians move 10–25 % between processes here. It slows the step several times over, so it is
+    taken in a wave of its own (`--calls`)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, frame, event, arg) -> None:
+        if event == "call" or event == "c_call":
+            self.calls += 1
+
+    def step(self, engine):
+        """One `engine.step()`, counted; returns (its record, calls)."""
+        before = self.calls
+        sys.setprofile(self)
+        try:
+            rec = engine.step()
+        finally:
+            sys.setprofile(None)
+        return rec, self.calls - before
+
+
 def greedy_outputs(prompts: list[list[int]], max_tokens: int):
     """The bundled target's greedy outputs (plain decoding, the real model), and its profiled
     cost model (the deployment's cached start-up profile, or one made now)."""
@@ -101,10 +125,11 @@ class Workload:
     freeze_heap: bool = True  # the start-up heap frozen out of the collector's full scans (actors/heap.py)
 
 
-def one_wave(policy: str, block: int, r: int, w: Workload, drafter: str = "ngram") -> dict:
+def one_wave(policy: str, block: int, r: int, w: Workload, drafter: str = "ngram", count_calls: bool = False) -> dict:
     """R requests admitted together under `policy`, drafting with `drafter` (the n-gram kind, or
     `auto`: every kind the bundle holds, its neural drafters' own compute left out of the own
-    time as the forward's is); per-stage medians of the full decode steps."""
+    time as the forward's is); per-stage medians of the full decode steps. `count_calls`: each
+    step's function calls counted too (`CallCounter`; its times are then not the step's own)."""
     from actors.engine.coordinator import Engine
     from actors.engine.replay import ReplayEngine
     from actors.engine.sequence import SamplingParams
@@ -124,18 +149,18 @@ def one_wave(policy: str, block: int, r: int, w: Workload, drafter: str = "ngram
     clock = StageClock(eng)
     batch = [w.prompts[i % len(w.prompts)] for i in range(r)]
     rids = [eng.add(p, SamplingParams(max_tokens=w.max_tokens)) for p in batch]
-    steps = []
+    steps, counter, calls = [], CallCounter() if count_calls else None, 0
     try:
         while eng.pending:
             gc_before = sum(eng.gc_pauses.seconds)  # the engine counts its process's collections
             t0 = time.perf_counter()
-            rec = eng.step()
+            rec, calls = counter.step(eng) if counter is not None else (eng.step(), 0)
             wall = time.perf_counter() - t0
             gc = sum(eng.gc_pauses.seconds) - gc_before
             stages = clock.take()
             if rec is not None and rec.requests >= 0.9 * r and not rec.prefill_tokens:
                 own = wall - rec.target_compute_s - rec.draft_compute_s
-                steps.append({"wall": wall, "own": own, "gc": gc,
+                steps.append({"wall": wall, "own": own, "gc": gc, "calls": calls,
                               "forward": rec.target_compute_s,
                               "draft": rec.draft_compute_s, "drafted": rec.drafted / rec.requests,
                               "kept": rec.kept / rec.requests, "accepted": rec.accepted / rec.requests, **stages})
@@ -157,6 +182,7 @@ def one_wave(policy: str, block: int, r: int, w: Workload, drafter: str = "ngram
             "own_max_ms": 1e3 * max(s["own"] for s in steps),
             "wall_mean_ms": 1e3 * statistics.fmean(s["wall"] for s in steps),  # a pause inside a pass is not own
             "gc_ms": 1e3 * statistics.fmean(s["gc"] for s in steps),
+            "calls_per_step": statistics.median(s["calls"] for s in steps) if count_calls else None,
             "drafted_per_request": statistics.fmean(s["drafted"] for s in steps),
             "accepted_per_request": statistics.fmean(s["accepted"] for s in steps)}
 
@@ -184,6 +210,9 @@ def main() -> int:
                    help="frozen (as served: the start-up heap out of the collector's full scans, actors/heap.py), "
                         "unfrozen, or both ('frozen,unfrozen': each in turn per cell, alternating by round)")
     p.add_argument("--rounds", type=int, default=1, help="every cell this many times, in order (medians of rows)")
+    p.add_argument("--calls", action="store_true",
+                   help="also each cell's function calls per step (median), counted in a wave of its own: a "
+                        "measure of the own time that does not move with the machine's speed")
     p.add_argument("--out", default="runs/coordinator")
     args = p.parse_args()
     if args.target == "replay" and set(args.drafters.split(",")) - {"ngram"}:
@@ -217,6 +246,8 @@ def main() -> int:
                         w = Workload(prompts, table, args.max_tokens, forward, cache, args.target == "real", overlap,
                                      frozen)
                         row = one_wave(policy, int(block), r, w, drafter)
+                        if args.calls:
+                            row["calls_per_step"] = one_wave(policy, int(block), r, w, drafter, True)["calls_per_step"]
                         row["forward"] = "real" if args.target == "real" else args.forward
                         row["round"] = rnd
                         rows.append(row)
@@ -233,14 +264,17 @@ def main() -> int:
 
 
 def render(rows: list[dict]) -> str:
+    calls = any(r.get("calls_per_step") is not None for r in rows)
     lines = ["| policy (drafts ≤) | R | steps | own ms / step | mean | longest | GC ms / step | µs / request | "
-             + " | ".join(STAGES) + " | drafted / req | accepted / req |", "|---" * (12 + len(STAGES)) + "|"]
+             + " | ".join(STAGES) + " | drafted / req | accepted / req |" + (" calls / step |" if calls else ""),
+             "|---" * (10 + len(STAGES) + calls) + "|"]
     for r in rows:
         lines.append(f"| {r['policy']} ({r['block'] - 1}) | {r['requests']} | {r['steps']} | {r['own_ms']:.2f} | "
                      f"{r['own_mean_ms']:.2f} | {r['own_max_ms']:.1f} | {r['gc_ms']:.2f} | "
                      f"{1e3 * r['own_ms'] / r['requests']:.0f} | "
                      + " | ".join(f"{r[s + '_ms']:.2f}" for s in STAGES)
-                     + f" | {r['drafted_per_request']:.1f} | {r['accepted_per_request']:.2f} |")
+                     + f" | {r['drafted_per_request']:.1f} | {r['accepted_per_request']:.2f} |"
+                     + (f" {r.get('calls_per_step') or 0:.0f} |" if calls else ""))
     return "\n".join(lines)
 
 
