@@ -225,7 +225,7 @@ class Engine:
             if not batch and not feeding:
                 self.settle()
                 return None
-            context = sum(s.cached for s in batch)
+            context = sum([s.cached for s in batch])
             curve = self.cost.verify_curve(len(batch), context) if self.cost else FLAT_CURVE
             drafting = bool(batch) and self.can_draft and self.policy.drafts
             caps = self._caps(batch) if drafting else None

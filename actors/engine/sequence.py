@@ -220,7 +220,9 @@ class Scheduler:
         set's worst-case KV footprint (prompt + max_tokens + one block of drafts each) stays
         within kv_budget tokens; returns the newly admitted ones. A request that could never fit
         is finished with an error instead of blocking the queue."""
-        new = []
+        new: list[Sequence] = []
+        if not self.waiting:  # the usual step: nobody to admit, no footprint to add up
+            return new
         used = sum(self.footprint(s, block) for s in self.running)
         while self.waiting and len(self.running) < self.max_running:
             need = self.footprint(self.waiting[0], block)
@@ -245,17 +247,21 @@ class Scheduler:
         """Commit tokens to seq, applying stop conditions; returns the tokens actually kept.
         `logprob_rows[t]`: the target's log-softmax row of tokens[t] (for requests that asked)."""
         kept: list[int] = []
+        params, output = seq.params, seq.output
+        room = params.max_tokens - len(output)
+        eos = None if params.ignore_eos else eos
         for t in tokens:
-            if seq.remaining <= 0:
+            if room <= 0:
                 break
-            seq.output.append(t)
+            output.append(t)
             kept.append(t)
-            if (eos is not None and t == eos and not seq.params.ignore_eos) or t in seq.params.stop_token_ids:
+            room -= 1
+            if t == eos or t in params.stop_token_ids:
                 seq.finish_reason = "stop"
                 break
-        least = max(1, seq.params.min_tokens)  # no stop string before min_tokens
-        text = seq.text if seq.params.stop and len(seq.output) >= least else ""
-        hits = [(text.find(s), s) for s in seq.params.stop if s in text]
+        least = max(1, params.min_tokens)  # no stop string before min_tokens
+        text = seq.text if params.stop and len(output) >= least else ""
+        hits = [(text.find(s), s) for s in params.stop if s in text] if text else []
         if hits:
             # Keep the shortest output whose text holds the stop string: the tokens a step-by-step
             # decoder would have produced, whatever a speculative step committed past it.
@@ -265,7 +271,7 @@ class Scheduler:
             del seq.output[n:]
             seq.end_text(text[:min(a for a, _ in hits)])
             seq.finish_reason = "stop"
-        if seq.finish_reason is None and seq.remaining <= 0:
+        if seq.finish_reason is None and len(seq.output) >= params.max_tokens:
             seq.finish_reason = "length"
         if seq.params.logprobs is not None and logprob_rows is not None:
             seq.logprobs.extend(entries(logprob_rows, kept, seq.params.logprobs))

@@ -34,7 +34,7 @@ def verify_batch(pool, capture: tuple[int, ...], batch: list[Sequence], drafts: 
     if feeding:
         cu[r + 1:] = cu[r] + np.cumsum([len(f.tokens) for f in feeding])
     tokens = np.empty(int(cu[-1]), dtype=np.int64)
-    tokens[cu[:r]] = np.fromiter((s.last for s in batch), dtype=np.int64, count=r)
+    tokens[cu[:r]] = [s.last for s in batch]
     if kept.any():  # each request's first kept drafts, after its last token
         starts = np.asarray(drafts.cu[:-1], dtype=np.int64)
         within = ragged.positions(ragged.offsets_from_lengths(kept))
@@ -48,10 +48,10 @@ def verify_batch(pool, capture: tuple[int, ...], batch: list[Sequence], drafts: 
         rows_cu = np.concatenate([cu[:r + 1], cu[r] + np.cumsum([len(c) for c in chunks], dtype=np.int64)])
     seqs = [*batch, *(f.seq for f in feeding)]
     sampling = per_row_sampling(sampling_rows(batch, counts.tolist(), feeding), np.diff(rows_cu)) \
-        if any(not s.greedy for s in seqs) else {}
+        if not all([s.greedy for s in seqs]) else {}  # (lists, not generators: a call fewer a request)
     logprobs = [s.params.logprobs is not None for s in batch] + [f.wants_logprobs for f in feeding]
     controls = None
-    if any(s.controls is not None or s.grammar is not None for s in seqs):
+    if any([s.controls is not None or s.grammar is not None for s in seqs]):
         drafted = tokens.tolist()
         controls = tuple([request_controls(s, drafts=drafted[cu[i] + 1:cu[i + 1]]) for i, s in enumerate(batch)]
                          + [request_controls(f.seq, feed=f) for f in feeding])
