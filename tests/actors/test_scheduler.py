@@ -43,3 +43,23 @@ def test_a_request_that_can_never_fit_fails_as_invalid_and_the_queue_moves_on():
     assert sched.admit(kv_budget=64, block=8) == [small]
     assert big.error == EngineError(ErrorKind.INVALID, "request exceeds the KV cache") and not big.error.retryable
     assert sched.claim(0) is big
+
+
+def test_step_totals_sum_every_field_of_the_records():
+    """`StepTotals.add` names its fields one by one: each one (but the step count) is the sum of
+    the `StepRecord` field of its name, a field added to both included."""
+    import dataclasses
+
+    from actors.engine.history import StepHistory
+    from actors.engine.stages import StepRecord
+
+    history = StepHistory(keep=2)
+    names = [f.name for f in dataclasses.fields(history.totals) if f.name != "steps"]
+    recs = [StepRecord(**{f.name: (i + 1) * (j + 2) if f.type in ("int", int) else (i + 1) * (j + 2) * 0.5
+                          for j, f in enumerate(dataclasses.fields(StepRecord)) if f.name != "rank_compute_s"})
+            for i in range(3)]
+    for rec in recs:
+        history.append(rec)
+    assert history.steps == 3 and len(history.recent) == 2
+    for name in names:
+        assert getattr(history.totals, name) == sum(getattr(r, name) for r in recs), name
