@@ -43,13 +43,6 @@ def positions(cu: np.ndarray) -> np.ndarray:
     return np.arange(n) - np.repeat(cu[:-1], np.diff(cu))
 
 
-def segment_sums(values: np.ndarray, cu: np.ndarray) -> np.ndarray:
-    """Per-request sums of a flat array: [R]. Empty requests sum to 0."""
-    csum = np.zeros(len(values) + 1, dtype=np.result_type(values.dtype, np.int64))
-    np.cumsum(values, out=csum[1:])
-    return csum[cu[1:]] - csum[cu[:-1]]
-
-
 def segment_cumprod(values: np.ndarray, cu: np.ndarray) -> np.ndarray:
     """Running product restarted at every request: [N].
 

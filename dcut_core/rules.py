@@ -45,15 +45,15 @@ def greedy(draft_tokens: np.ndarray, cu_kept: np.ndarray, target_tokens: np.ndar
     draft_tokens: [N]; target_tokens: [N + R] argmax of the target's rows.
     """
     ragged.check_offsets(cu_kept, len(draft_tokens))
-    r = len(cu_kept) - 1
-    if len(target_tokens) != cu_kept[-1] + r:
-        raise ValueError(f"expected {cu_kept[-1] + r} target rows, got {len(target_tokens)}")
+    cu_t = target_offsets(cu_kept)
+    if len(target_tokens) != cu_t[-1]:
+        raise ValueError(f"expected {cu_t[-1]} target rows, got {len(target_tokens)}")
     match = draft_tokens == target_tokens[_draft_rows(cu_kept)]  # [N]
     accepted = ragged.leading_true(match, cu_kept)
     # Accepted drafts equal the target's tokens, so the output is target rows 0..a_i of each.
-    cu_out = np.zeros(r + 1, dtype=np.int64)
+    cu_out = np.zeros(len(accepted) + 1, dtype=np.int64)
     np.cumsum(accepted + 1, out=cu_out[1:])
-    rows = np.repeat(cu_kept[:-1] + np.arange(r) - cu_out[:-1], accepted + 1) + np.arange(cu_out[-1])
+    rows = np.repeat(cu_t[:-1] - cu_out[:-1], accepted + 1) + np.arange(cu_out[-1])
     return Accepted(accepted, target_tokens[rows], cu_out)
 
 
