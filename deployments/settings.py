@@ -52,6 +52,9 @@ class ServeSettings(BaseModel):
     max_choices: int = Field(16, ge=1, description="prompts × max(n, best_of) one request may ask for")
     max_body_bytes: int = Field(1_000_000, ge=1024)
     api_key: str | None = Field(None, description="bearer token required on /v1/* when set")
+    ngram_corpus_tokens: int = Field(1 << 16, ge=0, description="finished requests' output tokens the n-gram "
+                                     "drafter drafts from where a request's own text has no match (0: off; "
+                                     "a timing side channel between tenants: docs/security.md)")
     guard_threshold: float = Field(0.02, ge=0)
     max_budget: int | None = Field(None, ge=1)
     threads_per_rank: int | None = Field(None, ge=1, description="torch threads per rank (default: cores / EP)")
@@ -119,6 +122,7 @@ class ServeSettings(BaseModel):
             threads_per_rank=s.threads_per_rank, cpus_per_rank=s.cpus_per_rank, gpus_per_rank=s.gpus_per_rank,
             cpus_per_drafter=s.cpus_per_drafter, eos_token_id=bundle.eos_token_id(),
             cost_model_cache=s.cost_model_cache, guard_threshold=s.guard_threshold, max_budget=s.max_budget,
+            ngram_corpus_tokens=s.ngram_corpus_tokens,
             unit_placement=unit_placement, in_process=s.in_process, group_timeout_s=s.group_timeout_s,
         )
 

@@ -41,6 +41,9 @@ class EngineConfig:
     explore_every: int = 50  # a step in this many that the gate rates not worth drafting drafts anyway,
     explore_requests: int = 4  # for this many requests, so the gate keeps learning;
     explore_warmup: int = 64  # and every such step until this many verifications were observed
+    # Finished requests' outputs the n-gram kind drafts from where a request's own text has no match
+    # (`actors/drafter/ngram.py`'s `Corpus`, ~0.5 KB a token); 0: off.
+    ngram_corpus_tokens: int = 1 << 16
     drafter_backlog_tokens: int = 512  # context held back per request until it drafts (lazy upkeep)
     draft_slack: int = 2  # positions drafted past the gate's plan, for pruning to judge
     draft_extend: bool = True  # and every further position that pays for its own drafting (pruning judges)

@@ -85,7 +85,7 @@ class Engine:
                                  Exploration(cfg.explore_every, cfg.explore_requests, cfg.explore_warmup),
                                  cfg.planner(), teach_empty=len(self.kinds) > 1)
         local = self.kinds.index(LOCAL_KIND) if cfg.drafts and LOCAL_KIND in self.kinds else None
-        self.lookahead = NgramLookahead(local, cfg.block) if local is not None else None
+        self.lookahead = NgramLookahead(local, cfg.block, cfg.ngram_corpus_tokens) if local is not None else None
         self.remote = np.array([k != LOCAL_KIND for k in self.kinds])  # the kinds drafted on the replicas
         self.chained = [i for i, k in enumerate(self.kinds) if cfg.chain_stop and drafter_kind(k).chained]
         self.draft_cost = self._new_cost_learner()
@@ -440,9 +440,10 @@ class Engine:
 
     def settle(self, late: bool = False) -> None:
         """The estimators learn from the last committed step (calibration, the gate's trackers,
-        the cost model's correction, the per-kind counters), the step log records it, and the gate
-        forgets the requests that finished in it. `late`: the next step's gate has decided
-        already (the step log says so, and `dcut_core.gate.replay` learns it in that order)."""
+        the cost model's correction, the per-kind counters), the step log records it, the gate
+        forgets the requests that finished in it and the n-gram kind's corpus takes in their
+        outputs. `late`: the next step's gate has decided already (the step log says so, and
+        `dcut_core.gate.replay` learns it in that order)."""
         if self._unlearnt is None:
             return
         st, done = self._unlearnt
@@ -453,6 +454,8 @@ class Engine:
             self.step_log.write(self.policy.name, st, learnt, late)
         for rid in done:
             self.gate.forget(rid)
+        if self.lookahead is not None:
+            self.lookahead.absorb()
 
     def save_learned(self) -> None:
         """Save what the estimators learnt, for the next engine of this deployment (`warm.py`)."""
@@ -517,6 +520,12 @@ class Engine:
             self.settle()  # an aborted request may be in the step not learnt yet
             for rid in rids:
                 self.gate.forget(rid)
+
+    def forget_outputs(self) -> None:
+        """The n-gram kind forgets the outputs of the requests served so far (its corpus): a
+        benchmark's second run of the same prompts then drafts as a first run would."""
+        if self.lookahead is not None:
+            self.lookahead.forget_outputs()
 
     def held(self) -> dict[str, int]:
         """Request state each owner keeps, the ranks' and replicas' too (all 0 when nothing is in

@@ -80,9 +80,9 @@ class NgramLookahead:
     """Owns the n-gram histories of the running requests (an `NgramDrafter` that follows the
     sequences), makes each step's `Lookahead`, and drafts for the requests the plan gives it."""
 
-    def __init__(self, kind: int, block: int) -> None:
+    def __init__(self, kind: int, block: int, corpus_tokens: int = 0) -> None:
         self.kind = kind
-        self.drafter = NgramDrafter(block_size=block)
+        self.drafter = NgramDrafter(block_size=block, corpus_tokens=corpus_tokens)
 
     def look(self, batch: list[Sequence], caps: np.ndarray) -> Lookahead:
         """What it would draft for each request, up to caps[i], its history brought up to date
@@ -109,7 +109,17 @@ class NgramLookahead:
                                         kind_s={self.kind: spent}, kind_context={})
 
     def release(self, rids: list[int]) -> None:
+        """Forget the requests; what they output joins the corpus at the next `absorb`."""
         self.drafter.release(rids)
+
+    def absorb(self) -> None:
+        """Released requests' outputs into the corpus (`actors/drafter/ngram.py`)."""
+        self.drafter.absorb()
+
+    def forget_outputs(self) -> None:
+        """Empty the corpus of earlier requests' outputs (a benchmark's second run of the same
+        prompts measures what the estimators learnt, not drafts from the first run's outputs)."""
+        self.drafter.forget_outputs()
 
     def held(self) -> int:
         return len(self.drafter.held_requests())

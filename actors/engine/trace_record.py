@@ -9,6 +9,9 @@
    the context up to t, drafts block − 1 tokens, and the drafts are compared with the output.
    Drafts of n < block − 1 are the first n of these (one pass drafts the block; a chain drafts
    in order; n-gram lookup truncates), so one walk serves every length a policy may ask for.
+   The n-gram kind also drafts from the outputs of requests served before (its corpus): it
+   walks the requests one after another, as one request at a time would run, each request's
+   output joining the corpus when it ends.
 4. The unit's costs: an engine built as `dcut serve` builds it serves the prompts once with the
    `dcut` policy and once plain, and what it measured is read back (cost model and correction,
    the step's own time); each kind's drafting rates from an engine hosting it alone.
@@ -27,7 +30,9 @@ import time
 import numpy as np
 import torch
 
+from actors.drafter.ngram import NgramDrafter
 from actors.engine.config import EngineConfig
+from actors.engine.lookahead import LOCAL_KIND
 from actors.engine.replica import build_drafter
 from actors.target.checkpoint import load_model
 from actors.target.decode import greedy_decode
@@ -46,11 +51,13 @@ def record_trace(cfg: EngineConfig, prompts: list[list[int]], max_tokens: int, c
     room = max(map(len, prompts)) + max_tokens + cfg.block + 16
     outputs = greedy_decode(LocalTarget(model, kv_capacity_tokens=len(prompts) * room), list(range(len(prompts))),
                             prompts, max_tokens, cfg.eos_token_id)
-    drafters = [build_drafter(cfg.drafter_spec(), kind) for kind in cfg.kinds]
+    drafters = [NgramDrafter(block_size=cfg.block, corpus_tokens=cfg.ngram_corpus_tokens) if kind == LOCAL_KIND
+                else build_drafter(cfg.drafter_spec(), kind) for kind in cfg.kinds]
     layers = tuple(sorted({layer for d in drafters for layer in getattr(d, "target_layers", ())}))
     features = _features(model, prompts, outputs, layers, room)
     width = cfg.block - 1
-    walks = [_walk(d, prompts, outputs, features, width) for d in drafters]
+    walks = [_walk_in_turn(d, prompts, outputs, features, width) if getattr(d, "corpus", None) is not None else
+             _walk(d, prompts, outputs, features, width) for d in drafters]
     requests = tuple(RequestTrace(len(p), np.asarray(o, dtype=np.int64),
                                   *(np.stack([w[name][i] for w in walks]) for name in
                                     ("count", "accepted", "confidence", "margin", "tokens")))
@@ -73,6 +80,16 @@ def _features(model, prompts, outputs, layers, room) -> list[dict[int, np.ndarra
         out.append({k: np.asarray(v, dtype=np.float16) for k, v in res.features[0].items()})
         target.release([i])
     return out
+
+
+def _walk_in_turn(drafter, prompts, outputs, features, width: int) -> dict[str, list[np.ndarray]]:
+    """`_walk` one request at a time, in order: a drafter that learns from the requests it has
+    served (the n-gram kind's corpus) sees those before each one."""
+    walks = []
+    for p, o, f in zip(prompts, outputs, features, strict=True):
+        walks.append(_walk(drafter, [p], [o], [f], width))
+        drafter.absorb()
+    return {name: [w[name][0] for w in walks] for name in walks[0]}
 
 
 def _walk(drafter, prompts, outputs, features, width: int) -> dict[str, list[np.ndarray]]:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from actors.drafter.block import BlockDrafter
 from actors.drafter.model import DraftConfig, DraftModel
-from actors.drafter.ngram import NgramDrafter
+from actors.drafter.ngram import Corpus, NgramDrafter
 from actors.drafter.speculate import speculative_greedy
 from actors.target.decode import greedy_decode
 from actors.target.local import LocalTarget
@@ -281,3 +281,68 @@ def test_ngram_confidences_count_the_recent_occurrences_of_a_long_repetitive_con
     assert out.tokens.tolist() == tokens == [7, 5, 6]
     np.testing.assert_allclose(out.confidence, confs, rtol=1e-12)
     np.testing.assert_allclose(out.margin, margins, rtol=1e-12)
+
+
+def _scan_corpus(docs: list[list[int]], capacity: int, context: list[int], want: int, min_n: int = 2,
+                 max_n: int = 4) -> tuple[int, list[int]]:
+    """The corpus's lookup by a scan: the newest requests whose tokens (each one's last
+    capacity − 1, those of min_n tokens or fewer left out) fit in the capacity with a separator
+    after each, laid end to end; the most recent occurrence of the longest n-gram ending the
+    context, and what followed it up to the separator."""
+    held = []
+    for doc in docs:
+        doc = doc[-(capacity - 1):]
+        if len(doc) > min_n:
+            held.append(doc)
+        while sum(len(d) + 1 for d in held) > capacity:
+            held.pop(0)
+    flat = [t for doc in held for t in (*doc, -1)]
+    for n in range(min(max_n, len(context)), min_n - 1, -1):
+        for end in range(len(flat) - 1, n - 1, -1):
+            gram = flat[end - n:end]
+            if flat[end] != -1 and -1 not in gram and gram == context[-n:]:
+                out = flat[end:end + want]
+                return n, out[:out.index(-1)] if -1 in out else out
+    return 0, []
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), max_size=14), max_size=8), st.integers(2, 30),
+       st.lists(st.integers(0, 3), max_size=5), st.integers(0, 6))
+def test_the_corpus_drafts_what_a_scan_of_the_held_outputs_drafts(docs, capacity, context, want):
+    """Finished requests added one by one, the oldest dropped past the capacity: what `follow`
+    drafts is what a scan of the tokens still held finds (the longest n-gram first, its most
+    recent occurrence, never running on into the next request's tokens), and the index holds
+    nothing the held tokens do not."""
+    corpus = Corpus(capacity)
+    for doc in docs:
+        corpus.add(doc)
+        assert len(corpus) <= capacity
+    assert corpus.follow(context, want) == _scan_corpus(docs, capacity, context, want)
+    for gram in corpus.index:  # every entry is found by a scan (eviction left nothing stale)
+        assert _scan_corpus(docs, capacity, list(gram), 1, len(gram), len(gram))[0] == len(gram)
+
+
+def test_a_request_with_no_match_of_its_own_drafts_from_earlier_requests_outputs():
+    d = NgramDrafter(max_n=3, block_size=8, corpus_tokens=1000)
+    d.commit([1], [[7, 8]])  # the prompt
+    d.commit([1], [[1, 2, 3, 4, 5]])  # its output
+    d.release([1])
+    assert len(d.corpus) == 0  # not yet: the engine has it taken in where it learns (`absorb`)
+    d.absorb()  # the prompt's last n-gram and the output
+    assert d.corpus.tokens == [7, 8, 1, 2, 3, 4, 5, -1]
+    d.commit([2], [[9, 1, 2]])  # no earlier "2", "1 2" of its own: the corpus's "1 2" -> "3 4 5"
+    out = d.draft([2], [2], [5])
+    assert out.tokens.tolist() == [3, 4, 5]  # up to the end of request 1's tokens
+    np.testing.assert_allclose(out.confidence, (1 + 2 / 3) / 2)  # one occurrence of "1 2", as one of its own
+    assert d.peek([2], [5])[0].tolist() == [3, 4, 5]
+    # A match of its own, however short, comes first.
+    d.commit([3], [[2, 6, 1, 2]])
+    assert d.draft([3], [2], [5]).tokens.tolist() == [6, 1, 2]
+    # Off: nothing kept, nothing drafted.
+    off = NgramDrafter(max_n=3, block_size=8)
+    off.commit([1], [[7, 8, 1, 2, 3]])
+    off.release([1])
+    off.absorb()
+    off.commit([2], [[9, 1, 2]])
+    assert off.corpus is None and off.draft([2], [2], [5]).tokens.tolist() == []

@@ -4,6 +4,8 @@ accepts, step by step, when it verifies every draft (`full`); the trace file rou
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -24,9 +26,9 @@ KINDS = ("block", "mtp", "ngram")
 pytestmark = pytest.mark.usefixtures("local_ray")  # tests/actors/conftest.py
 
 
-def config(bundle: str, tmp_path, kinds: str, policy: str = "dcut") -> EngineConfig:
+def config(bundle: str, tmp_path, kinds: str, policy: str = "dcut", max_running: int = 8) -> EngineConfig:
     return EngineConfig(target_dir=f"{bundle}/target", drafter=kinds, block=BLOCK, policy=policy,
-                        cost_model_cache=str(tmp_path), max_running=8,
+                        cost_model_cache=str(tmp_path), max_running=max_running,
                         drafter_dirs=(("block", f"{bundle}/drafter"), ("mtp", f"{bundle}/mtp")))
 
 
@@ -64,10 +66,11 @@ def test_outputs_are_the_targets_greedy_ones_and_the_file_round_trips(trace, tin
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_engine_drafts_and_accepts_what_the_trace_says(trace, tiny_bundle, tmp_path, kind):
-    """The engine under `full` (every draft verified) with one kind: at every step of every
-    request, the drafts it made and accepted are the trace's at that position."""
+    """The engine under `full` (every draft verified) with one kind, one request at a time (the
+    order the trace walks the n-gram kind's corpus in): at every step of every request, the
+    drafts it made and accepted are the trace's at that position."""
     k = KINDS.index(kind)
-    eng = Engine(config(tiny_bundle, tmp_path, kind, policy="full"))
+    eng = Engine(config(tiny_bundle, tmp_path, kind, policy="full", max_running=1))
     try:
         seqs = eng.generate(PROMPTS, [SamplingParams(max_tokens=MAX_TOKENS)] * len(PROMPTS))
     finally:
@@ -86,3 +89,23 @@ def test_the_engine_drafts_and_accepts_what_the_trace_says(trace, tiny_bundle, t
     assert sim.accepted == sum(sum(s.accepted) for s in seqs)
     assert sim.decode_steps == sum(s.steps for s in seqs)
     assert np.isfinite(sim.tok_s) and sim.tok_s > 0
+
+
+def test_a_prompt_served_again_drafts_from_the_first_runs_output(tiny_bundle, tmp_path):
+    """The n-gram kind's corpus: a prompt of tokens that never repeat has no match of its own at
+    its first output positions, so only the corpus can draft there — from the first run's
+    output, which a second run of the same prompt repeats (greedy), so its drafts pass. Without
+    the corpus the second run drafts exactly as the first. Outputs equal throughout."""
+    prompt, params = [40, 41, 42, 43, 44], [SamplingParams(max_tokens=MAX_TOKENS)]
+    accepted = {}
+    for tokens in (0, 1 << 12):
+        eng = Engine(dataclasses.replace(config(tiny_bundle, tmp_path, "ngram", policy="full", max_running=1),
+                                         ngram_corpus_tokens=tokens))
+        try:
+            first, again = eng.generate([prompt], params)[0], eng.generate([prompt], params)[0]
+        finally:
+            eng.shutdown()
+        assert again.output == first.output
+        accepted[tokens] = (sum(first.accepted), sum(again.accepted))
+    assert accepted[0][1] == accepted[0][0] == accepted[1 << 12][0]
+    assert accepted[1 << 12][1] > accepted[1 << 12][0]
