@@ -252,6 +252,8 @@ class Corpus:
     @staticmethod
     def _grams(tokens: list[int], n: int):
         """The n-grams of `tokens` that a token follows, in order (tuples made by zip, in C)."""
+        if len(tokens) <= n:
+            return iter(())
         return zip(*(tokens[j:len(tokens) - n + j] for j in range(n)), strict=True)
 
     def follow(self, context: list[int], want: int) -> tuple[int, list[int]]:
