@@ -22,7 +22,7 @@ between tenants, as with a shared prefix cache): `corpus_tokens=0` turns it off.
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
 
 import numpy as np
 
@@ -74,10 +74,11 @@ class NgramDrafter:
             if history is not None and self.corpus is not None:
                 self._finished.append(history.tokens[max(0, history.first - self.max_n):])
 
-    def absorb(self) -> None:
-        """The released requests' outputs into the corpus (~1 µs a token: the engine does it
-        where it learns from a step, behind the next forward on a GPU)."""
-        for tokens in self._finished:
+    def absorb(self, keep: bool = True) -> None:
+        """The released requests' outputs into the corpus (~0.6 µs a token here: the engine
+        does it where it learns from a step, behind the next forward on a GPU), or dropped
+        (`keep` False)."""
+        for tokens in self._finished if keep else ():
             self.corpus.add(tokens)
         self._finished.clear()
 
@@ -212,42 +213,34 @@ class History:
 class Corpus:
     """Finished requests' outputs, with an index of their n-grams (`min_n` .. `max_n`) to where
     the most recent occurrence of each was followed: `follow` drafts from another request's
-    output where a request's own history has no match. Bounded: at most `capacity` tokens are
-    held (~0.5 KB each with the index); the oldest requests' go first, their index entries with
-    them, so each `add` costs in proportion to what it adds and evicts — no pause to rebuild."""
+    output where a request's own history has no match. Bounded in two generations, each its
+    tokens and their index: a request goes into the newer; once it would pass half the
+    capacity, the older is dropped whole and the newer becomes the older. So at most `capacity`
+    tokens are held (~0.5 KB each with the index), and adding a request is one C-level dict
+    update per n-gram length — nothing is evicted key by key."""
 
     SEP = -1  # after each request's tokens: a draft never runs on into the next request's
 
     def __init__(self, capacity: int, min_n: int = 2, max_n: int = 4) -> None:
         self.capacity, self.min_n, self.max_n = capacity, min_n, max_n
-        self.tokens: list[int] = []  # the requests held, oldest first, each followed by SEP
-        self.sizes: deque[int] = deque()  # each held request's tokens, its SEP included
-        self.base = 0  # the absolute position of tokens[0]
-        self.index: dict[tuple[int, ...], int] = {}  # n-gram -> absolute position of what followed it last
+        self.half = capacity // 2  # a generation's tokens, each request's SEP included
+        # (tokens, n-gram -> position in them of what followed its most recent occurrence)
+        self.older: tuple[list[int], dict[tuple[int, ...], int]] = ([], {})
+        self.newer: tuple[list[int], dict[tuple[int, ...], int]] = ([], {})
 
     def add(self, tokens: list[int]) -> None:
-        """One finished request's tokens (their last capacity − 1 if longer)."""
-        tokens = [int(t) for t in tokens[-(self.capacity - 1):]] if self.capacity > 1 else []
+        """One finished request's tokens (their last half the capacity, less one, if longer)."""
+        tokens = [int(t) for t in tokens[max(0, len(tokens) - (self.half - 1)):]] if self.half > 1 else []
         if len(tokens) <= self.min_n:
             return
-        start = self.base + len(self.tokens)
+        if len(self.newer[0]) + len(tokens) + 1 > self.half:
+            self.older, self.newer = self.newer, ([], {})
+        held, index = self.newer
+        start = len(held)
         for n in range(self.min_n, self.max_n + 1):  # later occurrences overwrite earlier ones
-            self.index.update(zip(self._grams(tokens, n), range(start + n, start + len(tokens)), strict=True))
-        self.tokens += tokens
-        self.tokens.append(self.SEP)
-        self.sizes.append(len(tokens) + 1)
-        while len(self.tokens) > self.capacity:
-            self._evict_oldest()
-
-    def _evict_oldest(self) -> None:
-        size, index = self.sizes.popleft(), self.index
-        doc = self.tokens[:size - 1]
-        for n in range(self.min_n, self.max_n + 1):  # an n-gram last seen here: nothing held follows it now
-            at = range(self.base + n, self.base + len(doc))
-            for key in [k for k, p in zip(self._grams(doc, n), at, strict=True) if index.get(k) == p]:
-                del index[key]
-        del self.tokens[:size]
-        self.base += size
+            index.update(zip(self._grams(tokens, n), range(start + n, start + len(tokens)), strict=True))
+        held += tokens
+        held.append(self.SEP)
 
     @staticmethod
     def _grams(tokens: list[int], n: int):
@@ -260,14 +253,16 @@ class Corpus:
         """(n, up to `want` tokens): what followed the most recent earlier occurrence of the
         longest n-gram ending `context`; (0, []) when none occurred."""
         for n in range(min(self.max_n, len(context)), self.min_n - 1, -1):
-            at = self.index.get(tuple(context[-n:]))
-            if at is not None:
-                out = self.tokens[at - self.base: at - self.base + want]
-                return n, out[:out.index(self.SEP)] if self.SEP in out else out
+            key = tuple(context[-n:])
+            for held, index in (self.newer, self.older):
+                at = index.get(key)
+                if at is not None:
+                    out = held[at:at + want]
+                    return n, out[:out.index(self.SEP)] if self.SEP in out else out
         return 0, []
 
     def __len__(self) -> int:
-        return len(self.tokens)
+        return len(self.older[0]) + len(self.newer[0])
 
     def clear(self) -> None:
-        self.tokens, self.sizes, self.base, self.index = [], deque(), 0, {}
+        self.older, self.newer = ([], {}), ([], {})

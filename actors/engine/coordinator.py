@@ -455,7 +455,7 @@ class Engine:
         for rid in done:
             self.gate.forget(rid)
         if self.lookahead is not None:
-            self.lookahead.absorb()
+            self.lookahead.absorb(len(st.batch))
 
     def save_learned(self) -> None:
         """Save what the estimators learnt, for the next engine of this deployment (`warm.py`)."""

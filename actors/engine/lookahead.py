@@ -33,7 +33,7 @@ from actors.drafter.ngram import NgramDrafter
 from actors.engine.sequence import Sequence
 from dcut_core import ragged
 from dcut_core.acceptance import hindsight_outcomes
-from dcut_core.gate import Plan
+from dcut_core.gate import LOOKAHEAD_REQUESTS, Plan
 
 LOCAL_KIND = "ngram"  # the drafter kind the coordinator drafts itself
 
@@ -112,9 +112,11 @@ class NgramLookahead:
         """Forget the requests; what they output joins the corpus at the next `absorb`."""
         self.drafter.release(rids)
 
-    def absorb(self) -> None:
-        """Released requests' outputs into the corpus (`actors/drafter/ngram.py`)."""
-        self.drafter.absorb()
+    def absorb(self, requests: int) -> None:
+        """Released requests' outputs into the corpus (`actors/drafter/ngram.py`) after a step
+        of `requests` decoding requests — dropped above `LOOKAHEAD_REQUESTS`, where the kind
+        seldom drafts and taking in ~1,000 tokens a step would cost a GPU step's share."""
+        self.drafter.absorb(keep=requests <= LOOKAHEAD_REQUESTS)
 
     def forget_outputs(self) -> None:
         """Empty the corpus of earlier requests' outputs (a benchmark's second run of the same

@@ -285,18 +285,19 @@ def test_ngram_confidences_count_the_recent_occurrences_of_a_long_repetitive_con
 
 def _scan_corpus(docs: list[list[int]], capacity: int, context: list[int], want: int, min_n: int = 2,
                  max_n: int = 4) -> tuple[int, list[int]]:
-    """The corpus's lookup by a scan: the newest requests whose tokens (each one's last
-    capacity − 1, those of min_n tokens or fewer left out) fit in the capacity with a separator
-    after each, laid end to end; the most recent occurrence of the longest n-gram ending the
-    context, and what followed it up to the separator."""
-    held = []
+    """The corpus's lookup by a scan: the requests (each one's last capacity // 2 − 1 tokens,
+    those of min_n tokens or fewer left out) laid end to end with a separator after each, in
+    generations of at most capacity // 2 tokens, the two newest held; the most recent occurrence
+    of the longest n-gram ending the context, and what followed it up to the separator."""
+    half, older, newer = capacity // 2, [], []
     for doc in docs:
-        doc = doc[-(capacity - 1):]
-        if len(doc) > min_n:
-            held.append(doc)
-        while sum(len(d) + 1 for d in held) > capacity:
-            held.pop(0)
-    flat = [t for doc in held for t in (*doc, -1)]
+        doc = doc[max(0, len(doc) - (half - 1)):] if half > 1 else []
+        if len(doc) <= min_n:
+            continue
+        if len(newer) + len(doc) + 1 > half:
+            older, newer = newer, []
+        newer += [*doc, -1]
+    flat = older + newer
     for n in range(min(max_n, len(context)), min_n - 1, -1):
         for end in range(len(flat) - 1, n - 1, -1):
             gram = flat[end - n:end]
@@ -312,14 +313,14 @@ def _scan_corpus(docs: list[list[int]], capacity: int, context: list[int], want:
 def test_the_corpus_drafts_what_a_scan_of_the_held_outputs_drafts(docs, capacity, context, want):
     """Finished requests added one by one, the oldest dropped past the capacity: what `follow`
     drafts is what a scan of the tokens still held finds (the longest n-gram first, its most
-    recent occurrence, never running on into the next request's tokens), and the index holds
+    recent occurrence, never running on into the next request's tokens), and the indexes hold
     nothing the held tokens do not."""
     corpus = Corpus(capacity)
     for doc in docs:
         corpus.add(doc)
         assert len(corpus) <= capacity
     assert corpus.follow(context, want) == _scan_corpus(docs, capacity, context, want)
-    for gram in corpus.index:  # every entry is found by a scan (eviction left nothing stale)
+    for gram in [*corpus.older[1], *corpus.newer[1]]:  # every entry is found by a scan: nothing stale
         assert _scan_corpus(docs, capacity, list(gram), 1, len(gram), len(gram))[0] == len(gram)
 
 
@@ -330,7 +331,7 @@ def test_a_request_with_no_match_of_its_own_drafts_from_earlier_requests_outputs
     d.release([1])
     assert len(d.corpus) == 0  # not yet: the engine has it taken in where it learns (`absorb`)
     d.absorb()  # the prompt's last n-gram and the output
-    assert d.corpus.tokens == [7, 8, 1, 2, 3, 4, 5, -1]
+    assert d.corpus.newer[0] == [7, 8, 1, 2, 3, 4, 5, -1]
     d.commit([2], [[9, 1, 2]])  # no earlier "2", "1 2" of its own: the corpus's "1 2" -> "3 4 5"
     out = d.draft([2], [2], [5])
     assert out.tokens.tolist() == [3, 4, 5]  # up to the end of request 1's tokens

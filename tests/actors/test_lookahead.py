@@ -6,7 +6,7 @@ import numpy as np
 
 from actors.engine.lookahead import NgramLookahead
 from actors.engine.sequence import SamplingParams, Sequence
-from dcut_core.gate import Plan
+from dcut_core.gate import LOOKAHEAD_REQUESTS, Plan
 
 
 def seq(rid: int, prompt: list[int], output: list[int]) -> Sequence:
@@ -40,3 +40,19 @@ def test_what_the_look_ahead_would_have_had_accepted_is_judged_by_what_each_requ
     assert la.look(batch[:1], np.array([5])).counts.tolist() == [0]  # "2 7" never occurred before
     la.release([0, 1, 2])
     assert la.held() == 0
+
+
+def test_finished_outputs_join_the_corpus_after_a_step_of_few_requests_and_are_dropped_after_a_large_one():
+    la = NgramLookahead(kind=0, block=6, corpus_tokens=1000)
+    batch = [seq(0, [1, 2], [3, 4, 5]), seq(1, [6, 7], [8, 9, 10])]
+    la.look(batch, np.array([5, 5]))
+    la.release([0])
+    la.absorb(LOOKAHEAD_REQUESTS + 1)  # a step too large for the look-ahead: its outputs are dropped
+    assert len(la.drafter.corpus) == 0
+    la.release([1])
+    la.absorb(2)
+    assert la.drafter.corpus.follow([0, 6, 7], 3) == (2, [8, 9, 10])
+    # A new request whose own text repeats nothing drafts from it.
+    assert la.look([seq(2, [5, 6, 7], [])], np.array([5])).tokens.tolist() == [8, 9, 10]
+    la.forget_outputs()
+    assert len(la.drafter.corpus) == 0
