@@ -5,7 +5,7 @@ tokens, every engine built as `dcut serve` builds it: plain decoding, the previo
 (`block` drafter, block 16) and the candidates the trace simulator ranks best on training
 prompts. Each (round, setting, concurrency) gets a fresh engine whose learned state starts
 empty (it may still read the bundle's prior): its first run is `cold`, a second run of the same
-prompts `warm` (the n-gram kind's corpus of the first run's outputs emptied before it). Rounds
+prompts `warm` (the n-gram kind's corpus of earlier outputs emptied first: loadgen). Rounds
 rotate the settings' order; the tables give medians of per-round ratios to `ar` and their range.
 
     .venv/bin/python benchmarks/defaults.py --rounds 3 --out runs/defaults
@@ -79,7 +79,6 @@ def main() -> int:
                     eng = Engine(s.engine_config())
                     try:
                         for phase in ("cold", "warm"):
-                            eng.forget_outputs()  # warm: what it learnt, not drafts from the cold run's outputs
                             res = closed_loop(eng, ids, c, args.max_tokens)
                             runs.append({"round": rnd, "concurrency": c, "setting": name, "phase": phase,
                                          "tok_s": res.output_tokens / res.wall_s, "mat": res.mat(),

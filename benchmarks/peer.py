@@ -9,10 +9,10 @@ Same bundled checkpoint, same held-out prompts, greedy, same new-token count:
   chosen per request; `tuned`: the kinds the bundle's prior names, chosen per request): a freshly
   built engine, as a fresh `dcut serve` process builds it (nothing learned saved, so it starts
   from the bundle's prior; start-up profiles of the target copied in so a round does not spend
-  minutes on them), its first run of the prompts (`cold`) and its second (`warm`, with the
-  n-gram kind's corpus of the first run's outputs emptied: warm is what the estimators learnt,
-  not drafts copied from the same prompts' earlier outputs); the serving default's kind is
-  marked in the table;
+  minutes on them), its first run of the prompts (`cold`) and its second (`warm`; each run
+  starts with the n-gram kind's corpus of earlier outputs emptied, as `actors/engine/loadgen.py`
+  does: warm is what the estimators learnt, not drafts copied from the same prompts' earlier
+  outputs); the serving default's kind is marked in the table;
 - `engine-ar`, `engine-dcut` at EP 2 — driven from rank 0 (the default), and with every rank a
   Ray actor called per step (EP `2-actors`).
 Rounds alternate the order of the systems; each level's ratios are taken within a round, and the
@@ -177,7 +177,6 @@ def main() -> int:
                     engine, cache = fresh_engine(kind, max(levels), engines[1].cfg.threads_per_rank)
                     try:
                         for phase in ("cold", "warm"):
-                            engine.forget_outputs()  # warm: what it learnt, not drafts from the cold run's outputs
                             t0 = time.perf_counter()
                             res = engine_run(engine, "dcut", prompts, c, args.max_tokens)
                             row = {"round": rnd, "system": f"{name}-{phase}", "ep": 1, "concurrency": c,

@@ -3,6 +3,11 @@ or open loop (requests arrive at a rate, Poisson or gamma-distributed gaps).
 
 Time stamps are taken between steps, so TTFT and TPOT have step granularity — which is what a
 client of this engine sees, since tokens leave the engine once per step.
+
+Every run starts with the n-gram kind's corpus of earlier outputs emptied (`Engine.forget_outputs`):
+benchmarks run the same prompts again and again on one engine, and a run would otherwise draft
+each request from its own output in an earlier run — a speed-up for prompts served before,
+not what a run of these prompts measures. Within a run, requests draft from those before them.
 """
 
 from __future__ import annotations
@@ -89,6 +94,7 @@ def closed_loop(engine: Engine, prompts: list[list[int]], concurrency: int, max_
                 temperature: float = 0.0) -> RunResult:
     """Run every prompt, at most `concurrency` at a time, refilling as requests finish."""
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0 if temperature else None)
+    engine.forget_outputs()
     meter = _Meter(engine, len(prompts))
     pending = list(range(len(prompts)))
     t0 = time.perf_counter()
@@ -113,6 +119,7 @@ def open_loop(engine: Engine, prompts: list[list[int]], arrivals: np.ndarray, ma
     """Each prompt arrives at its time whatever the engine's state (open loop); TTFT counts from
     arrival, so queueing shows. `concurrency` of the result is the peak number in flight."""
     params = SamplingParams(max_tokens=max_tokens)
+    engine.forget_outputs()
     meter = _Meter(engine, len(prompts))
     nxt = 0
     t0 = time.perf_counter()
