@@ -14,7 +14,7 @@ Where a request's own history has no match at all, the drafter looks in its `Cor
 outputs of the requests it served before (what the target itself wrote), indexed by n-gram as
 they finish; a match there drafts as one occurrence in the request's own text would. A model
 repeats itself across requests as within one: on the mixed workload's training prompts the
-corpus drafts at 14 % of steps that had no draft, and lifts the mean accepted length by ~9 % at
+corpus drafts at 14 % of steps that had no draft, and lifts the mean accepted length by ~10 % at
 one request (docs/benchmarks.md, session 30). Drafts only propose, so outputs stay the target's;
 what another request's output can change is how fast a request runs (a timing side channel
 between tenants, as with a shared prefix cache): `corpus_tokens=0` turns it off.
