@@ -222,7 +222,7 @@ class Corpus:
     SEP = -1  # after each request's tokens: a draft never runs on into the next request's
 
     def __init__(self, capacity: int, min_n: int = 2, max_n: int = 4) -> None:
-        self.capacity, self.min_n, self.max_n = capacity, min_n, max_n
+        self.min_n, self.max_n = min_n, max_n
         self.half = capacity // 2  # a generation's tokens, each request's SEP included
         # (tokens, n-gram -> position in them of what followed its most recent occurrence)
         self.older: tuple[list[int], dict[tuple[int, ...], int]] = ([], {})

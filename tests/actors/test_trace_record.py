@@ -109,3 +109,25 @@ def test_a_prompt_served_again_drafts_from_the_first_runs_output(tiny_bundle, tm
         accepted[tokens] = (sum(first.accepted), sum(again.accepted))
     assert accepted[0][1] == accepted[0][0] == accepted[1 << 12][0]
     assert accepted[1 << 12][1] > accepted[1 << 12][0]
+
+
+def test_an_aborted_request_joins_the_corpus_and_the_engine_serves_on(tiny_bundle, tmp_path):
+    """A request aborted mid-flight is released like a finished one: what it committed waits for
+    the corpus and is taken in at the next step's learning; the next request completes with the
+    target's own output, and nothing of either is held afterwards."""
+    eng = Engine(config(tiny_bundle, tmp_path, "ngram", max_running=1))
+    try:
+        params = SamplingParams(max_tokens=MAX_TOKENS)
+        alone = eng.generate([PROMPTS[1]], [params])[0].output
+        eng.forget_outputs()
+        rid = eng.add([40, 41, 42, 43, 44], params)
+        for _ in range(3):
+            eng.step()
+        eng.abort(rid)
+        assert len(eng.lookahead.drafter.corpus) == 0  # waiting: taken in where the next step learns
+        again = eng.generate([PROMPTS[1]], [params])[0]
+        assert again.output == alone and again.finish_reason == "length"
+        assert eng.lookahead.drafter.corpus.follow([41, 42, 43, 44], 2)[0] == 4  # the aborted request's tokens
+        assert set(eng.held().values()) == {0}
+    finally:
+        eng.shutdown()
