@@ -141,26 +141,49 @@ class NgramDrafter:
         h = history.tokens
         n, starts = self._match(history, want)
         if starts:
-            prior = n / (n + 1.0)  # longer matches deserve more trust before any evidence
             if len(starts) == 1:  # one occurrence (the common case): all its evidence agrees
                 return self._one_occurrence(n, h[starts[0] + n: starts[0] + n + want])
-            follow = [h[s + n: s + n + want] for s in reversed(starts[-self.recent:])]  # most recent first
-            draft = follow[0]
-            confs, margins = [], []
-            alive = follow
-            for j, tok in enumerate(draft):
-                nexts = Counter(f[j] for f in alive if len(f) > j)
-                top = nexts.most_common(2)
-                total = sum(nexts.values())
-                agree = nexts.get(tok, 0)
-                confs.append((agree + self.prior_strength * prior) / (total + self.prior_strength))
-                margins.append((top[0][1] - (top[1][1] if len(top) > 1 else 0)) / total)
-                alive = [f for f in alive if len(f) > j and f[j] == tok]
-            # Each confidence is conditional on the drafts before it (only agreeing matches count).
-            return list(draft), confs, margins
+            return self._statistics(n, [h[s + n: s + n + want] for s in reversed(starts[-self.recent:])])
         if self.corpus is not None and want > 0:  # another request's output: one occurrence, as of its own
             return self._one_occurrence(*self.corpus.follow(h, want))
         return [], [], []
+
+    def _statistics(self, n: int, follow: list[list[int]]) -> tuple[list[int], list[float], list[float]]:
+        """The draft (the most recent occurrence's continuation, `follow[0]`) with each position's
+        confidence and margin among the occurrences that agree with it so far — each confidence
+        is conditional on the drafts before it. An occurrence counts at every position up to the
+        one where it leaves the draft (there it counts for its own token) or ends, so one pass
+        over the occurrences finds each one's agreement length, and only the tokens that
+        diverge at a position are tallied there: O(occurrences + draft), not their product."""
+        draft = follow[0]
+        size = len(draft)
+        ends = [0] * (size + 1)  # occurrences agreeing with the draft on exactly L tokens, L = 0 .. size
+        ends[size] = 1  # the draft's own
+        leave: dict[int, list[int]] = {}  # position -> the tokens of the occurrences leaving the draft there
+        for f in follow[1:]:
+            m = min(len(f), size)
+            if f[:m] == draft[:m]:
+                ends[m] += 1
+                continue
+            j = 0
+            while f[j] == draft[j]:
+                j += 1
+            ends[j] += 1
+            leave.setdefault(j, []).append(f[j])
+        prior = self.prior_strength * (n / (n + 1.0))  # longer matches deserve more trust before any evidence
+        confs, margins, agree = [], [], len(follow)
+        for j in range(size):
+            agree -= ends[j]  # the occurrences still agreeing past position j
+            others = leave.get(j)
+            if others is None:
+                confs.append((agree + prior) / (agree + self.prior_strength))
+                margins.append(1.0)
+                continue
+            total = agree + len(others)
+            top = sorted([agree, *Counter(others).values()], reverse=True)
+            confs.append((agree + prior) / (total + self.prior_strength))
+            margins.append((top[0] - top[1]) / total)
+        return list(draft), confs, margins
 
     def _one_occurrence(self, n: int, draft: list[int]) -> tuple[list[int], list[float], list[float]]:
         """A draft from one occurrence of an n-gram: all its evidence agrees."""

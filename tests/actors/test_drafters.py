@@ -178,16 +178,29 @@ def _scan_lookup(h: list[int], want: int, max_n: int, min_n: int,
         starts = [s for s in range(len(h) - n) if h[s:s + n] == h[-n:]]
         if not starts:
             continue
-        follow = [h[s + n: s + n + want] for s in reversed(starts)][:recent]
-        draft, confs, margins, alive = follow[0], [], [], follow
-        for j, tok in enumerate(draft):
-            nexts = [f[j] for f in alive if len(f) > j]
-            counts = [*sorted((nexts.count(t) for t in set(nexts)), reverse=True), 0]
-            confs.append((nexts.count(tok) + n / (n + 1.0)) / (len(nexts) + 1.0))
-            margins.append((counts[0] - counts[1]) / len(nexts))
-            alive = [f for f in alive if len(f) > j and f[j] == tok]
-        return draft, confs, margins
+        return _scan_statistics(n, [h[s + n: s + n + want] for s in reversed(starts)][:recent])
     return [], [], []
+
+
+def _scan_statistics(n: int, follow: list[list[int]]) -> tuple[list[int], list[float], list[float]]:
+    """Position by position, a tally of the next tokens of the occurrences agreeing so far."""
+    draft, confs, margins, alive = follow[0], [], [], follow
+    for j, tok in enumerate(draft):
+        nexts = [f[j] for f in alive if len(f) > j]
+        counts = [*sorted((nexts.count(t) for t in set(nexts)), reverse=True), 0]
+        confs.append((nexts.count(tok) + n / (n + 1.0)) / (len(nexts) + 1.0))
+        margins.append((counts[0] - counts[1]) / len(nexts))
+        alive = [f for f in alive if len(f) > j and f[j] == tok]
+    return draft, confs, margins
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 4), st.lists(st.lists(st.integers(0, 2), max_size=10), min_size=1, max_size=40))
+def test_ngram_match_statistics_equal_a_tally_position_by_position(n, follow):
+    """The confidences and margins of a draft followed by many occurrences — some agreeing to the
+    end, some leaving it at every position, some shorter or longer than it — equal a tally of
+    the agreeing occurrences' next tokens at each position, to the last bit."""
+    assert NgramDrafter()._statistics(n, follow) == _scan_statistics(n, follow)
 
 
 @settings(max_examples=150, deadline=None)
@@ -284,11 +297,12 @@ def test_ngram_confidences_count_the_recent_occurrences_of_a_long_repetitive_con
 
 
 def _scan_corpus(docs: list[list[int]], capacity: int, context: list[int], want: int, min_n: int = 2,
-                 max_n: int = 4) -> tuple[int, list[int]]:
+                 max_n: int = 4, only: int | None = None) -> tuple[int, list[int]]:
     """The corpus's lookup by a scan: the requests (each one's last capacity // 2 − 1 tokens,
     those of min_n tokens or fewer left out) laid end to end with a separator after each, in
     generations of at most capacity // 2 tokens, the two newest held; the most recent occurrence
-    of the longest n-gram ending the context, and what followed it up to the separator."""
+    of the longest n-gram ending the context (of length `only` if given), and what followed it
+    up to the separator."""
     half, older, newer = capacity // 2, [], []
     for doc in docs:
         doc = doc[max(0, len(doc) - (half - 1)):] if half > 1 else []
@@ -298,7 +312,7 @@ def _scan_corpus(docs: list[list[int]], capacity: int, context: list[int], want:
             older, newer = newer, []
         newer += [*doc, -1]
     flat = older + newer
-    for n in range(min(max_n, len(context)), min_n - 1, -1):
+    for n in [only] if only else range(min(max_n, len(context)), min_n - 1, -1):
         for end in range(len(flat) - 1, n - 1, -1):
             gram = flat[end - n:end]
             if flat[end] != -1 and -1 not in gram and gram == context[-n:]:
@@ -321,7 +335,7 @@ def test_the_corpus_drafts_what_a_scan_of_the_held_outputs_drafts(docs, capacity
         assert len(corpus) <= capacity
     assert corpus.follow(context, want) == _scan_corpus(docs, capacity, context, want)
     for gram in [*corpus.older[1], *corpus.newer[1]]:  # every entry is found by a scan: nothing stale
-        assert _scan_corpus(docs, capacity, list(gram), 1, len(gram), len(gram))[0] == len(gram)
+        assert _scan_corpus(docs, capacity, list(gram), 1, only=len(gram))[0] == len(gram)
 
 
 def test_a_request_with_no_match_of_its_own_drafts_from_earlier_requests_outputs():
