@@ -13,7 +13,7 @@ from actors.target.sampling import NEUTRAL, RequestControls
 
 def grammar_allowed(batch: list[Sequence], drafts: Drafts) -> np.ndarray | None:
     """Per request, how many of its drafts its grammar allows (None: no request has one)."""
-    if not any(s.grammar is not None for s in batch):
+    if not any([s.grammar is not None for s in batch]):
         return None
     n = np.diff(drafts.cu)
     return np.array([n[i] if s.grammar is None else s.grammar.valid_prefix(drafts.tokens[drafts.cu[i]:

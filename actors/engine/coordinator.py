@@ -225,13 +225,15 @@ class Engine:
             if not batch and not feeding:
                 self.settle()
                 return None
-            context = sum([s.cached for s in batch])
+            cached = [s.cached for s in batch]
+            context = sum(cached)
             curve = self.cost.verify_curve(len(batch), context) if self.cost else FLAT_CURVE
             drafting = bool(batch) and self.can_draft and self.policy.drafts
-            caps = self._caps(batch) if drafting else None
+            remaining = np.array([s.remaining for s in batch], dtype=np.int64) if drafting else None
+            caps = self._caps(batch, remaining) if drafting else None
             if caps is not None:  # every count the gate and pruning ask about, computed once
                 curve = curve.tabulated(len(batch), len(batch) + int(caps.sum()))
-            st = Step(batch, feeding, time.perf_counter(), context, curve, caps)
+            st = Step(batch, feeding, time.perf_counter(), context, curve, caps, cached=cached, remaining=remaining)
             st.lookahead = self.look(st)
             st.plan = self.plan(st)
             st.drafts = self.propose(st)
@@ -317,12 +319,12 @@ class Engine:
         if st.caps is None:
             return Plan.plain(len(batch))
         allowed = None
-        if any(s.params.drafters for s in batch):
+        if any([s.params.drafters for s in batch]):
             allowed = np.array([[k in (s.params.drafters or self.kinds) for k in self.kinds] for s in batch])
         available = st.lookahead.available(len(self.kinds)) if st.lookahead is not None else None
         costs = DraftingCosts(self.draft_cost.costs, self.overhead.extra, self.draft_cost.shared, self.remote)
-        g = GateInput.capture([s.rid for s in batch], st.caps, [s.remaining for s in batch],
-                              KindReach(self.drafters.lag(batch), allowed, available), st.verify_cost, costs)
+        g = GateInput.capture([s.rid for s in batch], st.caps, st.remaining,
+                              KindReach(self.drafters.lag(batch, st.cached), allowed, available), st.verify_cost, costs)
         gated = self.policy.gated and self.cfg.drafting_gate
         return self.gate.decide(g) if gated else self.gate.choose(g)
 
@@ -415,7 +417,7 @@ class Engine:
         """Roll back rejected KV, learn from the outcome, commit tokens (decoded, and the first
         tokens of prompts whose prefill ended), retire finished requests, record the step."""
         batch, accepted = st.batch, st.accepted.counts
-        self.target.truncate({s.rid: s.cached + 1 + a for s, a in zip(batch, accepted, strict=True)})
+        self.target.truncate({s.rid: c + 1 + a for s, c, a in zip(batch, st.cached, accepted, strict=True)})
         fed = self.scheduler.advance_prefill(st, self.eos)
         predicted = predicted_s(st, self.cost)  # before the cost model learns from this step
         committed = self.scheduler.record_step(st, self.eos)
@@ -487,11 +489,15 @@ class Engine:
         are made already; their confidences cost microseconds) and learns its own time."""
         return DraftCostLearner(len(self.kinds), free=() if self.lookahead is None else (self.lookahead.kind,))
 
-    def _caps(self, batch: list[Sequence]) -> np.ndarray:
-        """[R] the most drafts each request may verify this step (none for one without a drafter)."""
-        block = self.cfg.block
-        return np.array([max(0, min(block - 1, s.remaining - 1)) if self.drafters.drafting(s.rid) else 0
-                         for s in batch], dtype=np.int64)
+    def _caps(self, batch: list[Sequence], remaining: np.ndarray) -> np.ndarray:
+        """[R] the most drafts each request may verify this step: within the block, one fewer
+        than the tokens it has left (the step's own token is the last), none for one without a
+        drafter."""
+        caps = np.minimum(remaining - 1, self.cfg.block - 1)
+        np.maximum(caps, 0, out=caps)
+        if self.drafters.orphaned:
+            caps[[not self.drafters.drafting(s.rid) for s in batch]] = 0
+        return caps
 
     def _freeze_heap(self) -> None:
         """The end of start-up (or of a rebuild): this process's heap frozen (actors/heap.py)."""

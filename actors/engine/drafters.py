@@ -82,14 +82,22 @@ class DrafterPool:
         if self.hosted:
             self.replicas = self._hosted()
 
-    def lag(self, batch: list[Sequence]) -> np.ndarray:
+    def lag(self, batch: list[Sequence], cached: list[int]) -> np.ndarray:
         """[R, kinds]: context tokens of each request that each kind has not seen (what it would
-        catch up on before drafting; 0 for the kind the coordinator drafts)."""
-        return self.ledger.lag([s.rid for s in batch], [s.cached for s in batch])
+        catch up on before drafting; 0 for the kind the coordinator drafts). cached[i]: batch[i]'s
+        KV length."""
+        if not self.replicas:  # every kind is drafted in the coordinator (n-gram alone): no context to send
+            return np.zeros((len(batch), len(self.kinds)))
+        return self.ledger.lag([s.rid for s in batch], cached)
 
     def drafting(self, rid: int) -> bool:
         """Whether request rid has a drafter (not orphaned)."""
         return self.owner.get(rid) != ORPHAN
+
+    @property
+    def orphaned(self) -> bool:
+        """Whether any request continues without a drafter (a scan of the owners, in C)."""
+        return ORPHAN in self.owner.values()
 
     def draft(self, batch: list[Sequence], plan, stops: dict[int, ChainStop] | None = None,
               ) -> dict[int, tuple[list[int], DraftOutput]]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
@@ -71,6 +71,8 @@ class Step:
     pruned: Pruned | None = None
     out: TargetOutput | None = None
     accepted: Accepted | None = None
+    cached: list[int] = field(default_factory=list)  # each decoding request's KV length when the step began
+    remaining: np.ndarray | None = None  # [R] tokens each may still make (computed where the step may draft)
 
     @property
     def verify_tokens(self) -> int:
