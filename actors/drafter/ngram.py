@@ -23,6 +23,8 @@ between tenants, as with a shared prefix cache): `corpus_tokens=0` turns it off.
 from __future__ import annotations
 
 from collections import Counter
+from itertools import accumulate
+from operator import sub
 
 import numpy as np
 
@@ -157,32 +159,29 @@ class NgramDrafter:
         diverge at a position are tallied there: O(occurrences + draft), not their product."""
         draft = follow[0]
         size = len(draft)
-        ends = [0] * (size + 1)  # occurrences agreeing with the draft on exactly L tokens, L = 0 .. size
+        # Occurrences agreeing with the draft on exactly L tokens (one longer than the draft that
+        # agrees with all of it counts at its own length: past the draft, nothing is asked).
+        ends = [0] * (max(map(len, follow)) + 1)
         ends[size] = 1  # the draft's own
         leave: dict[int, list[int]] = {}  # position -> the tokens of the occurrences leaving the draft there
         for f in follow[1:]:
-            m = min(len(f), size)
-            if f[:m] == draft[:m]:
-                ends[m] += 1
+            if f[:size] == draft[:len(f)]:  # agrees as far as both go
+                ends[len(f)] += 1
                 continue
             j = 0
             while f[j] == draft[j]:
                 j += 1
             ends[j] += 1
             leave.setdefault(j, []).append(f[j])
-        prior = self.prior_strength * (n / (n + 1.0))  # longer matches deserve more trust before any evidence
-        confs, margins, agree = [], [], len(follow)
-        for j in range(size):
-            agree -= ends[j]  # the occurrences still agreeing past position j
-            others = leave.get(j)
-            if others is None:
-                confs.append((agree + prior) / (agree + self.prior_strength))
-                margins.append(1.0)
-                continue
-            total = agree + len(others)
-            top = sorted([agree, *Counter(others).values()], reverse=True)
-            confs.append((agree + prior) / (total + self.prior_strength))
-            margins.append((top[0] - top[1]) / total)
+        prior, strength = self.prior_strength * (n / (n + 1.0)), self.prior_strength  # longer matches: more trust
+        agree = list(accumulate(ends[:size], sub, initial=len(follow)))[1:]  # still agreeing past each position
+        confs = [(a + prior) / (a + strength) for a in agree]
+        margins = [1.0] * size
+        for j, others in leave.items():  # where some leave the draft, they count for their own tokens
+            total = agree[j] + len(others)
+            top = sorted([agree[j], *Counter(others).values()], reverse=True)
+            confs[j] = (agree[j] + prior) / (total + strength)
+            margins[j] = (top[0] - top[1]) / total
         return list(draft), confs, margins
 
     def _one_occurrence(self, n: int, draft: list[int]) -> tuple[list[int], list[float], list[float]]:
@@ -200,21 +199,25 @@ class History:
         self.tokens: list[int] = []
         self.first = 0  # tokens in the first extend: the prompt, as the engine and a trace's walk feed it
         self.starts: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in range(min_n, max_n + 1)}
+        self.lengths = list(self.starts.items())  # (n, its index), for the loop over each new token
+        self.longest = max_n
 
     def extend(self, tokens) -> None:
         h = self.tokens
         if not h:
             self.first = len(tokens)
-        for t in tokens:
-            end = len(h)  # the n-grams ending just before the new token now have a successor
-            for n, index in self.starts.items():
+        end, longest = len(h), self.longest
+        for t in tokens:  # the n-grams ending at `end` (just before the new token) now have a successor
+            last = tuple(h[end - longest:end]) if end >= longest else tuple(h)
+            for n, index in self.lengths:
                 if end >= n:
-                    key = tuple(h[end - n:end])
+                    key = last[-n:]
                     if key in index:
                         index[key].append(end - n)
                     else:
                         index[key] = [end - n]
             h.append(int(t))
+            end += 1
 
     def truncate(self, length: int) -> None:
         h = self.tokens

@@ -21,7 +21,6 @@ brought up to date then.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 from functools import cached_property
@@ -105,8 +104,8 @@ class NgramLookahead:
         self.drafter.follow(rids, [s.prompt for s in mine], [s.output for s in mine])  # no look this step
         out = self.drafter.draft(rids, [s.last for s in mine], plan.lengths[idx].tolist())
         spent = time.perf_counter() - t0
-        return idx, dataclasses.replace(out, compute_s=spent, kinds=np.full(len(idx), self.kind),
-                                        kind_s={self.kind: spent}, kind_context={})
+        return idx, DraftOutput(out.tokens, out.cu, out.confidence, out.margin, compute_s=spent,
+                                kinds=np.full(len(idx), self.kind), kind_s={self.kind: spent}, kind_context={})
 
     def release(self, rids: list[int]) -> None:
         """Forget the requests; what they output joins the corpus at the next `absorb`."""

@@ -156,7 +156,13 @@ def empty_drafts(r: int, kinds: np.ndarray) -> Drafts:
 def merge_drafts(r: int, parts: list[tuple[list[int], DraftOutput]], kinds: np.ndarray, seconds: float) -> Drafts:
     """Scatter each part's ragged output (batch indices, drafts: a replica's, the look-ahead's)
     back into batch order; `kinds` the kinds asked, replaced by the one that really drafted (a
-    fallback may have)."""
+    fallback may have). One part for the whole batch (the n-gram kind alone drafting for every
+    request) is the batch's drafts as they are."""
+    if len(parts) == 1 and len(parts[0][0]) == r:  # batch indices are ascending: 0 .. r − 1
+        d = parts[0][1]
+        return Drafts(np.asarray(d.tokens, dtype=np.int64), np.asarray(d.cu, dtype=np.int64),
+                      np.asarray(d.confidence, dtype=np.float64), np.asarray(d.margin, dtype=np.float64),
+                      np.asarray(d.kinds, dtype=np.int64), seconds, d.compute_s)
     d = merge_outputs(r, parts)
     kinds = np.asarray(kinds, dtype=np.int64).copy()
     for idx, out in parts:

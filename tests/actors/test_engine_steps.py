@@ -188,3 +188,26 @@ def test_step_overhead_charges_what_drafting_adds_outside_the_passes():
     for _ in range(200):
         o.observe(True, 0.0005)  # drafting became cheaper than plain steps' bookkeeping: never negative
     assert o.extra == 0.0
+
+
+def test_drafts_of_one_part_for_the_whole_batch_merge_as_scattered_parts_do():
+    """`merge_drafts` passes one part that covers the batch through as it is: the same drafts,
+    kinds and offsets as the general scatter of the same drafts split in two parts."""
+    from actors.drafter.base import DraftOutput
+    from actors.engine.stages import merge_drafts
+
+    counts = [3, 0, 2, 1]
+    cu = np.concatenate([[0], np.cumsum(counts)])
+    tokens, conf = np.arange(6) + 10, np.linspace(0.9, 0.4, 6)
+    whole = DraftOutput(tokens, cu, conf, 1 - conf, compute_s=0.5, kinds=np.array([2, 2, 1, 2]))
+    one = merge_drafts(4, [([0, 1, 2, 3], whole)], np.zeros(4, dtype=np.int64), 0.7)
+
+    def part(idx):
+        lo, hi = cu[idx[0]], cu[idx[-1] + 1]
+        return idx, DraftOutput(tokens[lo:hi], cu[idx[0]:idx[-1] + 2] - lo, conf[lo:hi], 1 - conf[lo:hi],
+                                compute_s=0.5, kinds=whole.kinds[idx])
+    two = merge_drafts(4, [part([0, 1]), part([2, 3])], np.zeros(4, dtype=np.int64), 0.7)
+    for a, b in ((one.tokens, two.tokens), (one.cu, two.cu), (one.confidence, two.confidence),
+                 (one.margin, two.margin), (one.kinds, two.kinds)):
+        assert a.dtype == b.dtype and a.tolist() == b.tolist()
+    assert one.kinds.tolist() == [2, 2, 1, 2] and one.cu.tolist() == [0, 3, 3, 5, 6]
