@@ -58,11 +58,12 @@ class OwnTime:
         return cls({p: tuple(sorted(v.items())) for p, v in points.items()}, source)
 
 
-# benchmarks/coordinator.py --forward model, 2026-12-01 (runs/coordinator/results.json): the
-# engine's own Python on this project's 2-core CPU machine; a serving host's cores are faster.
-MEASURED = OwnTime({"ar": ((1, 0.73), (16, 1.04), (64, 2.27), (256, 5.82), (1024, 16.70)),
-                    "full": ((1, 1.49), (16, 2.05), (64, 4.84), (256, 15.87), (1024, 43.89)),
-                    "tetris": ((1, 1.41), (16, 2.75), (64, 4.57), (256, 12.38), (1024, 43.29)),
-                    "dcut-buckets": ((1, 1.40), (16, 2.82), (64, 5.45), (256, 12.29), (1024, 45.84)),
-                    "dcut": ((1, 1.55), (16, 2.32), (64, 3.29), (256, 7.20), (1024, 20.00))},
-                   "benchmarks/coordinator.py on the 2-core CPU machine, 2026-12-01")
+# benchmarks/coordinator.py --forward model, 2026-12-05 (session 31, on 640dd30): the engine's own
+# Python on this project's 2-core CPU machine (a serving host's cores are faster). The first
+# measurement (2026-12-01) was 2-5 x these: ar 16.7 ms and dcut 20.0 ms at 1,024 requests.
+MEASURED = OwnTime({"ar": ((1, 0.19), (16, 0.28), (64, 0.51), (256, 1.24), (1024, 3.41)),
+                    "full": ((1, 0.70), (16, 0.89), (64, 1.36), (256, 2.91), (1024, 7.72)),
+                    "tetris": ((1, 0.68), (16, 0.91), (64, 1.61), (256, 2.87), (1024, 7.65)),
+                    "dcut-buckets": ((1, 0.82), (16, 0.97), (64, 1.65), (256, 2.87), (1024, 7.58)),
+                    "dcut": ((1, 0.88), (16, 1.16), (64, 1.95), (256, 2.97), (1024, 4.87))},
+                   "benchmarks/coordinator.py on the 2-core CPU machine, 2026-12-05")
