@@ -23,7 +23,7 @@ _EPS = 1e-6
 
 def survival(p: np.ndarray, cu: np.ndarray) -> np.ndarray:
     """Survivals [N] from per-draft acceptance estimates [N] (ragged by cu)."""
-    return ragged.segment_cumprod(np.clip(p, 0.0, 1.0), cu)
+    return ragged.segment_cumprod(np.minimum(np.maximum(p, 0.0), 1.0), cu)  # np.clip's, at a quarter of its cost
 
 
 def verify_outcomes(cu_drafted: np.ndarray, kept: np.ndarray, accepted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -36,7 +36,7 @@ def verify_outcomes(cu_drafted: np.ndarray, kept: np.ndarray, accepted: np.ndarr
     accepted = np.asarray(accepted, dtype=np.int64)
     if (accepted > kept).any() or (accepted < 0).any():
         raise ValueError("accepted counts must satisfy 0 <= accepted <= kept")
-    lengths = np.diff(cu_drafted)
+    lengths = ragged.lengths(cu_drafted)
     pos = ragged.positions(cu_drafted)
     k = np.repeat(kept, lengths)
     a = np.repeat(accepted, lengths)
@@ -55,7 +55,7 @@ def hindsight_outcomes(tokens: np.ndarray, cu: np.ndarray, emitted: np.ndarray,
     look-ahead is made for every request each step, so its kind learns this way from every step,
     not only from the steps it drafts for."""
     cu, cu_emitted = np.asarray(cu, dtype=np.int64), np.asarray(cu_emitted, dtype=np.int64)
-    judged = np.minimum(np.diff(cu), np.diff(cu_emitted))
+    judged = np.minimum(ragged.lengths(cu), ragged.lengths(cu_emitted))
     cu_j = ragged.offsets_from_lengths(judged)
     pos, seg = ragged.positions(cu_j), ragged.segment_ids(cu_j)
     match = np.asarray(tokens)[cu[:-1][seg] + pos] == np.asarray(emitted)[cu_emitted[:-1][seg] + pos]
@@ -63,7 +63,7 @@ def hindsight_outcomes(tokens: np.ndarray, cu: np.ndarray, emitted: np.ndarray,
 
 
 def _logit(x: np.ndarray) -> np.ndarray:
-    x = np.clip(x, _EPS, 1.0 - _EPS)
+    x = np.minimum(np.maximum(x, _EPS), 1.0 - _EPS)
     return np.log(x) - np.log1p(-x)
 
 

@@ -196,11 +196,11 @@ class DraftPlanner:
         order = np.argsort(-density, kind="stable")[:m_max]  # [m_max]
         tokens = np.empty(m_max + 1)
         tokens[0] = r
-        np.cumsum(flat[order], out=tokens[1:])
+        flat[order].cumsum(out=tokens[1:])
         tokens[1:] += r
         row = row_of[order]  # the request of each position in order
         seconds = seconds_at[:m_max + 1].copy()
-        seconds[1:] += costs.shared_fixed + np.cumsum(_added_seconds(row, pos_of[order], rates, costs))
+        seconds[1:] += costs.shared_fixed + _added_seconds(row, pos_of[order], rates, costs).cumsum()
         best = int(np.argmax(tokens / seconds))
         planned = np.bincount(row[:best], minlength=r).astype(np.int64)
         lengths = planned
@@ -265,12 +265,12 @@ def _added_seconds(row: np.ndarray, pos: np.ndarray, rates: _RequestRates, costs
             present = np.flatnonzero(np.bincount(kind_at, minlength=len(fixed)))
             added[np.argmax(kind_at[None, :] == present[:, None], axis=1)] += fixed[present]
         depth = pos + 1
-        for k in np.flatnonzero(per_pass):  # a position deeper than any of its kind's so far: one more pass
+        for k in per_pass.nonzero()[0]:  # a position deeper than any of its kind's so far: one more pass
             deeper = np.maximum.accumulate(np.where(kind_at == k, depth, 0))
             deeper[1:] -= deeper[:-1].copy()  # how much deeper than its kind's deepest so far
             added += per_pass[k] * deeper
     if len(row) and costs.call:
-        calling = np.flatnonzero(costs.calling[rates.kind[row]])
+        calling = costs.calling[rates.kind[row]].nonzero()[0]
         if len(calling):
             added[calling[0]] += costs.call  # the first position drafted on the replicas: the call
     return added
@@ -345,14 +345,14 @@ class Verified:
 
     def of_kind(self, kind: int) -> Verified:
         """The entries of one drafter kind, in order."""
-        idx = np.flatnonzero(self.kinds == kind)
+        idx = (self.kinds == kind).nonzero()[0]
         if len(idx) == len(self):
             return self
         if self.beyond is None:
             return Verified(self.rids[idx], self.kinds[idx], self.kept[idx], self.accepted[idx])
         starts, ends = self.beyond_cu[idx], self.beyond_cu[idx + 1]
         cu = np.zeros(len(idx) + 1, dtype=np.int64)
-        np.cumsum(ends - starts, out=cu[1:])
+        (ends - starts).cumsum(out=cu[1:])
         flat = self.beyond[np.repeat(starts - cu[:-1], ends - starts) + np.arange(cu[-1])]
         return Verified(self.rids[idx], self.kinds[idx], self.kept[idx], self.accepted[idx], flat, cu)
 
@@ -394,7 +394,7 @@ class AcceptanceTracker:
         compounds: a factor of 0.7 on each of 15 positions predicts a third as many, not 70 %).
         Scaling the survivals by f is scaling the first position's rate; where that would pass
         0.99 it stops there (an underestimate for the best requests, which draft anyway)."""
-        rate = np.clip(self.global_rate[:n], 0.0, 0.99)
+        rate = np.minimum(np.maximum(self.global_rate[:n], 0.0), 0.99)
         if n:
             rate[0] = min(0.99, rate[0] * self.factor.get(rid, 1.0))
         return rate
@@ -404,7 +404,7 @@ class AcceptanceTracker:
         zeros past the block."""
         out = np.zeros(width)
         n = min(width, self.block)
-        out[:n] = np.clip(self.global_rate[:n], 0.0, 0.99)
+        out[:n] = np.minimum(np.maximum(self.global_rate[:n], 0.0), 0.99)
         return out
 
     def factors(self, rids: list[int]) -> np.ndarray:

@@ -225,10 +225,10 @@ class DraftingGate:
         room = g.room()
         width = int(room.max(initial=0))
         rates = np.zeros((len(g.rids), len(self.trackers), width))
-        if width:  # each row `AcceptanceTracker.predict`'s, every kind at once
-            rates[:] = np.stack([t.rates(width) for t in self.trackers])
-            factors = np.stack([t.factors(g.rids) for t in self.trackers], axis=1)  # [R, K]
-            rates[:, :, 0] = np.minimum(0.99, rates[:, :, 0] * factors)
+        if width:  # each row `AcceptanceTracker.predict`'s
+            for k, t in enumerate(self.trackers):
+                rates[:, k] = t.rates(width)
+                rates[:, k, 0] = np.minimum(0.99, rates[:, k, 0] * t.factors(g.rids))
             rates[np.arange(width) >= room[:, :, None]] = 0.0
         return Predicted(rates, room)
 

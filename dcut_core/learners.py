@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 
 import numpy as np
 
@@ -31,8 +32,11 @@ class RateFit:
         self.log_ratio = 0.0  # the level correction: cost = fitted × exp(log_ratio)
         self._since = 0  # passes observed since the last refit (the correction's running mean)
         self._passes = 0  # passes observed in all: a refit every `refit_every` of them
-        self._x: list[tuple[float, ...]] = []
-        self._y: list[float] = []
+        # The last `keep` passes, a ring (row `_passes % keep` is the next written): a refit reads
+        # them as they are, where lists of tuples cost it more than its solve
+        self._x = np.empty((keep, 5))
+        self._y = np.empty(keep)
+        self._shapes: Counter[tuple[float, ...]] = Counter()  # the kept passes' distinct shapes
 
     @property
     def cost(self) -> DraftCost:
@@ -55,9 +59,14 @@ class RateFit:
         if 0 < ratio < math.inf:  # (a rate of 1e-320 s would make it infinite)
             self._since += 1
             self.log_ratio += (math.log(ratio) - self.log_ratio) / self._since
-        self._x.append(x)
-        self._y.append(seconds)
-        del self._x[: -self.keep], self._y[: -self.keep]
+        row = self._passes % self.keep
+        if self._passes >= self.keep:  # the oldest kept pass leaves
+            old = tuple(self._x[row].tolist())
+            self._shapes[old] -= 1
+            if not self._shapes[old]:
+                del self._shapes[old]
+        self._x[row], self._y[row] = x, seconds
+        self._shapes[x] += 1
         self._passes += 1
         if self._passes % self.refit_every == 0:  # not the kept count: once full it stays `keep`
             self.refit()
@@ -74,10 +83,11 @@ class RateFit:
         0 in one engine and 1.2 ms in another after like runs, session 23), and a rate no kept
         pass measured (no catch-up) fell to 0. The weight is far too small to bias a rate the
         passes do measure (tests/core/test_learners.py)."""
-        if len(set(self._x)) < 4:  # too few distinct shapes to tell the rates apart
+        if len(self._shapes) < 4:  # too few distinct shapes to tell the rates apart
             return
-        y = np.array(self._y)
-        a = np.array(self._x) / y[:, None]
+        n = min(self._passes, self.keep)
+        y = self._y[:n]
+        a = self._x[:n] / y[:, None]
         now = np.array(dataclasses.astuple(self.cost))
         now = np.where(np.isfinite(now), now, 0.0)  # an overflowed level pulls nowhere
         scale = a.mean(axis=0)  # a rate's share of a pass's time, per second of it

@@ -50,7 +50,7 @@ class DraftBatch:
 
     @property
     def drafted(self) -> np.ndarray:
-        return np.diff(self.cu_drafted)
+        return ragged.lengths(self.cu_drafted)
 
     def validate(self) -> None:
         """Raise ValueError on malformed survivals (shape, range, growth along a request)."""
@@ -165,13 +165,13 @@ def _scan(batch: DraftBatch, cost: StepCost, max_budget: int | None = None,
     """Objective at every budget; with `floor`, only over the drafts with survival >= floor (a
     prefix of the sorted order — the caller guarantees the optimum lies inside it)."""
     r = batch.num_requests
-    within = None if floor is None else np.flatnonzero(batch.survival >= floor)
+    within = None if floor is None else (batch.survival >= floor).nonzero()[0]
     s = batch.survival if within is None else batch.survival[within]
     order_desc = np.sort(s)[::-1]
     m_max = len(order_desc) if max_budget is None else min(len(order_desc), max(0, max_budget))
     tokens = np.empty(m_max + 1, dtype=np.float64)
     tokens[0] = r
-    np.cumsum(order_desc[:m_max], out=tokens[1:])
+    order_desc[:m_max].cumsum(out=tokens[1:])
     tokens[1:] += r
     seconds = cost.seconds(r + np.arange(m_max + 1, dtype=np.int64))
     return _Scan(order_desc, tokens, seconds, within)
@@ -191,12 +191,12 @@ def kept_top_m(batch: DraftBatch, order_desc: np.ndarray, m: int, within: np.nda
     if m <= 0:
         return np.zeros(batch.num_requests, dtype=np.int64)
     v = order_desc[m - 1]
-    take = np.flatnonzero(s >= v) if within is None else within[s[within] >= v]  # ascending flat order
+    take = (s >= v).nonzero()[0] if within is None else within[s[within] >= v]  # ascending flat order
     if len(take) > m:  # a tie at the m-th value: keep the first of the equal ones in flat order
         equal = s[take] == v
         extra = np.flatnonzero(equal)[m - int((~equal).sum()):]
         take = np.delete(take, extra)
-    return np.diff(np.searchsorted(take, cu)).astype(np.int64)  # kept drafts inside each request's range
+    return ragged.lengths(np.searchsorted(take, cu)).astype(np.int64)  # kept drafts inside each request's range
 
 
 def _decision(batch: DraftBatch, cost: StepCost, kept: np.ndarray, guard: bool = False,
@@ -206,7 +206,7 @@ def _decision(batch: DraftBatch, cost: StepCost, kept: np.ndarray, guard: bool =
     has already priced R + Σ kept tokens with `cost`)."""
     kept = np.asarray(kept, dtype=np.int64)
     cu_kept = np.zeros(len(kept) + 1, dtype=np.int64)
-    np.cumsum(kept, out=cu_kept[1:])
+    kept.cumsum(out=cu_kept[1:])
     # The kept drafts' flat indices, gathered in one go (O(kept), not O(drafted)).
     idx = np.repeat(batch.cu_drafted[:-1] - cu_kept[:-1], kept) + np.arange(cu_kept[-1])
     tokens = batch.num_requests + float(batch.survival[idx].sum())

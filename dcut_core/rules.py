@@ -52,7 +52,7 @@ def greedy(draft_tokens: np.ndarray, cu_kept: np.ndarray, target_tokens: np.ndar
     accepted = ragged.leading_true(match, cu_kept)
     # Accepted drafts equal the target's tokens, so the output is target rows 0..a_i of each.
     cu_out = np.zeros(len(accepted) + 1, dtype=np.int64)
-    np.cumsum(accepted + 1, out=cu_out[1:])
+    (accepted + 1).cumsum(out=cu_out[1:])
     rows = np.repeat(cu_t[:-1] - cu_out[:-1], accepted + 1) + np.arange(cu_out[-1])
     return Accepted(accepted, target_tokens[rows], cu_out)
 
@@ -86,7 +86,7 @@ def speculative(
 
     final_rows = cu_t[:-1] + accepted  # [R] row that yields the bonus or recovered token
     dist = target_probs[final_rows].astype(np.float64, copy=True)  # [R, V]
-    rejected = np.nonzero(accepted < np.diff(cu_kept))[0]
+    rejected = np.nonzero(accepted < ragged.lengths(cu_kept))[0]
     if len(rejected):
         draft_at = cu_kept[rejected] + accepted[rejected]  # flat index of the rejected draft
         if draft_probs is None:
@@ -102,7 +102,7 @@ def speculative(
     cdf = np.cumsum(dist, axis=1)  # [R, V], last column = mass
     sampled = np.minimum((cdf <= u_sample[:, None] * mass).sum(axis=1), dist.shape[1] - 1)
 
-    keep_draft = ragged.positions(cu_kept) < np.repeat(accepted, np.diff(cu_kept))
+    keep_draft = ragged.positions(cu_kept) < np.repeat(accepted, ragged.lengths(cu_kept))
     cu_out = ragged.offsets_from_lengths(accepted + 1)
     out = np.empty(int(cu_out[-1]), dtype=draft_tokens.dtype if n else np.int64)
     last = cu_out[1:] - 1

@@ -303,7 +303,7 @@ class _Run:
             return np.zeros(len(batch), dtype=np.int64), None
         pos = ragged.positions(cu)
         p = np.zeros(len(pos))
-        kind = np.repeat(used, np.diff(cu))
+        kind = np.repeat(used, ragged.lengths(cu))
         for k in np.unique(kind):
             m = kind == k
             p[m] = self.calibrators[k].estimate(drafts["confidence"][m], drafts["margin"][m], pos[m])
@@ -320,11 +320,11 @@ class _Run:
         idx, ok = verify_outcomes(cu, kept, accepted)
         if len(idx):
             pos = ragged.positions(cu)[idx]
-            kind = np.repeat(used, np.diff(cu))[idx]
+            kind = np.repeat(used, ragged.lengths(cu))[idx]
             for k in np.unique(kind):
                 m = kind == k
                 self.calibrators[k].observe(drafts["confidence"][idx][m], drafts["margin"][idx][m], pos[m], ok[m])
-        idx = np.flatnonzero(np.diff(cu))  # the requests that drafted
+        idx = np.flatnonzero(ragged.lengths(cu))  # the requests that drafted
         beyond = None if estimate is None else [estimate[cu[i] + kept[i]:cu[i + 1]] for i in idx.tolist()]
         verified = Verified.of([batch[i].rid for i in idx.tolist()], np.asarray(used)[idx], np.asarray(kept)[idx],
                                np.asarray(accepted)[idx], beyond)
@@ -344,7 +344,7 @@ class _Run:
     def _advance_time(self, batch, feeding, kept, drafts, used) -> None:
         trace, costs = self.trace, self.costs
         prompt = [trace.requests[x.q].prompt_len for x in batch]
-        counts = np.diff(drafts["cu"])
+        counts = ragged.lengths(drafts["cu"])
         context = sum(x.cached(p) for x, p in zip(batch, prompt, strict=True))
         shape = StepShape(len(batch) + len(feeding), len(batch) + int(kept.sum()) + sum(n for *_, n in feeding),
                           context + sum(start for _, start, _ in feeding))
@@ -488,7 +488,7 @@ class _OracleRun(_Run):
         return np.where(mask, gains, 0), kinds, None
 
     def _prune(self, batch, drafts, used):
-        return np.diff(drafts["cu"]), None
+        return ragged.lengths(drafts["cu"]), None
 
     def _learn(self, *args) -> None:
         pass

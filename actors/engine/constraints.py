@@ -9,13 +9,14 @@ import numpy as np
 from actors.engine.sequence import Sequence
 from actors.engine.stages import Drafts, Feed
 from actors.target.sampling import NEUTRAL, RequestControls
+from dcut_core import ragged
 
 
 def grammar_allowed(batch: list[Sequence], drafts: Drafts) -> np.ndarray | None:
     """Per request, how many of its drafts its grammar allows (None: no request has one)."""
     if not any([s.grammar is not None for s in batch]):
         return None
-    n = np.diff(drafts.cu)
+    n = ragged.lengths(drafts.cu)
     return np.array([n[i] if s.grammar is None else s.grammar.valid_prefix(drafts.tokens[drafts.cu[i]:
                                                                                           drafts.cu[i + 1]])
                      for i, s in enumerate(batch)], dtype=np.int64)

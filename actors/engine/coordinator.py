@@ -344,7 +344,7 @@ class Engine:
             learn_kind_costs(self.draft_cost, outs, drafts)
         if local is not None:  # the n-gram kind's own time: its drafts' confidences, here
             idx, out = local
-            counts = np.diff(out.cu)
+            counts = ragged.lengths(out.cu)
             self.draft_cost.observe_kind(self.lookahead.kind, len(idx), int(out.cu[-1]), out.compute_s, 0,
                                          int(counts.max(initial=0)))
         return drafts

@@ -35,6 +35,7 @@ from actors.engine.replica import LOCAL, Drafter, DrafterReplica
 from actors.engine.sequence import Sequence
 from actors.inprocess import InProcess, resolve
 from actors.target.group import EPGroupError
+from dcut_core import ragged
 from dcut_core.chains import ChainStop
 
 log = logging.getLogger(__name__)
@@ -130,7 +131,7 @@ class DrafterPool:
                 self._replace(r, exc)  # (a hosted replica fails with its rank: EPGroupError)
         self._orphan_lost([rid for _, out in outs.values() for rid in out.lost])
         for idx, out in outs.values():  # each kind that drafted a request has consumed all its context
-            drew = [j for j, n in enumerate(np.diff(out.cu).tolist()) if n]
+            drew = [j for j, n in enumerate(ragged.lengths(out.cu).tolist()) if n]
             self.ledger.drafted([batch[idx[j]].rid for j in drew], out.kinds[drew].tolist(),
                                 [batch[idx[j]].cached for j in drew])
         return outs

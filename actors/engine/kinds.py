@@ -25,7 +25,7 @@ def learn_kind_costs(learner: DraftCostLearner, outs: dict, drafts: Drafts) -> N
 def count_kinds(counters: dict[str, dict[str, int]], kinds: tuple[str, ...], st: Step) -> None:
     """Per drafter kind: request-steps it drafted for, drafts made, kept and accepted."""
     drafted, kept, accepted = st.drafts.counts, st.pruned.kept, st.accepted.counts
-    for i in np.flatnonzero(drafted).tolist():
+    for i in drafted.nonzero()[0].tolist():
         c = counters[kinds[st.drafts.kinds[i]]]
         c["chosen"] += 1
         c["drafted"] += int(drafted[i])

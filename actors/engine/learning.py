@@ -44,7 +44,7 @@ def learn(st: Step, calibrators: list[Calibrator], gate: DraftingGate, cost, log
     # nothing teaches nothing), then the look-ahead judged in hindsight, then the kinds asked
     # that drafted nothing (failed tries: the gate decides whether they teach).
     verified = drafted(st).then(hindsight(st))
-    empty = [(st.batch[i].rid, int(kinds[i])) for i in np.flatnonzero((st.plan.lengths > 0) & (counts == 0)).tolist()]
+    empty = [(st.batch[i].rid, int(kinds[i])) for i in ((st.plan.lengths > 0) & (counts == 0)).nonzero()[0].tolist()]
     gate.learn(verified, empty)
     observed_now = {**verified.as_dict(), "empty": empty} if log else None  # for `dcut_core.gate.replay`
     return _learn_cost(st, cost, observed_now)
@@ -70,7 +70,7 @@ def drafted(st: Step) -> Verified:
     """The verifications of the requests that drafted this step, with the calibrated estimates
     of their drafts past the kept ones (when pruning made them)."""
     drafts, kept = st.drafts, st.pruned.kept
-    idx = np.flatnonzero(drafts.counts)
+    idx = drafts.counts.nonzero()[0]
     rids = np.fromiter((st.batch[i].rid for i in idx.tolist()), dtype=np.int64, count=len(idx))
     accepted = np.asarray(st.accepted.counts, dtype=np.int64)[idx]
     estimate = st.pruned.estimate
@@ -78,7 +78,7 @@ def drafted(st: Step) -> Verified:
         return Verified(rids, drafts.kinds[idx], np.asarray(kept, dtype=np.int64)[idx], accepted)
     starts, ends = drafts.cu[idx] + kept[idx], drafts.cu[idx + 1]
     cu = np.zeros(len(idx) + 1, dtype=np.int64)
-    np.cumsum(ends - starts, out=cu[1:])
+    (ends - starts).cumsum(out=cu[1:])
     beyond = np.asarray(estimate, dtype=np.float64)[np.repeat(starts - cu[:-1], ends - starts) + np.arange(cu[-1])]
     return Verified(rids, drafts.kinds[idx], np.asarray(kept, dtype=np.int64)[idx], accepted, beyond, cu)
 

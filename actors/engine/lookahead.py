@@ -51,7 +51,7 @@ class Lookahead:
     @cached_property
     def counts(self) -> np.ndarray:
         """[R] drafts it can make for each request now."""
-        return np.diff(self.cu)
+        return ragged.lengths(self.cu)
 
     def available(self, kinds: int) -> np.ndarray:
         """[R, kinds] for the gate: its counts in its own column, -1 (not known) in the others."""
@@ -64,7 +64,7 @@ class Lookahead:
         """(batch indices, judged, accepted): what the look-ahead of the requests this kind did not
         draft for (counts [R] drafted, kinds [R] the kind that drafted) would have had accepted,
         judged against the tokens each emitted; only requests with something judged."""
-        idx = np.flatnonzero((self.counts > 0) & ~((counts > 0) & (kinds == self.kind)))
+        idx = ((self.counts > 0) & ~((counts > 0) & (kinds == self.kind))).nonzero()[0]
         if not len(idx):
             empty = np.zeros(0, dtype=np.int64)
             return empty, empty, empty
@@ -95,7 +95,7 @@ class NgramLookahead:
     def draft(self, batch: list[Sequence], plan: Plan) -> tuple[list[int], DraftOutput] | None:
         """(batch indices, drafts with their confidences) of the requests the plan gives this
         kind — the first plan.lengths[i] of each one's look-ahead; None if it gives it none."""
-        idx = np.flatnonzero((plan.kinds == self.kind) & (plan.lengths > 0)).tolist()
+        idx = ((plan.kinds == self.kind) & (plan.lengths > 0)).nonzero()[0].tolist()
         if not idx:
             return None
         t0 = time.perf_counter()

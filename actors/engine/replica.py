@@ -19,6 +19,7 @@ from actors.drafter.pending import PendingContext
 from actors.engine.backlog import CatchUp
 from actors.inprocess import resolve
 from actors.ray_env import whereabouts
+from dcut_core import ragged
 from dcut_core.chains import ChainStop
 
 log = logging.getLogger(__name__)
@@ -127,7 +128,7 @@ class Drafter:
         for k in sorted(set(kinds)):
             parts.append(by_kind(k, [i for i, kk in enumerate(kinds) if kk == k]))
         if fallback is not None:  # a second pass for the requests whose kind drafted nothing
-            drafted = np.diff(merge_outputs(len(request_ids), parts).cu)
+            drafted = ragged.lengths(merge_outputs(len(request_ids), parts).cu)
             missed = [i for i in range(len(request_ids)) if lengths[i] > 0 and not drafted[i]
                       and 0 <= fallback[i] != kinds[i] and request_ids[i] not in self.lost]
             for k in sorted({fallback[i] for i in missed}):

@@ -11,7 +11,7 @@ from actors.drafter.base import DraftOutput, merge_outputs
 from actors.engine.lookahead import Lookahead
 from actors.engine.sequence import Sequence
 from actors.target.group import TargetOutput
-from dcut_core import rules
+from dcut_core import ragged, rules
 from dcut_core.gate import Plan
 from dcut_core.pruning import StepCost
 
@@ -32,7 +32,7 @@ class Drafts:
     @cached_property
     def counts(self) -> np.ndarray:
         """[R] drafts made for each request."""
-        return np.diff(self.cu)
+        return ragged.lengths(self.cu)
 
 
 @dataclass(frozen=True)
@@ -185,7 +185,7 @@ def accept_tokens(batch: list[Sequence], drafts: Drafts, kept: np.ndarray, out: 
     if not k.any():  # no draft kept (a plain step): each request emits its one row, the same as below
         return Accepted([0] * r, [[t] for t in target.tolist()])
     cu = np.zeros(r + 1, dtype=np.int64)
-    np.cumsum(k, out=cu[1:])
+    k.cumsum(out=cu[1:])
     d = drafts.tokens[np.repeat(np.asarray(drafts.cu[:-1], dtype=np.int64) - cu[:-1], k) + np.arange(cu[-1])]
     res = rules.greedy(d.astype(np.int64), cu, target.astype(np.int64))
     toks, ends = res.tokens.tolist(), res.cu_tokens.tolist()

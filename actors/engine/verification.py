@@ -30,7 +30,7 @@ def verify_batch(pool, capture: tuple[int, ...], batch: list[Sequence], drafts: 
     r, kept = len(batch), np.asarray(kept, dtype=np.int64)
     counts = 1 + kept  # the last token, then the kept drafts
     cu = np.zeros(r + 1 + len(feeding), dtype=np.int64)
-    np.cumsum(counts, out=cu[1:r + 1])
+    counts.cumsum(out=cu[1:r + 1])
     if feeding:
         cu[r + 1:] = cu[r] + np.cumsum([len(f.tokens) for f in feeding])
     tokens = np.empty(int(cu[-1]), dtype=np.int64)
@@ -47,7 +47,7 @@ def verify_batch(pool, capture: tuple[int, ...], batch: list[Sequence], drafts: 
         rows = np.concatenate([rows, *(cu[r + j] + np.asarray(c, dtype=np.int64) for j, c in enumerate(chunks))])
         rows_cu = np.concatenate([cu[:r + 1], cu[r] + np.cumsum([len(c) for c in chunks], dtype=np.int64)])
     seqs = [*batch, *(f.seq for f in feeding)]
-    sampling = per_row_sampling(sampling_rows(batch, counts.tolist(), feeding), np.diff(rows_cu)) \
+    sampling = per_row_sampling(sampling_rows(batch, counts.tolist(), feeding), ragged.lengths(rows_cu)) \
         if not all([s.greedy for s in seqs]) else {}  # (lists, not generators: a call fewer a request)
     logprobs = [s.params.logprobs is not None for s in batch] + [f.wants_logprobs for f in feeding]
     controls = None
@@ -82,7 +82,7 @@ def keep_features(pool, batch: list[Sequence], drafts: Drafts, feeding: list[Fee
     Drafters hosted by the ranks read every feature where it is."""
     if pool.hosted:
         return [True] * (len(batch) + len(feeding))
-    drafted = np.diff(drafts.cu) > 0
+    drafted = ragged.lengths(drafts.cu) > 0
     return [not (drafted[i] and pool.drafting(s.rid)) for i, s in enumerate(batch)] + [True] * len(feeding)
 
 
@@ -92,7 +92,7 @@ def oracle_lengths(verify, target, st: Step) -> np.ndarray:
     back (the `oracle` policy, benchmarks only; this extra pass is not counted in the step's
     measured time)."""
     batch, drafts = st.batch, st.drafts
-    all_kept = np.diff(drafts.cu)
+    all_kept = ragged.lengths(drafts.cu)
     allowed = grammar_allowed(batch, drafts)
     all_kept = all_kept if allowed is None else allowed
     out = verify(dataclasses.replace(st, feeding=[], pruned=Pruned(np.asarray(all_kept, dtype=np.int64))))

@@ -388,7 +388,7 @@ def _features_of(batch: VerifyBatch, members: list[np.ndarray], results: list) -
     out: list[dict[int, np.ndarray]] = [{} for _ in range(len(batch))]
     if not any(res.features for res in results):  # the usual step: nothing shipped
         return out
-    lengths = np.diff(batch.cu)
+    lengths = ragged.lengths(batch.cu)
     for idx, res in zip(members, results, strict=True):
         if not res.features:
             continue

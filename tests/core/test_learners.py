@@ -3,7 +3,7 @@
 import math
 
 import numpy as np
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dcut_core.drafting import DraftCost
@@ -108,18 +108,22 @@ RATE = st.one_of(st.just(0.0), st.floats(1e-7, 3e-3))  # seconds: none, or 0.1 �
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(RATE, min_size=5, max_size=5), st.lists(RATE, min_size=5, max_size=5))
+@example([2 ** -9, 0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 2 ** -9, 1e-7])  # found by hypothesis (session 32)
 def test_measured_rates_are_recovered_from_any_current_cost(true, now):
     """Passes of every shape, noise-free: whatever the current cost, the refit finds the true
     rates (the pull toward the current cost does not bias what the passes measure; columns of
-    rates 100 × apart are solved at one scale)."""
+    rates 100 × apart are solved at one scale). The pull is not nothing: a current cost of 2 ms
+    a context token where the passes measure none leaves ~1e-9 s a token, 3e-5 of a pass at the
+    measured contexts (≤ 50 tokens) and 3e-4 at ten times that, hence the looser tolerance for
+    the shape past every measured one."""
     true_cost, fit = DraftCost(*true), RateFit(DraftCost(*now), refit_every=1000)
     if seconds(true_cost, (1, 1, 0, 1)) <= 0:
         return
     for r, p, c, n in SHAPES:
         fit.observe(r, p, seconds(true_cost, (r, p, c, n)), c, n)
     fit.refit()
-    for shape in [*SHAPES, (64, 64 * 15, 500, 15)]:
-        assert math.isclose(seconds(fit.fitted, shape), seconds(true_cost, shape), rel_tol=1e-4, abs_tol=1e-9)
+    for shape, tol in [*((s, 1e-4) for s in SHAPES), ((64, 64 * 15, 500, 15), 1e-3)]:
+        assert math.isclose(seconds(fit.fitted, shape), seconds(true_cost, shape), rel_tol=tol, abs_tol=1e-9)
 
 
 def test_refits_come_every_refit_every_passes_also_once_the_window_is_full():
