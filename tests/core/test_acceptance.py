@@ -126,6 +126,25 @@ def test_censoring_keeps_the_estimate_unbiased():
     np.testing.assert_allclose(est, 0.8, atol=0.03)
 
 
+def test_refits_come_once_a_quarter_of_the_kept_drafts_are_new():
+    """Every 256 judged drafts while few are kept, then once a quarter of the kept window is new:
+    a fit's cost grows with the window, its cost per observation does not. The kept window
+    stays `keep` (the fit trims it) and the weights keep moving toward the data."""
+    cal = Calibrator(block=8, keep=4096)
+    fits, fit = [], cal.fit
+    cal.fit = lambda: (fits.append(cal.observed), fit())
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        conf = rng.uniform(0.05, 1.0, 100)
+        cal.observe(conf, np.zeros(100), rng.integers(0, 8, 100), rng.uniform(size=100) < 0.5 * conf)
+    gaps = np.diff([0, *fits])
+    assert fits[:4] == [300, 600, 900, 1200]  # 256 new each (in steps of 100): the window under 1,024
+    assert all(g >= min(n, 4096) // 4 for g, n in zip(gaps, fits, strict=True))
+    assert all(g <= max(256, min(n, 4096) // 4) + 100 for g, n in zip(gaps, fits, strict=True))
+    assert sum(len(x[0]) for x in cal._seen) <= 4096 + cal._pending
+    assert cal.weights[1] < 1.0  # the fits learnt that confidences are twice too high
+
+
 def test_ece_and_brier_exact():
     assert expected_calibration_error(np.array([0.9, 0.9]), np.array([1, 0]), bins=10) == pytest.approx(0.4)
     assert brier_score(np.array([1.0, 0.0]), np.array([1, 1])) == pytest.approx(0.5)
