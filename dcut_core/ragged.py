@@ -47,7 +47,7 @@ def segment_ids(cu: np.ndarray) -> np.ndarray:
 def positions(cu: np.ndarray) -> np.ndarray:
     """Position of every flat entry inside its own request: [N]."""
     cu = np.asarray(cu)
-    return np.arange(int(cu[-1])) - cu[:-1].repeat(cu[1:] - cu[:-1])
+    return np.arange(int(cu[-1])) - cu[:-1].repeat(lengths(cu))
 
 
 def segment_cumprod(values: np.ndarray, cu: np.ndarray) -> np.ndarray:
@@ -83,7 +83,7 @@ def gather(cu: np.ndarray, rows: np.ndarray, lengths: np.ndarray | None = None) 
     have = (cu[1:] - cu[:-1])[rows]
     n = have if lengths is None else np.minimum(have, np.asarray(lengths, dtype=np.int64))
     out = offsets_from_lengths(n)
-    return np.repeat(np.asarray(cu)[rows], n) + positions(out), out
+    return np.repeat(cu[rows], n) + positions(out), out
 
 
 def check_offsets(cu: np.ndarray, n: int) -> None:
