@@ -69,7 +69,7 @@ def _build_block(a: BuildArgs):
 
 def _build_mtp(a: BuildArgs):
     from actors.drafter import has_nextn
-    from actors.drafter.mtp import CONFIG, MTPDrafter, MTPModule
+    from actors.drafter.mtp import CONFIG, DraftVocabulary, MTPDrafter, MTPModule
     from actors.drafter.nextn import NextNModule
     from actors.drafter.target_parts import shared_embeddings, target_final_norm
     from actors.target.config import MoEConfig
@@ -83,7 +83,7 @@ def _build_mtp(a: BuildArgs):
         raise ValueError(f"the mtp drafter needs a folder with {CONFIG} and its weights (drafter_dir), or a "
                          "target checkpoint with a next-n layer")
     return MTPDrafter(module, target_final_norm(a.target_dir), MoEConfig.load(a.target_dir).num_hidden_layers,
-                      a.capacity_tokens, a.block)
+                      a.capacity_tokens, a.block, DraftVocabulary.load(a.folder) if a.folder else None)
 
 
 def _build_eagle3(a: BuildArgs):

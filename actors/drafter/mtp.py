@@ -34,6 +34,7 @@ from dcut_core.chains import ChainCut, ChainStop
 
 CONFIG = "mtp_config.json"
 WEIGHTS = "mtp.safetensors"
+VOCAB = "draft_vocab.safetensors"  # optional: the draft vocabulary (`DraftVocabulary`)
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,11 @@ class MTPModule(nn.Module):
     def logits(self, g: torch.Tensor) -> torch.Tensor:
         return self._shared[1](self.shared_head.norm(g))
 
+    @property
+    def lm_head(self) -> nn.Linear:
+        """The target's LM head (borrowed, frozen)."""
+        return self._shared[1]
+
     def save(self, path: str | pathlib.Path, dtype: torch.dtype = torch.float16) -> None:
         path = pathlib.Path(path)
         path.mkdir(parents=True, exist_ok=True)
@@ -136,6 +142,40 @@ def check_shared_copies(prefix: str, copy_of, embed: nn.Embedding, head: nn.Line
             raise ValueError(f"{prefix}{shared} differs from the target's: not a module of this target")
 
 
+class DraftVocabulary:
+    """The tokens a chained drafter may propose, most frequent first (FR-Spec): its head is the
+    target's LM head's rows for these tokens only. On this CPU a pass of the bundled module reads
+    the 4,096-token head (4 MiB) and 3.4 MiB of its own weights, so the head is half a pass; a
+    draft outside the vocabulary is one the drafter cannot make, which costs acceptance, never
+    correctness (the target verifies every draft).
+
+    Stored as `draft_vocab.safetensors` (`token_ids`, int64 [N]) beside the module's weights;
+    absent, the drafter drafts over the whole vocabulary."""
+
+    def __init__(self, token_ids: torch.Tensor) -> None:
+        ids = token_ids.to(torch.long).flatten()
+        if not len(ids) or len(torch.unique(ids)) != len(ids) or int(ids.min()) < 0:
+            raise ValueError("a draft vocabulary is a non-empty list of distinct token ids")
+        self.ids = ids
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @classmethod
+    def from_counts(cls, counts: np.ndarray, size: int) -> DraftVocabulary:
+        """The `size` most frequent tokens of `counts` [V] (ties by token id)."""
+        order = np.argsort(-np.asarray(counts), kind="stable")[:size]
+        return cls(torch.from_numpy(order.astype(np.int64)))
+
+    @classmethod
+    def load(cls, folder: str | pathlib.Path) -> DraftVocabulary | None:
+        path = pathlib.Path(folder) / VOCAB
+        return cls(load_file(str(path))["token_ids"]) if path.exists() else None
+
+    def save(self, folder: str | pathlib.Path) -> None:
+        save_file({"token_ids": self.ids.cpu().contiguous()}, str(pathlib.Path(folder) / VOCAB))
+
+
 class MTPDrafter:
     """Drafts by chaining the module; owns each request's cache of committed pairs.
 
@@ -144,8 +184,13 @@ class MTPDrafter:
     the first draft."""
 
     def __init__(self, module: MTPModule, final_norm: RMSNorm, target_layer: int, capacity_tokens: int = 65536,
-                 block: int = 16) -> None:
+                 block: int = 16, vocab: DraftVocabulary | None = None) -> None:
         self.module, self.final_norm, self.layer, self.block = module, final_norm, target_layer, block
+        if vocab is not None and int(vocab.ids.max()) >= module.vocab_size:
+            raise ValueError(f"the draft vocabulary names token {int(vocab.ids.max())}; the target has "
+                             f"{module.vocab_size}")
+        self.vocab = vocab
+        self._head: tuple[torch.Tensor, torch.Tensor] | None = None  # (token ids, head rows) on the device
         # keys and values per pair; a latent-attention module (a DeepSeek-V3 next-n layer) keeps one
         # latent row as the key and its first `value_dim` values as the value
         self.spec = CacheSpec(1, module.kv_heads, module.head_dim, capacity_tokens,
@@ -176,7 +221,18 @@ class MTPDrafter:
             if part is not None:
                 part.to(device)
         self.cache = PagedKVCache(self.spec, device=str(device))
+        self._head = None
         return self
+
+    def _logits(self, g: torch.Tensor) -> torch.Tensor:
+        """Logits [R, N] over the draft vocabulary (column c is token `_head[0][c]`), or over the
+        whole vocabulary where there is none."""
+        if self.vocab is None:
+            return self.module.logits(g).float()
+        if self._head is None:  # the shared head is frozen: its rows are copied once
+            ids = self.vocab.ids.to(self.device)
+            self._head = ids, self.module.lm_head.weight.detach()[ids].contiguous()
+        return F.linear(self.module.shared_head.norm(g), self._head[1]).float()
 
     def _features(self, features: dict) -> torch.Tensor:
         """What the module conditions on, per position, from the target's captured states."""
@@ -255,13 +311,15 @@ class MTPDrafter:
             mask[:, :t] = torch.arange(t, device=dev)[None, :] < ctx_t[:, None]
             cut = None if stop is None else ChainCut(stop, np.array([lengths[i] for i in live]))
             for s in range(n):
-                logits = self.module.logits(g).float()
+                logits = self._logits(g)
                 steps.append(logits)
                 if cut is not None and not cut.after_pass(*_confidence(logits)):
                     break
                 if s + 1 == n:
                     break
                 tok = logits.argmax(-1)  # the chain follows the greedy draft (sampling draws below)
+                if self._head is not None:
+                    tok = self._head[0][tok]
                 x = self.module.combine(tok, g)
                 q, k_all[:, t + s], v_all[:, t + s] = self.module.qkv(x, ctx_t + 1 + s)
                 mask[:, t + s] = True
@@ -271,8 +329,9 @@ class MTPDrafter:
                 for j, i in enumerate(live):
                     lengths[i] = int(cut.lengths[j])
         rows = [steps[s][j] for j, i in enumerate(live) for s in range(lengths[i])]
-        logits = torch.stack(rows) if rows else torch.zeros(0, self.module.vocab_size, device=self.device)
-        return sample_drafts(logits, lengths, temperature, rng)
+        width = self.module.vocab_size if self.vocab is None else len(self.vocab)
+        logits = torch.stack(rows) if rows else torch.zeros(0, width, device=self.device)
+        return sample_drafts(logits, lengths, temperature, rng, None if self._head is None else self._head[0])
 
     def release(self, request_ids: list[int]) -> None:
         self.cache.release_all([r for r in request_ids if r in self.cache])

@@ -77,6 +77,11 @@ class NextNModule(nn.Module):
     def logits(self, g: torch.Tensor) -> torch.Tensor:
         return self._shared[1](self.shared_head.norm(g))
 
+    @property
+    def lm_head(self) -> nn.Linear:
+        """The target's LM head (borrowed, frozen)."""
+        return self._shared[1]
+
     @classmethod
     def load(cls, target_dir: str | pathlib.Path, embed: nn.Embedding, head: nn.Linear) -> NextNModule:
         """The next-n layer of a target checkpoint; its copies of the embedding and LM head must

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from actors.drafter.mtp import WEIGHTS, MTPConfig, MTPDrafter, MTPModule
+from actors.drafter.kinds import BuildArgs, kind
+from actors.drafter.mtp import WEIGHTS, DraftVocabulary, MTPConfig, MTPDrafter, MTPModule
 from actors.drafter.target_parts import shared_embeddings, target_final_norm
 from actors.engine.config import EngineConfig
 from actors.engine.coordinator import Engine
@@ -24,19 +25,21 @@ from tests.conftest import tiny_mtp
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5], [9, 10], [40, 41, 42, 40, 41], [3, 4, 3, 4, 3, 4]]
 
 
-def naive_drafts(module: MTPModule, norm, model, tokens: list[int], k: int) -> list[int]:
+def naive_drafts(module: MTPModule, norm, model, tokens: list[int], k: int,
+                 vocab: list[int] | None = None) -> list[int]:
     """Recompute everything from scratch: the target's normed states of every committed
     position, all pairs with full causal attention, then k greedy chain steps."""
     with torch.no_grad():
         _, captured = model(ForwardBatch.from_lists([0], [tokens[:-1]], "last"), model.new_cache(256),
                             capture_layers=(3,))
-    return naive_chain(module, tokens, norm(captured[3]), k)
+    return naive_chain(module, tokens, norm(captured[3]), k, vocab)
 
 
-def naive_chain(module, tokens: list[int], hidden: torch.Tensor, k: int) -> list[int]:
+def naive_chain(module, tokens: list[int], hidden: torch.Tensor, k: int, vocab: list[int] | None = None) -> list[int]:
     """k greedy drafts of a chained module (MTP, EAGLE-3) from scratch: pairs (token j + 1, state
     j) for every committed position, full causal attention, each draft appended with the module's
-    own output as its state."""
+    own output as its state. vocab: the tokens it may draft (the argmax over the full vocabulary's
+    logits restricted to them)."""
     with torch.no_grad():
         toks, hid, out = list(tokens[1:]), [*hidden], []
         for _ in range(k):
@@ -48,7 +51,8 @@ def naive_chain(module, tokens: list[int], hidden: torch.Tensor, k: int) -> list
             attn = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, is_causal=True,
                                                   scale=getattr(module, "scale", None))
             g = module.finish(x, attn[0].transpose(0, 1).reshape(n, -1))
-            nxt = int(module.logits(g[-1]).argmax())
+            logits = module.logits(g[-1])
+            nxt = int(logits.argmax()) if vocab is None else vocab[int(logits[vocab].argmax())]
             out.append(nxt)
             toks.append(nxt)
             hid.append(g[-1])
@@ -79,6 +83,46 @@ def test_incremental_drafting_equals_a_naive_full_recompute(tiny_bundle, tmp_pat
     check_chain_cut(drafter, got, [5, 3, 1, 4])
     drafter.release([0])
     assert drafter.draft([0], [5], [3]).cu.tolist() == [0, 0]  # no context: no drafts
+
+
+def test_a_draft_vocabulary_drafts_only_its_tokens(tiny_bundle, tmp_path):
+    """With a draft vocabulary the chain is the greedy chain over those tokens only (a naive
+    recompute restricted to them agrees), it differs from the unrestricted chain where that one
+    drafts a token outside the vocabulary, and it is loaded with the module's folder."""
+    target_dir = f"{tiny_bundle}/target"
+    module = tiny_mtp(target_dir, tmp_path / "mtp")
+    norm, model = target_final_norm(target_dir), load_model(target_dir).eval()
+    local = LocalTarget(model)
+
+    def drafts(vocab):
+        drafter = MTPDrafter(MTPModule.load(tmp_path / "mtp", *shared_embeddings(target_dir)), norm, target_layer=3,
+                             capacity_tokens=4096, block=6, vocab=vocab)
+        for rid, p in enumerate(PROMPTS):
+            drafter.commit([rid], [p], [{3: local.forward([rid], [p[:-1]], capture_layers=(3,)).features[0][3]}])
+            local.cache.release_all([rid])
+        return drafter, drafter.draft(list(range(len(PROMPTS))), [p[-1] for p in PROMPTS], [5, 3, 1, 4])
+
+    _, full = drafts(None)
+    used = set(full.tokens.tolist())
+    ids = [t for t in range(module.vocab_size) if t not in used][::-1]  # every token the full chain did not draft
+    drafter, got = drafts(DraftVocabulary(torch.tensor(ids)))
+    assert set(got.tokens.tolist()) <= set(ids) and got.tokens.tolist() != full.tokens.tolist()
+    for i, p in enumerate(PROMPTS):
+        want = naive_drafts(module, norm, model, p, [5, 3, 1, 4][i], ids)
+        assert got.tokens[got.cu[i]:got.cu[i + 1]].tolist() == want
+    assert np.all((got.confidence > 0) & (got.confidence <= 1))
+    check_chain_cut(drafter, got, [5, 3, 1, 4])
+
+    DraftVocabulary(torch.tensor(ids)).save(tmp_path / "mtp")
+    built = kind("mtp").build(BuildArgs(target_dir, str(tmp_path / "mtp"), 4096, 6))
+    assert built.vocab is not None and built.vocab.ids.tolist() == ids
+    with pytest.raises(ValueError, match="distinct"):
+        DraftVocabulary(torch.tensor([1, 1]))
+    with pytest.raises(ValueError, match="the target has"):
+        MTPDrafter(module, norm, 3, vocab=DraftVocabulary(torch.tensor([module.vocab_size])))
+    counts = np.zeros(module.vocab_size)
+    counts[[7, 3, 9]] = [5, 9, 5]
+    assert DraftVocabulary.from_counts(counts, 3).ids.tolist() == [3, 7, 9]  # ties by id
 
 
 def check_chain_cut(drafter: MTPDrafter, full, wanted: list[int]) -> None:
@@ -131,9 +175,12 @@ def test_deepseek_layout_loads_and_a_foreign_head_is_refused(tiny_bundle, tmp_pa
 @pytest.mark.parametrize("ep", [1, 2])
 def test_mtp_drafts_are_verified_losslessly(tiny_bundle, tmp_path, ep):
     target_dir = f"{tiny_bundle}/target"
-    tiny_mtp(target_dir, tmp_path / "mtp")
+    module = tiny_mtp(target_dir, tmp_path / "mtp")
     reference = greedy_decode(LocalTarget(load_model(target_dir)), list(range(len(PROMPTS))), PROMPTS, 12)
-    # At EP 2 the chains are cut as they run (`chain_stop`): the rule crosses the control link.
+    # At EP 2 the chains are cut as they run (`chain_stop`): the rule crosses the control link; and
+    # the module drafts over half the vocabulary (a draft vocabulary in its folder).
+    if ep == 2:
+        DraftVocabulary(torch.arange(module.vocab_size // 2)).save(tmp_path / "mtp")
     eng = Engine(EngineConfig(target_dir=target_dir, drafter="mtp", drafter_dir=str(tmp_path / "mtp"), block=6,
                               policy="full", ep=ep, cost_model_cache=str(tmp_path), chain_stop=ep == 2))
     try:
