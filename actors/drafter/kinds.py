@@ -62,9 +62,10 @@ def _build_block(a: BuildArgs):
     from actors.drafter.block import BlockDrafter
     from actors.drafter.dflash import load_block_model
     from actors.drafter.target_parts import shared_embeddings
+    from actors.target.layout import for_cpu
 
     embed, head = shared_embeddings(a.target_dir)
-    return BlockDrafter(load_block_model(a.folder, embed, head), a.capacity_tokens, a.block)
+    return BlockDrafter(for_cpu(load_block_model(a.folder, embed, head)), a.capacity_tokens, a.block)
 
 
 def _build_mtp(a: BuildArgs):
@@ -73,6 +74,7 @@ def _build_mtp(a: BuildArgs):
     from actors.drafter.nextn import NextNModule
     from actors.drafter.target_parts import shared_embeddings, target_final_norm
     from actors.target.config import MoEConfig
+    from actors.target.layout import for_cpu
 
     embed, head = shared_embeddings(a.target_dir)
     if a.folder and (pathlib.Path(a.folder) / CONFIG).exists():
@@ -82,20 +84,22 @@ def _build_mtp(a: BuildArgs):
     else:
         raise ValueError(f"the mtp drafter needs a folder with {CONFIG} and its weights (drafter_dir), or a "
                          "target checkpoint with a next-n layer")
-    return MTPDrafter(module, target_final_norm(a.target_dir), MoEConfig.load(a.target_dir).num_hidden_layers,
-                      a.capacity_tokens, a.block, DraftVocabulary.load(a.folder) if a.folder else None)
+    layer = MoEConfig.load(a.target_dir).num_hidden_layers
+    return MTPDrafter(for_cpu(module, head), target_final_norm(a.target_dir), layer, a.capacity_tokens, a.block,
+                      DraftVocabulary.load(a.folder) if a.folder else None)
 
 
 def _build_eagle3(a: BuildArgs):
     from actors.drafter.eagle3 import CONFIG, Eagle3Drafter, Eagle3Module
     from actors.drafter.target_parts import shared_embeddings
     from actors.target.config import MoEConfig
+    from actors.target.layout import for_cpu
 
     if not a.folder or not (pathlib.Path(a.folder) / CONFIG).exists():
         raise ValueError(f"the eagle3 drafter needs a folder with {CONFIG} and its weights (drafter_dir)")
     embed, _ = shared_embeddings(a.target_dir)
     module = Eagle3Module.load(a.folder, embed, MoEConfig.load(a.target_dir).num_hidden_layers)
-    return Eagle3Drafter(module, a.capacity_tokens, a.block)
+    return Eagle3Drafter(for_cpu(module), a.capacity_tokens, a.block)
 
 
 def _build_ngram(a: BuildArgs):

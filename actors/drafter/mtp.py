@@ -30,6 +30,7 @@ from actors.drafter.base import DraftOutput, on
 from actors.drafter.block import sample_drafts
 from actors.target.kv_cache import CacheSpec, PagedKVCache, gather, scatter
 from actors.target.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin
+from actors.target.layout import cpu_matrix
 from dcut_core.chains import ChainCut, ChainStop
 
 CONFIG = "mtp_config.json"
@@ -173,7 +174,9 @@ class DraftVocabulary:
         return cls(load_file(str(path))["token_ids"]) if path.exists() else None
 
     def save(self, folder: str | pathlib.Path) -> None:
-        save_file({"token_ids": self.ids.cpu().contiguous()}, str(pathlib.Path(folder) / VOCAB))
+        folder = pathlib.Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file({"token_ids": self.ids.cpu().contiguous()}, str(folder / VOCAB))
 
 
 class MTPDrafter:
@@ -231,7 +234,7 @@ class MTPDrafter:
             return self.module.logits(g).float()
         if self._head is None:  # the shared head is frozen: its rows are copied once
             ids = self.vocab.ids.to(self.device)
-            self._head = ids, self.module.lm_head.weight.detach()[ids].contiguous()
+            self._head = ids, cpu_matrix(self.module.lm_head.weight.detach()[ids])
         return F.linear(self.module.shared_head.norm(g), self._head[1]).float()
 
     def _features(self, features: dict) -> torch.Tensor:

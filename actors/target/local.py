@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from actors.target.group import TargetOutput
+from actors.target.layout import for_cpu
 from actors.target.model import ForwardBatch, MoETransformer
 from actors.target.moe import StepStats
 from actors.target.sampling import draw, target_probs
@@ -21,7 +22,7 @@ class LocalTarget:
     """A model and its KV cache in this process."""
 
     def __init__(self, model: MoETransformer, kv_capacity_tokens: int = 65536, kv_block_size: int = 16) -> None:
-        self.model = model
+        self.model = for_cpu(model)  # on the CPU, weights laid out for its matmul (actors/target/layout.py)
         self.cache = model.new_cache(kv_capacity_tokens, kv_block_size)
 
     def forward(self, request_ids: list[int], chunks: list[list[int]], logits: str | list[list[int]] = "all",
