@@ -79,7 +79,6 @@ demo-model: setup
 	OMP_NUM_THREADS=2 $(BIN)/python -m tools.demo.train_target --steps 1800 --threads 2 --out models/demo/target
 	OMP_NUM_THREADS=2 $(BIN)/python -m tools.demo.train_drafter --threads 2 --out models/demo/drafter
 	OMP_NUM_THREADS=2 $(BIN)/python -m tools.demo.train_mtp --threads 2 --out models/demo/mtp
-	$(BIN)/python -m tools.demo.draft_vocab --size 2048 --out models/demo/mtp
 	$(BIN)/python -m tools.demo.evaluate --out runs/demo/eval.json
 	for seed in 23 29 31; do $(BIN)/dcut trace --workload mixed --num-prompts 32 --seed $$seed --block 8 \
 		--out runs/demo/train$$seed.trace || exit 1; done
