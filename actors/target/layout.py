@@ -45,13 +45,9 @@ def for_cpu(module: nn.Module, *borrowed: nn.Linear) -> nn.Module:
     first = next(module.parameters(), None)
     if first is None or first.device.type != "cpu":
         return module
-    embeddings = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
     for m in (*module.modules(), *borrowed):
         if isinstance(m, nn.Linear) and m.weight.dim() == 2 and m.weight.is_floating_point():
-            w = m.weight
-            if id(w) in embeddings:
-                w = w.detach().clone()
-            m.weight = _laid_out(nn.Parameter(w, requires_grad=False) if w is not m.weight else w)
+            m.weight = _laid_out(m.weight)  # a new tensor: a tied embedding keeps the one it has
         elif isinstance(m, LocalExperts):
             m.gate_up, m.down = _laid_out(m.gate_up), _laid_out(m.down)
     return module

@@ -35,6 +35,12 @@ def test_linear_and_expert_weights_keep_their_values_with_the_transpose_contiguo
     w = torch.randn(5, 3)
     laid = cpu_matrix(w)
     assert torch.equal(laid, w) and laid.transpose(0, 1).is_contiguous() and cpu_matrix(laid) is laid
+    tiny = nn.Module()
+    tiny.embed, tiny.head = nn.Embedding(7, 3), nn.Linear(3, 7, bias=False)
+    tiny.head.weight = tiny.embed.weight  # tied
+    for_cpu(tiny)
+    assert tiny.head.weight is not tiny.embed.weight and torch.equal(tiny.head.weight, tiny.embed.weight)
+    assert tiny.embed.weight.is_contiguous() and tiny.head.weight.t().is_contiguous()
     with torch.device("meta"):
         meta = nn.Linear(4, 4)
     assert for_cpu(meta) is meta and meta.weight.is_contiguous()  # off the CPU nothing moves
