@@ -1,13 +1,12 @@
-"""The target's forward with its weights in the checkpoint's layout and laid out for the CPU's
-matmul (`actors/target/layout.py`), alternating forward by forward; and the cold one-row products
-behind it.
+"""The target's forward with `F.linear` products and with the CPU's (`actors/target/layout.py`),
+alternating forward by forward; and the cold products behind it.
 
     .venv/bin/python benchmarks/cpu_layout.py [--forwards 150] [--threads 2]
 
-Prints JSON lines: per token count, the median forward time of each layout (one request after a
+Prints JSON lines: per token count, the median forward time of each (one request after a
 100-token context, random tokens: repeated tokens route to the same experts and mislead), then
-per weight shape the median product time of `F.linear` over 64 MB of such weights (out of the
-caches, as a model's are) in each layout.
+per weight shape and row count the median product time over 64 MB of such weights (out of the
+caches, as a model's are): `F.linear`, `F.linear` by the weight stored transposed, `cpu_linear`.
 """
 
 from __future__ import annotations
@@ -18,37 +17,42 @@ import pathlib
 import statistics
 import sys
 import time
+from unittest.mock import patch
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from actors.target.layout import cpu_linear
 
 
 def forwards(args) -> None:
     from actors.target.checkpoint import load_model
+    from actors.target.layout import CpuLinear
     from actors.target.local import LocalTarget
     from deployments.bundle import BUNDLED, Bundle
 
     bundle = Bundle(BUNDLED)
+    laid = LocalTarget(load_model(bundle.target).eval())  # LocalTarget swaps the products on the CPU
     checkpoint = LocalTarget(load_model(bundle.target).eval())
-    checkpoint.model = load_model(bundle.target).eval()  # LocalTarget lays weights out; this one keeps the file's
-    checkpoint.cache = checkpoint.model.new_cache(65536, 16)
-    laid = LocalTarget(load_model(bundle.target).eval())
+    for m in checkpoint.model.modules():  # back to F.linear (the experts' loop: patched per forward)
+        if type(m) is CpuLinear:
+            m.__class__ = torch.nn.Linear
     rng = np.random.default_rng(3)
     context = rng.integers(5, 4000, 100).tolist()
     for t in (checkpoint, laid):
         t.forward([0], [context])
 
     def one(target, tokens) -> float:
-        t0 = time.perf_counter()
-        target.forward([0], [tokens])
-        dt = time.perf_counter() - t0
+        with patch("actors.target.moe.cpu_linear", F.linear if target is checkpoint else cpu_linear):
+            t0 = time.perf_counter()
+            target.forward([0], [tokens])
+            dt = time.perf_counter() - t0
         target.cache.truncate_all({0: len(context)})
         return dt
 
-    for n in (1, 2, 4, 8, 16):
+    for n in (1, 2, 4, 8, 16, 64):
         a, b = [], []
         for k in range(args.forwards):
             tokens = rng.integers(5, 4000, n).tolist()
@@ -56,28 +60,29 @@ def forwards(args) -> None:
             for target, times in order:
                 times.append(one(target, tokens))
         ma, mb = statistics.median(a), statistics.median(b)
-        print(json.dumps({"tokens": n, "checkpoint_ms": round(1e3 * ma, 3), "laid_out_ms": round(1e3 * mb, 3),
+        print(json.dumps({"tokens": n, "f_linear_ms": round(1e3 * ma, 3), "cpu_linear_ms": round(1e3 * mb, 3),
                           "ratio": round(mb / ma, 3)}), flush=True)
 
 
 def products(args) -> None:
-    def median_us(weights, x) -> float:
+    def median_us(weights, x, product) -> float:
         times = []
         for _ in range(10):
             for w in weights:
                 t0 = time.perf_counter()
-                F.linear(x, w)
+                product(x, w)
                 times.append(time.perf_counter() - t0)
         return 1e6 * statistics.median(times)
 
     for k, n in ((256, 768), (384, 256), (256, 256), (256, 4096)):
         count = max(8, int(64e6 / (k * n * 4)))
         plain = [torch.randn(n, k) for _ in range(count)]
-        laid = [w.t().contiguous().t() for w in plain]
-        for m in (1, 4, 16, 64):
+        transposed = [w.t().contiguous().t() for w in plain]
+        for m in (1, 2, 4, 16, 32, 64):
             x = torch.randn(m, k)
-            print(json.dumps({"in": k, "out": n, "rows": m, "checkpoint_us": round(median_us(plain, x), 1),
-                              "laid_out_us": round(median_us(laid, x), 1)}), flush=True)
+            print(json.dumps({"in": k, "out": n, "rows": m, "f_linear_us": round(median_us(plain, x, F.linear), 1),
+                              "stored_transposed_us": round(median_us(transposed, x, F.linear), 1),
+                              "cpu_linear_us": round(median_us(plain, x, cpu_linear), 1)}), flush=True)
 
 
 def main() -> int:

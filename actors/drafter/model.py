@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from actors.target.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin
-from actors.target.layout import cpu_matrix
+from actors.target.layout import cpu_linear
 
 
 @dataclass(frozen=True)
@@ -186,8 +186,8 @@ class DraftModel(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the head's vocabulary: [.., N]; column c is token head_ids[c]."""
         if self._head_w is None or self._head_w.shape[0] != len(self.head_ids):
-            self._head_w = cpu_matrix(self.lm_head.weight.detach()[self.head_ids])  # the shared head is frozen
-        return F.linear(hidden, self._head_w)
+            self._head_w = self.lm_head.weight.detach()[self.head_ids]  # the shared head is frozen
+        return cpu_linear(hidden, self._head_w)
 
     def save(self, path: str | pathlib.Path, dtype: torch.dtype = torch.float16) -> None:
         from safetensors.torch import save_file

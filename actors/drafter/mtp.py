@@ -30,7 +30,7 @@ from actors.drafter.base import DraftOutput, on
 from actors.drafter.block import sample_drafts
 from actors.target.kv_cache import CacheSpec, PagedKVCache, gather, scatter
 from actors.target.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin
-from actors.target.layout import cpu_matrix
+from actors.target.layout import cpu_linear
 from dcut_core.chains import ChainCut, ChainStop
 
 CONFIG = "mtp_config.json"
@@ -234,8 +234,8 @@ class MTPDrafter:
             return self.module.logits(g).float()
         if self._head is None:  # the shared head is frozen: its rows are copied once
             ids = self.vocab.ids.to(self.device)
-            self._head = ids, cpu_matrix(self.module.lm_head.weight.detach()[ids])
-        return F.linear(self.module.shared_head.norm(g), self._head[1]).float()
+            self._head = ids, self.module.lm_head.weight.detach()[ids]
+        return cpu_linear(self.module.shared_head.norm(g), self._head[1]).float()
 
     def _features(self, features: dict) -> torch.Tensor:
         """What the module conditions on, per position, from the target's captured states."""

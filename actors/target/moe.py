@@ -19,6 +19,7 @@ from torch import nn
 
 from actors.target.config import MoEConfig
 from actors.target.layers import SwiGLU
+from actors.target.layout import cpu_linear
 
 
 @dataclass
@@ -130,8 +131,8 @@ class LocalExperts(nn.Module):
         start = 0
         for e, c in enumerate(counts):
             if c:
-                gate, up = F.linear(rows[start:start + c], self.gate_up[e]).chunk(2, dim=-1)
-                out[start:start + c] = F.linear(F.silu(gate) * up, self.down[e])
+                gate, up = cpu_linear(rows[start:start + c], self.gate_up[e]).chunk(2, dim=-1)
+                out[start:start + c] = cpu_linear(F.silu(gate) * up, self.down[e])
                 start += c
         return out
 
