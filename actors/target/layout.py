@@ -5,11 +5,11 @@
 so a decode or verify step's products are bound by reading weights, and how fast they are read
 depends on how the product is posed. Measured on 64 MB of weights cycled (`benchmarks/
 cpu_layout.py`, µs a product, `F.linear` → this module's): an expert's gate-and-up [256 → 768] at
-one row 96 → 45, at four rows 146 → 44; the bundled LM head [256 → 4,096] 485 → 142 at one row,
-684 → 224 at four. What wins up to `SMALL` rows is `(W @ xᵀ)ᵀ`: the weight stays as stored (row
-by row) and the few input rows are the product's narrow side; one row is doubled first, since a
-one-column product takes the slow matrix-vector path. Past `SMALL` rows `F.linear` is as fast or
-faster, and is used.
+one row 98 → 40, at four rows 131 → 45; the bundled LM head [256 → 4,096] 497 → 183 at one row,
+707 → 290 at four (docs/benchmarks.md, session 33). What wins up to `SMALL` rows is `(W @ xᵀ)ᵀ`:
+the weight stays as stored (row by row) and the few input rows are the product's narrow side; one
+row is doubled first, since a one-column product takes the slow matrix-vector path. Past `SMALL`
+rows `F.linear` is as fast or faster, and is used.
 
 A product posed this way may round differently in the last bits (the kernel sums in another
 order): logits agree with `F.linear`'s to ~1e-5, and no greedy output of the test suite or the
