@@ -22,7 +22,7 @@ class LocalTarget:
     """A model and its KV cache in this process."""
 
     def __init__(self, model: MoETransformer, kv_capacity_tokens: int = 65536, kv_block_size: int = 16) -> None:
-        self.model = for_cpu(model)  # on the CPU, weights laid out for its matmul (actors/target/layout.py)
+        self.model = for_cpu(model)  # on the CPU, linear products posed for it (actors/target/layout.py)
         self.cache = model.new_cache(kv_capacity_tokens, kv_block_size)
 
     def forward(self, request_ids: list[int], chunks: list[list[int]], logits: str | list[list[int]] = "all",

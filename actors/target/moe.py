@@ -101,7 +101,8 @@ class LocalExperts(nn.Module):
 
     On a GPU they run as two grouped matmuls over every expert's rows at once (one kernel each,
     the groups' ends read on the device); elsewhere as one matmul per expert that has rows — on
-    the CPU as fast, and the exactness reference. `grouped`: None decides by the device (GPU:
+    the CPU as fast, posed by `cpu_linear` (actors/target/layout.py), and with `F.linear` the
+    exactness reference. `grouped`: None decides by the device (GPU:
     grouped where torch runs it), True or False forces a path (tests compare them)."""
 
     def __init__(self, hidden: int, intermediate: int, first: int, count: int) -> None:

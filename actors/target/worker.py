@@ -354,7 +354,7 @@ def load_rank_model(model_dir: str, first: int, count: int, dtype: torch.dtype, 
         from actors.target.fp8 import keep_fp8
 
         keep_fp8(model, model_dir, first, count, device=device, **fp8)
-    if device == "cpu":  # weights laid out for the CPU's matmul (actors/target/layout.py)
+    if device == "cpu":  # linear products posed for the CPU (actors/target/layout.py)
         from actors.target.layout import for_cpu
 
         for_cpu(model)
