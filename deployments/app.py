@@ -136,9 +136,16 @@ class Ingress:
                 if not chat and body.echo:
                     raise ApiError(400, "echo is not supported with stream", param="echo")
                 streams = [(index, self._deltas(ids[i], p)) for index, i, p in runs]
+                waits = [asyncio.ensure_future(self._first(st)) for _, st in streams]
                 try:  # errors before the first token surface as HTTP status, not mid-stream
-                    firsts = await asyncio.gather(*(self._first(st) for _, st in streams))
+                    firsts = await asyncio.gather(*waits)
                 except BaseException:
+                    # The other choices' first tokens are still being awaited: stop them before
+                    # closing their streams (closing a running generator raises RuntimeError,
+                    # which had turned one choice's 400 into a 500).
+                    for w in waits:
+                        w.cancel()
+                    await asyncio.gather(*waits, return_exceptions=True)
                     for _, st in streams:
                         await st.aclose()
                     raise

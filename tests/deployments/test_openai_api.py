@@ -398,3 +398,15 @@ def test_prompts_as_token_ids_and_several_prompts(client, reference):
             client.completions.create(model="dcut-demo", prompt=bad, max_tokens=2)
 
 
+
+
+def test_a_streamed_request_of_several_choices_that_fails_at_the_first_token_is_a_400(server, client):
+    """Every choice of a streamed n = 4 request fails before its first token (structured output on
+    a model without a tokenizer): one 400, not a 500 from closing the other choices' streams while
+    their first tokens were still awaited (found by the fuzz test), and the server keeps serving."""
+    body = {"model": "dcut-demo", "messages": [{"role": "system", "content": "é"}], "max_tokens": 2, "n": 4,
+            "stream": True, "structured_outputs": {"grammar": ""}}
+    with httpx.stream("POST", f"{BASE}/v1/chat/completions", json=body, timeout=60) as r:
+        raw = r.read().decode()
+    assert r.status_code == 400 and "structured output" in raw, raw[:300]
+    assert_still_serving(client)
