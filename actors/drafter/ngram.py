@@ -1,7 +1,8 @@
 """`NgramDrafter`: prompt-lookup drafting, no model.
 
 For a request's token history, find earlier occurrences of its last n tokens (longest n first,
-`max_n` down to `min_n`) and propose what followed the most recent one. Each history keeps an
+`max_n` down to `min_n`) and propose what followed the most recent one — copied on over itself
+where it runs into the history's end (`History.after`: the text repeats). Each history keeps an
 index of its n-grams as tokens are committed (`History`): a lookup does not rescan the context. Confidence of draft j
 comes from the match statistics: of the occurrences found, the share whose continuation agrees
 with the draft up to j, smoothed toward a prior that grows with n. The top-2 margin is the
@@ -120,7 +121,7 @@ class NgramDrafter:
             history, want = self._history[rid], min(want, self.block - 1)
             n, starts = self._match(history, want)
             if starts:
-                d = history.tokens[starts[-1] + n: starts[-1] + n + want]
+                d = history.after(starts[-1] + n, want)
             else:
                 d = self.corpus.follow(history.tokens, want)[1] if self.corpus is not None and want > 0 else []
             out += d
@@ -144,8 +145,8 @@ class NgramDrafter:
         n, starts = self._match(history, want)
         if starts:
             if len(starts) == 1:  # one occurrence (the common case): all its evidence agrees
-                return self._one_occurrence(n, h[starts[0] + n: starts[0] + n + want])
-            return self._statistics(n, [h[s + n: s + n + want] for s in reversed(starts[-self.recent:])])
+                return self._one_occurrence(n, history.after(starts[0] + n, want))
+            return self._statistics(n, [history.after(s + n, want) for s in reversed(starts[-self.recent:])])
         if self.corpus is not None and want > 0:  # another request's output: one occurrence, as of its own
             return self._one_occurrence(*self.corpus.follow(h, want))
         return [], [], []
@@ -230,6 +231,19 @@ class History:
                     if not index[key]:
                         del index[key]
             h.pop()
+
+    def after(self, start: int, want: int) -> list[int]:
+        """Up to `want` tokens from position `start` on, as a match there predicts them: where
+        they run into the end of the history, the text repeats — a match P tokens back predicts
+        that the next tokens copy the last P, so the copy goes on over what it has copied (an
+        overlapping copy, as in LZ77). A model's greedy output falls into such loops: on the
+        mixed workload's training trace a third of the n-gram drafts had stopped at the
+        history's end, and copied on they were accepted 4.9 tokens deep instead of 2.2
+        (docs/benchmarks.md, session 35)."""
+        out = self.tokens[start:start + want]
+        if 0 < len(out) < want:
+            out = (out * (want // len(out) + 1))[:want]
+        return out
 
     def earlier(self, n: int) -> list[int]:
         """Start positions, oldest first, of the earlier occurrences of the last n tokens."""

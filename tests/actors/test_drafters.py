@@ -171,15 +171,38 @@ def test_a_request_whose_kind_drafts_nothing_is_drafted_by_its_fallback(tiny_bun
 def _scan_lookup(h: list[int], want: int, max_n: int, min_n: int,
                  recent: int = 32) -> tuple[list[int], list[float], list[float]]:
     """The obviously correct n-gram draft: scan the history for the last n tokens, longest n
-    first, follow the most recent earlier occurrence; each confidence is the share of the
-    `recent` most recent occurrences agreeing so far whose next token agrees (smoothed toward
-    n / (n + 1)), each margin the top-1 minus top-2 share among them."""
+    first, follow the most recent earlier occurrence — token by token, each drafted token read
+    as history for the next (`_copy_on`); each confidence is the share of the `recent` most
+    recent occurrences agreeing so far whose next token agrees (smoothed toward n / (n + 1)),
+    each margin the top-1 minus top-2 share among them."""
     for n in range(min(max_n, len(h) - 1), min_n - 1, -1):
         starts = [s for s in range(len(h) - n) if h[s:s + n] == h[-n:]]
         if not starts:
             continue
-        return _scan_statistics(n, [h[s + n: s + n + want] for s in reversed(starts)][:recent])
+        return _scan_statistics(n, [_copy_on(h, s + n, want) for s in reversed(starts)][:recent])
     return [], [], []
+
+
+def _copy_on(h: list[int], start: int, want: int) -> list[int]:
+    """`want` tokens read from `start` on, one at a time, each appended to the history read."""
+    text, out = list(h), []
+    for j in range(want):
+        out.append(text[start + j])
+        text.append(out[-1])
+    return out
+
+
+def test_ngram_drafts_copy_on_past_the_end_of_the_history():
+    """A match P tokens back whose continuation runs into the end of the history predicts that
+    the last P tokens repeat: the draft copies on over itself, to the length asked, in the
+    look-ahead (`peek`) as in `draft`."""
+    d = NgramDrafter(max_n=3, block_size=8)
+    d.commit([1], [[4, 1, 2, 3, 1, 2, 3, 1]])  # "2 3 1" occurred 3 tokens back: the period is 3
+    assert d.draft([1], [1], [7]).tokens.tolist() == [2, 3, 1, 2, 3, 1, 2]
+    assert d.peek([1], [5])[0].tolist() == [2, 3, 1, 2, 3]
+    d.commit([2], [[8, 8]])  # period 1
+    assert d.draft([2], [8], [4]).tokens.tolist() == [8, 8, 8, 8]
+    assert d.draft([2], [8], [0]).tokens.tolist() == []
 
 
 def _scan_statistics(n: int, follow: list[list[int]]) -> tuple[list[int], list[float], list[float]]:
@@ -291,7 +314,7 @@ def test_ngram_confidences_count_the_recent_occurrences_of_a_long_repetitive_con
     d.commit([0], [history])
     out = d.draft([0], [6], [4])
     tokens, confs, margins = _scan_lookup(history[-200:], 4, 1, 1, recent=32)
-    assert out.tokens.tolist() == tokens == [7, 5, 6]
+    assert out.tokens.tolist() == tokens == [7, 5, 6, 7]
     np.testing.assert_allclose(out.confidence, confs, rtol=1e-12)
     np.testing.assert_allclose(out.margin, margins, rtol=1e-12)
 
@@ -353,7 +376,7 @@ def test_a_request_with_no_match_of_its_own_drafts_from_earlier_requests_outputs
     assert d.peek([2], [5])[0].tolist() == [3, 4, 5]
     # A match of its own, however short, comes first.
     d.commit([3], [[2, 6, 1, 2]])
-    assert d.draft([3], [2], [5]).tokens.tolist() == [6, 1, 2]
+    assert d.draft([3], [2], [5]).tokens.tolist() == [6, 1, 2, 6, 1]  # copied on past its end
     # Off: nothing kept, nothing drafted.
     off = NgramDrafter(max_n=3, block_size=8)
     off.commit([1], [[7, 8, 1, 2, 3]])

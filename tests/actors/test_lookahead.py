@@ -17,10 +17,11 @@ def test_the_look_ahead_peeks_drafts_for_every_request_and_drafts_for_those_it_i
     la = NgramLookahead(kind=1, block=6)
     batch = [seq(0, [1, 2, 3, 1, 2], [3]), seq(1, [5, 6, 7], [8]), seq(2, [4, 4, 4], [4])]
     look = la.look(batch, np.array([5, 5, 2]))
-    # "1 2 3" occurred before, followed by "1 2 3" (to the history's end); nothing; "4 4 4" by "4"
-    assert look.counts.tolist() == [3, 0, 1]
-    assert look.tokens.tolist() == [1, 2, 3, 4]
-    assert look.available(2).tolist() == [[-1, 3], [-1, 0], [-1, 1]]
+    # "1 2 3" occurred before, followed by "1 2 3" to the history's end, copied on; nothing; "4 4 4"
+    # by "4", copied on
+    assert look.counts.tolist() == [5, 0, 2]
+    assert look.tokens.tolist() == [1, 2, 3, 1, 2, 4, 4]
+    assert look.available(2).tolist() == [[-1, 5], [-1, 0], [-1, 2]]
     plan = Plan(np.array([1, 0, 1]), np.array([2, 3, 0]), np.full(3, -1))
     idx, out = la.draft(batch, plan)
     assert idx == [0] and out.tokens.tolist() == [1, 2] and out.kinds.tolist() == [1]
