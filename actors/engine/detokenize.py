@@ -6,7 +6,8 @@ window: the tokens since the last point where the text was complete (no trailing
 mark of a character whose bytes have not all arrived) — the last step's tokens and the new ones.
 The window's new text is its decoding less the decoding of its already-settled head, as vLLM's
 incremental detokenizer does, so a decoder that treats the start of a string specially (a
-SentencePiece leading space) treats the head and the whole window alike. Should the window's
+SentencePiece leading space) treats the head and the whole window alike; a head must decode to
+some text for that (a skipped token alone does not: the window then keeps its earlier start). Should the window's
 decoding not start with its head's, the whole output is decoded instead. Equal to decoding the
 whole output at every length (property test, tests/actors/test_detokenize.py).
 """
@@ -40,8 +41,14 @@ class IncrementalText:
         else:  # the window decodes differently from its head: decode the whole output
             value = self.detokenize(tokens)
             self.window, self.read, self.settled = 0, 0, ""
-        if not value.endswith("\ufffd"):  # complete here: the next window starts at this step's tokens
-            self.window, self.read, self.settled = self.read, n, value
+        if not value.endswith("\ufffd"):  # complete here: the next window starts at this step's tokens,
+            # unless they made no text (a token the decoder skips, an unknown one): a head that
+            # decodes to nothing leaves the decoder's start-of-string treatment (a SentencePiece
+            # leading space dropped) to the tail's first token, which the whole output does not
+            # drop — so the window keeps its start until a step's tokens show text
+            if len(value) > len(self.settled):
+                self.window = self.read
+            self.read, self.settled = n, value
         self.n, self.value = n, value
         return value
 

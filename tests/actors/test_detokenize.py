@@ -44,6 +44,19 @@ def test_the_text_equals_decoding_the_whole_output_at_every_step(kind, data):
         assert inc.text(output) == decode(output), (kind, output)
 
 
+def test_a_token_the_decoder_skips_does_not_start_the_window():
+    """Found by the property test: tab, `<unk>`, "▁#" a token a step. `<unk>` decodes to nothing,
+    so a window starting at it dropped the leading space of "▁#" as the start of a string
+    ("\\t#"), where the whole output keeps it ("\\t #")."""
+    tok = tokenizers()["metaspace"]
+    ids = [tok.token_to_id("\t"), tok.token_to_id("<unk>"), tok.token_to_id("▁#")]
+    assert None not in ids
+    inc = IncrementalText(tok.decode)
+    for n in range(1, 4):
+        assert inc.text(ids[:n]) == tok.decode(ids[:n])
+    assert tok.decode(ids) == "\t #"
+
+
 def test_a_cut_output_keeps_its_final_text():
     tok = tokenizers()["demo"]
     ids = tok.encode(TEXT[0]).ids
