@@ -63,7 +63,10 @@ def test_a_new_deployment_starts_from_the_bundles_prior_and_a_bad_file_is_skippe
     bundle = tmp_path / "bundle"
     shutil.copytree(tiny_bundle, bundle)
     donor = engine(str(bundle), tmp_path / "donor")
-    donor.generate(PROMPTS * 3, [SamplingParams(max_tokens=16)] * 12)
+    # Enough verifications to be past the gate's warm-up (these looping prompts are drafted the
+    # whole block at once by the n-gram kind, so a step verifies many tokens: few steps).
+    donor.generate(PROMPTS * 6, [SamplingParams(max_tokens=16)] * 24)
+    assert sum(t.observations for t in donor.gate.trackers) >= donor.gate.exploration.warmup
     state = snapshot(donor)
     donor.shutdown()
     prior = {**state.as_dict(), "kinds": {n: {k: v for k, v in d.items() if k != "draft"}
