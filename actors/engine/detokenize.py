@@ -7,9 +7,9 @@ mark of a character whose bytes have not all arrived) — the last step's tokens
 The window's new text is its decoding less the decoding of its already-settled head, as vLLM's
 incremental detokenizer does, so a decoder that treats the start of a string specially (a
 SentencePiece leading space) treats the head and the whole window alike; a head must decode to
-some text for that (a skipped token alone does not: the window then keeps its earlier start). Should the window's
-decoding not start with its head's, the whole output is decoded instead. Equal to decoding the
-whole output at every length (property test, tests/actors/test_detokenize.py).
+some text for that (a skipped token alone does not: the window then keeps its earlier start).
+Should the window's decoding not start with its head's, the whole output is decoded instead.
+Equal to decoding the whole output at every length (property test, tests/actors/test_detokenize.py).
 """
 
 from __future__ import annotations

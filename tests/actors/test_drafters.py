@@ -192,6 +192,18 @@ def _copy_on(h: list[int], start: int, want: int) -> list[int]:
     return out
 
 
+def _scan_statistics(n: int, follow: list[list[int]]) -> tuple[list[int], list[float], list[float]]:
+    """Position by position, a tally of the next tokens of the occurrences agreeing so far."""
+    draft, confs, margins, alive = follow[0], [], [], follow
+    for j, tok in enumerate(draft):
+        nexts = [f[j] for f in alive if len(f) > j]
+        counts = [*sorted((nexts.count(t) for t in set(nexts)), reverse=True), 0]
+        confs.append((nexts.count(tok) + n / (n + 1.0)) / (len(nexts) + 1.0))
+        margins.append((counts[0] - counts[1]) / len(nexts))
+        alive = [f for f in alive if len(f) > j and f[j] == tok]
+    return draft, confs, margins
+
+
 def test_ngram_drafts_copy_on_past_the_end_of_the_history():
     """A match P tokens back whose continuation runs into the end of the history predicts that
     the last P tokens repeat: the draft copies on over itself, to the length asked, in the
@@ -203,18 +215,6 @@ def test_ngram_drafts_copy_on_past_the_end_of_the_history():
     d.commit([2], [[8, 8]])  # period 1
     assert d.draft([2], [8], [4]).tokens.tolist() == [8, 8, 8, 8]
     assert d.draft([2], [8], [0]).tokens.tolist() == []
-
-
-def _scan_statistics(n: int, follow: list[list[int]]) -> tuple[list[int], list[float], list[float]]:
-    """Position by position, a tally of the next tokens of the occurrences agreeing so far."""
-    draft, confs, margins, alive = follow[0], [], [], follow
-    for j, tok in enumerate(draft):
-        nexts = [f[j] for f in alive if len(f) > j]
-        counts = [*sorted((nexts.count(t) for t in set(nexts)), reverse=True), 0]
-        confs.append((nexts.count(tok) + n / (n + 1.0)) / (len(nexts) + 1.0))
-        margins.append((counts[0] - counts[1]) / len(nexts))
-        alive = [f for f in alive if len(f) > j and f[j] == tok]
-    return draft, confs, margins
 
 
 @settings(max_examples=300, deadline=None)
