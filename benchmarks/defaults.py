@@ -41,7 +41,10 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--concurrency", default="1,4,16,32")
-    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--prompts", type=int, default=32,
+                   help="held-out prompts a level runs at least; a level of C runs max(this, 4·C): a closed loop "
+                        "of C over fewer than 4·C prompts spends much of its run in the first wave's prefill and "
+                        "the last wave's tail (session 35's 'C = 64' with 32 prompts ran 32 at once, one wave)")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--out", default="runs/defaults")
     p.add_argument("--settings", default=",".join(SETTINGS),
@@ -59,7 +62,8 @@ def main() -> int:
     from deployments.workload import mixed_prompts
 
     levels = [int(c) for c in args.concurrency.split(",")]
-    pairs = mixed_prompts(args.prompts + 8, seed=11)[8:]
+    per_level = {c: max(args.prompts, 4 * c) for c in levels}
+    pairs = mixed_prompts(max(per_level.values()) + 8, seed=11)[8:]
     tok = Tokenizer.from_file(str(BUNDLED / "tokenizer.json"))
     ids = [tok.encode(t).ids for _, t in pairs]
     start_local_ray(num_cpus=8)
@@ -79,7 +83,7 @@ def main() -> int:
                     eng = Engine(s.engine_config())
                     try:
                         for phase in ("cold", "warm"):
-                            res = closed_loop(eng, ids, c, args.max_tokens)
+                            res = closed_loop(eng, ids[:per_level[c]], c, args.max_tokens)
                             runs.append({"round": rnd, "concurrency": c, "setting": name, "phase": phase,
                                          "tok_s": res.output_tokens / res.wall_s, "mat": res.mat(),
                                          "outputs": res.outputs})

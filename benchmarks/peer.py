@@ -123,7 +123,9 @@ def main() -> int:
     p.add_argument("--ep2-concurrency", default="1,16", help="levels also run at EP 2 ('' to skip)")
     p.add_argument("--ep2-actors", action=argparse.BooleanOptionalAction, default=True,
                    help="also run EP 2 with ranks and drafter as Ray actors (in_process=False)")
-    p.add_argument("--num-prompts", type=int, default=12)
+    p.add_argument("--num-prompts", type=int, default=12,
+                   help="held-out prompts a level runs at least; a level of C runs max(this, 4·C) (a closed loop "
+                        "over C prompts is one wave: its prefill and its tail, not C requests in flight)")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--out", default="runs/peer")
@@ -143,7 +145,7 @@ def main() -> int:
     cfg1 = ServeSettings(max_running=max(levels), threads_per_rank=args.threads).engine_config()
     eos = cfg1.eos_token_id
     tok = Tokenizer.from_file(cfg1.tokenizer_path)
-    texts = heldout_prompts(max(args.num_prompts, *levels))
+    texts = heldout_prompts(max(args.num_prompts, *(4 * c for c in levels)))
     all_prompts = [tok.encode(t).ids for t in texts]
     start_local_ray(num_cpus=max(4, (os.cpu_count() or 1) + 3))
     engines = {1: Engine(cfg1)}
@@ -164,7 +166,7 @@ def main() -> int:
     runs = []
     for rnd in range(args.rounds):
         for c in levels:
-            prompts = all_prompts[: max(args.num_prompts, c)]
+            prompts = all_prompts[: max(args.num_prompts, 4 * c)]
             systems = [("bare", 1), ("hf", 1), ("engine-ar", 1)] + [(f"engine-dcut-{k}", 1) for k in kinds]
             systems += [("hf-lookup", 1)] if c == 1 else []
             eps = [e for e in engines if e != 1] if c in ep2_levels else []
