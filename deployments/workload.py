@@ -18,6 +18,7 @@ import ast
 import email
 import importlib.metadata
 import re
+import sysconfig
 from collections.abc import Iterator
 
 import numpy as np
@@ -89,11 +90,22 @@ def _comment_blocks(max_chars: int) -> list[str]:
 PROJECT = "dcut"  # our own distribution: not a source of prompts (module docstring)
 
 
+def site_packages() -> list[str]:
+    """The environment's own package folders (sysconfig's purelib and platlib). Not `sys.path`,
+    which imports lengthen: importing ray puts its thirdparty_files (psutil, colorama) on it, so
+    the pool read from `sys.path` — and with it every mixed-workload prompt, training and held-out
+    alike — depended on whether ray had been imported first (the CLI and the benchmarks had, a
+    script that had not drew other prompts; found in session 36)."""
+    paths = sysconfig.get_paths()
+    return list(dict.fromkeys([paths["purelib"], paths["platlib"]]))
+
+
 def _doc_paragraphs(max_chars: int) -> list[str]:
     """Prose paragraphs of the installed packages' long descriptions (README text), by package
     name, the project's own left out: headings, lists, tables, code and link-heavy lines left out."""
     out = []
-    dists = sorted(importlib.metadata.distributions(), key=lambda d: (d.metadata["Name"] or "").lower())
+    dists = sorted(importlib.metadata.distributions(path=site_packages()),
+                   key=lambda d: (d.metadata["Name"] or "").lower())
     seen = {PROJECT}
     for d in dists:
         name = (d.metadata["Name"] or "").lower()
