@@ -17,6 +17,8 @@ from __future__ import annotations
 import ast
 import email
 import importlib.metadata
+import importlib.util
+import pathlib
 import re
 import sysconfig
 from collections.abc import Iterator
@@ -90,21 +92,26 @@ def _comment_blocks(max_chars: int) -> list[str]:
 PROJECT = "dcut"  # our own distribution: not a source of prompts (module docstring)
 
 
-def site_packages() -> list[str]:
-    """The environment's own package folders (sysconfig's purelib and platlib). Not `sys.path`,
-    which imports lengthen: importing ray puts its thirdparty_files (psutil, colorama) on it, so
-    the pool read from `sys.path` — and with it every mixed-workload prompt, training and held-out
-    alike — depended on whether ray had been imported first (the CLI and the benchmarks had, a
-    script that had not drew other prompts; found in session 36)."""
+def package_folders() -> list[str]:
+    """Where the docs prompts' packages are read: the environment's own package folders
+    (sysconfig's purelib and platlib) and ray's `thirdparty_files` (psutil, colorama). Not
+    `sys.path`, which imports lengthen: importing ray puts its thirdparty_files there, so the pool
+    — and with it every mixed-workload prompt, training and held-out alike — depended on whether
+    ray had been imported first (found in session 36). The CLI and the benchmarks always had: this
+    is the pool they drew, now whatever was imported."""
     paths = sysconfig.get_paths()
-    return list(dict.fromkeys([paths["purelib"], paths["platlib"]]))
+    folders = [paths["purelib"], paths["platlib"]]
+    ray = importlib.util.find_spec("ray")  # found, not imported
+    if ray is not None and ray.submodule_search_locations:
+        folders.append(str(pathlib.Path(ray.submodule_search_locations[0]) / "thirdparty_files"))
+    return list(dict.fromkeys(folders))
 
 
 def _doc_paragraphs(max_chars: int) -> list[str]:
     """Prose paragraphs of the installed packages' long descriptions (README text), by package
     name, the project's own left out: headings, lists, tables, code and link-heavy lines left out."""
     out = []
-    dists = sorted(importlib.metadata.distributions(path=site_packages()),
+    dists = sorted(importlib.metadata.distributions(path=package_folders()),
                    key=lambda d: (d.metadata["Name"] or "").lower())
     seen = {PROJECT}
     for d in dists:
