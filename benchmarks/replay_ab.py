@@ -16,6 +16,12 @@ and concurrency, every variant on a fresh engine in turn (the order reversed eve
 a closed loop over the prompts; outputs checked against the model's. Reported: tok/s over `ar`'s
 in the same round (median and range of rounds), MAT, and variant over the first variant.
 
+`--forward-split B,E`: the forward takes B × what the profile predicts for the step without its
+extra tokens, plus E × what the profile says those tokens add — a target whose price of a drafted
+token differs from its profile's, as the real one's does at 16–64 requests (docs/benchmarks.md,
+session 36: a plain step ~0.85 ×, its extra tokens 1.4–1.8 × there); the engine is not told, and
+learns it as it would serving.
+
 Prompts: a training draw of the mixed workload (seed 29 by default, never the reported seed 11).
 
     .venv/bin/python benchmarks/replay_ab.py \\
@@ -72,8 +78,17 @@ def main() -> int:
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--seed", type=int, default=29, help="the workload's draw (11 is the reported one: refused)")
     p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--forward-split", default="1,1",
+                   help="B,E: a forward takes B × the profile's time of the step without its extra tokens and E × "
+                        "what the profile says they add (1,1: the profile's time)")
     p.add_argument("--out", default="runs/replay-ab")
     args = p.parse_args()
+    try:
+        base_x, extra_x = (float(x) for x in args.forward_split.split(","))
+        if min(base_x, extra_x) <= 0:
+            raise ValueError
+    except ValueError:
+        p.error("--forward-split takes two positive numbers, B,E")
     if args.seed == 11:
         p.error("seed 11 draws the reported prompts: tune on a training draw")
     variants = {"ar": {"policy": "ar"}, **json.loads(args.variants)}
@@ -105,7 +120,7 @@ def main() -> int:
             for c in (int(x) for x in args.concurrency.split(",")):
                 names = list(variants) if rnd % 2 == 0 else list(variants)[::-1]
                 for name in names:
-                    eng = engine(variants[name], c, table, model.predict, cache)
+                    eng = engine(variants[name], c, table, forward_split(model, base_x, extra_x), cache)
                     try:
                         res = closed_loop(eng, prompts, c, args.max_tokens)
                     finally:
@@ -124,6 +139,20 @@ def main() -> int:
     (out / "table.md").write_text(table_md + "\n")
     print(table_md)
     return 0
+
+
+def forward_split(model, base_x: float, extra_x: float):
+    """The forward's time for a step's shape: `base_x` × the profile's time for its requests at one
+    token each, plus `extra_x` × what the profile says its further tokens add."""
+    from dcut_core.cost_model import StepShape
+
+    if base_x == extra_x == 1.0:
+        return model.predict
+
+    def seconds(shape) -> float:
+        base = model.predict(StepShape(shape.requests, min(shape.tokens, shape.requests), shape.context))
+        return base_x * base + extra_x * max(0.0, model.predict(shape) - base)
+    return seconds
 
 
 def render(rows: list[dict], names: list[str]) -> str:

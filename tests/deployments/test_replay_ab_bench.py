@@ -32,3 +32,21 @@ def test_the_reported_prompts_are_refused_and_unknown_settings_named():
                        (["--variants", '{"x": {"no_such_setting": 1}}'], "no_such_setting")):
         proc = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert proc.returncode == 2 and says in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_forward_split_prices_a_steps_base_and_its_extra_tokens_apart():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from replay_ab import forward_split
+
+    from dcut_core.cost_model import StepShape, preset
+
+    model = preset("moe-35b-a3b", "cpu")
+    plain, drafting = StepShape(16, 16, 16 * 100), StepShape(16, 48, 16 * 100)
+    assert forward_split(model, 1.0, 1.0) == model.predict  # the default: the profile's time
+    seconds = forward_split(model, 0.8, 2.0)
+    assert seconds(plain) == 0.8 * model.predict(plain)
+    added = model.predict(drafting) - model.predict(plain)
+    assert added > 0 and abs(seconds(drafting) - (0.8 * model.predict(plain) + 2.0 * added)) < 1e-12
+    proc = subprocess.run([sys.executable, SCRIPT, "--forward-split", "0,1"], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and "two positive numbers" in proc.stderr, proc.stderr[-2000:]
