@@ -144,14 +144,12 @@ def main() -> int:
 def forward_split(model, base_x: float, extra_x: float):
     """The forward's time for a step's shape: `base_x` × the profile's time for its requests at one
     token each, plus `extra_x` × what the profile says its further tokens add."""
-    from dcut_core.cost_model import StepShape
-
     if base_x == extra_x == 1.0:
         return model.predict
 
     def seconds(shape) -> float:
-        base = model.predict(StepShape(shape.requests, min(shape.tokens, shape.requests), shape.context))
-        return base_x * base + extra_x * max(0.0, model.predict(shape) - base)
+        base, extra = model.base_and_extra(shape)  # as the engine's online correction splits a step
+        return base_x * base + extra_x * extra
     return seconds
 
 

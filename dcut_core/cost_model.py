@@ -130,6 +130,12 @@ class CostModel:
             out += d * -math.expm1(n * log_miss)
         return float(out)
 
+    def base_and_extra(self, shape: StepShape) -> tuple[float, float]:
+        """(b, e): seconds of the step without its extra tokens (its requests' one token each), and
+        what those tokens add."""
+        base = self.predict(StepShape(shape.requests, min(shape.tokens, shape.requests), shape.context))
+        return base, max(0.0, self.predict(shape) - base)
+
     def breakdown(self, shape: StepShape) -> dict[str, float]:
         """Seconds per term for one step."""
         f = self.features(np.array([shape.requests]), np.array([shape.tokens]), np.array([shape.context]))[0]
@@ -311,9 +317,7 @@ class OnlineCorrection:
 
     def _parts(self, shape: StepShape) -> tuple[float, float]:
         """(b, e): the model's seconds for the step without its extra tokens, and what they add."""
-        full = self.model.predict(shape)
-        base = self.model.predict(StepShape(shape.requests, min(shape.tokens, shape.requests), shape.context))
-        return base, max(0.0, full - base)
+        return self.model.base_and_extra(shape)
 
     def _scaled(self, b: float, e: float) -> float:
         if self._split is None:

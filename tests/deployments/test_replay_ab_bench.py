@@ -35,9 +35,7 @@ def test_the_reported_prompts_are_refused_and_unknown_settings_named():
 
 
 def test_a_forward_split_prices_a_steps_base_and_its_extra_tokens_apart():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from replay_ab import forward_split
-
+    from benchmarks.replay_ab import forward_split
     from dcut_core.cost_model import StepShape, preset
 
     model = preset("moe-35b-a3b", "cpu")
