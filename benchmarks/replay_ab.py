@@ -20,7 +20,9 @@ in the same round (median and range of rounds), MAT, and variant over the first 
 extra tokens, plus E × what the profile says those tokens add — a target whose price of a drafted
 token differs from its profile's, as the real one's does at 16–64 requests (docs/benchmarks.md,
 session 36: a plain step ~0.85 ×, its extra tokens 1.4–1.8 × there); the engine is not told, and
-learns it as it would serving.
+learns it as it would serving. `--forward-model FILE`: the forward takes what a cost model's JSON
+predicts (one fitted to a denser grid of the real target than the start-up profile's, say: a
+truth whose shape the engine's profile may not share).
 
 Prompts: a training draw of the mixed workload (seed 29 by default, never the reported seed 11).
 
@@ -81,6 +83,9 @@ def main() -> int:
     p.add_argument("--forward-split", default="1,1",
                    help="B,E: a forward takes B × the profile's time of the step without its extra tokens and E × "
                         "what the profile says they add (1,1: the profile's time)")
+    p.add_argument("--forward-model", default=None,
+                   help="a cost model's JSON (dcut_core.cost_model.CostModel): a forward takes what it predicts "
+                        "for the step's shape, times --forward-split's split of it")
     p.add_argument("--out", default="runs/replay-ab")
     args = p.parse_args()
     try:
@@ -91,6 +96,14 @@ def main() -> int:
         p.error("--forward-split takes two positive numbers, B,E")
     if args.seed == 11:
         p.error("seed 11 draws the reported prompts: tune on a training draw")
+    truth = None
+    if args.forward_model is not None:
+        from dcut_core.cost_model import CostModel
+
+        try:
+            truth = CostModel.from_json(pathlib.Path(args.forward_model).read_text())
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            p.error(f"--forward-model {args.forward_model}: not a cost model's JSON ({exc})")
     variants = {"ar": {"policy": "ar"}, **json.loads(args.variants)}
     try:
         for settings in variants.values():
@@ -111,6 +124,7 @@ def main() -> int:
     prompts = [tok.encode(t).ids for t in workload("mixed", args.num_prompts, args.seed, 11)]
     start_local_ray(num_cpus=4)
     table, model = greedy_outputs(prompts, args.max_tokens)
+    model = truth or model
     cache = tempfile.mkdtemp(prefix="replay-ab-")  # the real target's profile; nothing learnt is saved
     for f in pathlib.Path(ServeSettings().cost_model_cache).glob("cost_model_*.json"):
         shutil.copy(f, cache)

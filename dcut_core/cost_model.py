@@ -15,6 +15,9 @@ coefficients the model is monotone, which pruning's budget scan assumes):
                                                         expert matmuls (compute-bound side)
     a2a_latency   MoE layers · [EP > 1]                 dispatch + combine fixed latency
     a2a_bytes     MoE layers · bytes the busiest rank sends (dispatch + combine)
+    batching      √tokens                               products over more tokens run nearer the
+                                                        machine's peak: the marginal token costs
+                                                        less in a bigger step (fitted, never preset)
 
 Distinct experts for n tokens routed top-k over E experts uniformly: E·(1 − (1 − k/E)^n);
 a rank that holds E/EP of them sees that count divided by EP.
@@ -36,7 +39,7 @@ from dcut_core.hardware import HARDWARE, MODELS, Hardware, ModelShape
 from dcut_core.nnls import nnls
 from dcut_core.pruning import StepCost
 
-TERMS = ("fixed", "dense", "attention", "kv_read", "experts", "expert_flops", "a2a_latency", "a2a_bytes")
+TERMS = ("fixed", "dense", "attention", "kv_read", "experts", "expert_flops", "a2a_latency", "a2a_bytes", "batching")
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,7 @@ class CostModel:
             "expert_flops": moe * tok * m.top_k / self.ep,
             "a2a_latency": moe * ep_on * np.ones_like(tok),
             "a2a_bytes": moe * 2.0 * sent,
+            "batching": np.sqrt(tok),
         }
         return np.stack([cols[t] for t in TERMS], axis=-1)
 
@@ -118,7 +122,7 @@ class CostModel:
         """Seconds of one step: the closed form of `verify_curve` in plain floats (it equals
         `features @ coef`, tested; the engine predicts every step, and numpy's per-call cost on
         one-element arrays was 0.1 ms of it)."""
-        a, b, per_rank, d, log_miss = self._closed_form(shape.requests, shape.context)
+        a, b, per_rank, d, log_miss, g = self._closed_form(shape.requests, shape.context)
         n = shape.tokens
         if self.pad_tokens:
             i = min(bisect.bisect_left(self.pad_tokens, n), len(self.pad_tokens) - 1)
@@ -128,6 +132,8 @@ class CostModel:
             out += per_rank * math.ceil(n / self.ep)
         if d and n:
             out += d * -math.expm1(n * log_miss)
+        if g:
+            out += g * math.sqrt(n)
         return float(out)
 
     def base_and_extra(self, shape: StepShape) -> tuple[float, float]:
@@ -145,10 +151,10 @@ class CostModel:
         """Step cost as a function of total verify tokens, for one batch (pruning's input).
 
         The features collapse, for fixed requests and context, to
-        a + b·n + c·ceil(n / EP) + d·(1 − (1 − k/E)^n) with n the padded token count; this
-        closed form is what the scan evaluates at every budget (it equals `features @ coef`).
+        a + b·n + c·ceil(n / EP) + d·(1 − (1 − k/E)^n) + g·√n with n the padded token count;
+        this closed form is what the scan evaluates at every budget (it equals `features @ coef`).
         """
-        a, b, per_rank, d, log_miss = self._closed_form(requests, context)
+        a, b, per_rank, d, log_miss, g = self._closed_form(requests, context)
         ep = self.ep
 
         def curve(tokens: np.ndarray) -> np.ndarray:
@@ -158,15 +164,17 @@ class CostModel:
                 out += per_rank * np.ceil(n / ep)
             if d:
                 out += d * -np.expm1(n * log_miss)
+            if g:
+                out += g * np.sqrt(n)
             return out
 
         # Every term but b·n is non-decreasing in n, so b bounds the marginal cost from below
         # (padding makes plateaus: then no bound).
         return StepCost(curve, 0.0, 0.0 if self.pad_tokens else b)
 
-    def _closed_form(self, requests: int, context: int) -> tuple[float, float, float, float, float]:
-        """(a, b, per_rank, d, log_miss): the step's seconds at n tokens are
-        a + b·n + per_rank·ceil(n / EP) + d·(1 − exp(n · log_miss))."""
+    def _closed_form(self, requests: int, context: int) -> tuple[float, float, float, float, float, float]:
+        """(a, b, per_rank, d, log_miss, g): the step's seconds at n tokens are
+        a + b·n + per_rank·ceil(n / EP) + d·(1 − exp(n · log_miss)) + g·√n."""
         last = self._last[0]  # one read: another thread may replace it
         if last is not None and last[0] == (requests, context):
             return last[1]
@@ -174,7 +182,7 @@ class CostModel:
         self._last[0] = ((requests, context), parts)
         return parts
 
-    def _parts_at(self, requests: int, context: int) -> tuple[float, float, float, float, float]:
+    def _parts_at(self, requests: int, context: int) -> tuple[float, float, float, float, float, float]:
         m, c, ep = self.model, self.coef, self.ep
         moe = float(m.moe_layers) if m.is_moe else 0.0
         req = max(requests, 1)
@@ -185,7 +193,7 @@ class CostModel:
         per_rank = c.get("a2a_bytes", 0.0) * moe * 2.0 * m.top_k * (ep - 1) / ep * m.hidden * m.act_bytes
         d = c.get("experts", 0.0) * moe * m.experts / ep if m.is_moe else 0.0
         log_miss = math.log1p(-m.top_k / m.experts) if m.is_moe and m.top_k < m.experts else -math.inf
-        return a, b, per_rank, d, log_miss
+        return a, b, per_rank, d, log_miss, c.get("batching", 0.0)
 
     # -- persistence ------------------------------------------------------------------------
 
@@ -222,6 +230,7 @@ def preset(model: ModelShape | str, hardware: Hardware | str, ep: int = 1,
         "expert_flops": 2.0 * m.expert_params / flops if m.is_moe else 0.0,
         "a2a_latency": hw.a2a_latency_s(ep) if m.is_moe else 0.0,
         "a2a_bytes": 1.0 / hw.a2a_bw(ep) if m.is_moe and ep > 1 else 0.0,
+        "batching": 0.0,  # a roofline has no such curve: only a fit to measured steps finds it
     }
     return CostModel(m, ep, coef, tuple(pad_tokens), f"preset:{hw.name}")
 

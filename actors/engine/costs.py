@@ -60,8 +60,9 @@ def _cpuinfo() -> list[str]:
 # Part of every cache key: raised when a change to the ranks' code moves a forward's cost by shape
 # (a level alone the start-up check and the online correction absorb; a shape they do not). 2:
 # session 28's gathers made batches of 16-64 requests 16-30 % cheaper and one request 7 %. 3: session
-# 33's CPU weight layout (actors/target/layout.py), 11-15 % a forward, unevenly by product shape.
-FORWARD_REVISION = 3
+# 33's CPU weight layout (actors/target/layout.py), 11-15 % a forward, unevenly by product shape. 4: the
+# profile's fit gained the `batching` term (dcut_core/cost_model.py), which a profile cached before lacks.
+FORWARD_REVISION = 4
 
 
 def deployment_key(cfg) -> str:

@@ -82,8 +82,11 @@ def run_profile(target, grid: ProfileGrid, vocab_size: int, seed: int = 0, progr
 
 def fit_terms(ep: int) -> tuple[str, ...]:
     """Terms identifiable from one deployment's profile: at a single EP size the all-to-all
-    latency is a constant, absorbed by `fixed`."""
-    base = ("fixed", "dense", "attention", "kv_read", "experts", "expert_flops")
+    latency is a constant, absorbed by `fixed`. `batching` (√tokens) is what lets one fit price a
+    drafted token at one request and at 64: without it, the bundled model's CPU profile priced
+    one at 1.7 × its measured cost at one request and 0.4–0.7 × at 8–32 (docs/benchmarks.md,
+    session 37)."""
+    base = ("fixed", "dense", "attention", "kv_read", "experts", "expert_flops", "batching")
     return (*base, "a2a_bytes") if ep > 1 else base
 
 

@@ -100,6 +100,30 @@ def test_fit_recovers_known_parameters():
     assert noisy.coef["experts"] == pytest.approx(1e-4, rel=0.1)
 
 
+def test_a_concave_machine_is_priced_at_one_request_and_at_64():
+    # A machine whose marginal token costs less in a bigger step (a CPU's products, a GPU below
+    # its knee): the profile's terms find it — the price of a step's extra tokens, over its base,
+    # within 1 % at one request and at 64 — where a fit without `batching` prices them dearer at
+    # one request than at 64, relative to the truth (as the bundled model's CPU profile did,
+    # session 37).
+    truth = CostModel(TINY_MOE, 1, {"fixed": 4e-3, "dense": 40e-6, "kv_read": 5e-8, "experts": 2e-5,
+                                    "batching": 6e-4})
+    samples = grid_samples(truth, 0.0, 0)
+    base = CostModel(TINY_MOE, 1, {})
+    terms = ("fixed", "dense", "attention", "kv_read", "experts", "expert_flops", "batching")  # a profile's at EP 1
+    with_it = fit(base, samples, terms)
+    without = fit(base, samples, terms[:-1])
+
+    def extra_price(model, r):  # what 2 drafts a request add, over the step without them
+        b, e = model.base_and_extra(StepShape(r, 3 * r, 128 * r))
+        return e / b
+
+    for r in (1, 64):
+        assert extra_price(with_it, r) == pytest.approx(extra_price(truth, r), rel=0.01)
+    off = [extra_price(without, r) / extra_price(truth, r) for r in (1, 64)]
+    assert off[0] > 1.3 * off[1] and off[0] > 1.3
+
+
 def test_fit_rejects_bad_samples():
     base = preset(TINY_MOE, "cpu")
     with pytest.raises(ValueError, match="at least"):
@@ -137,8 +161,10 @@ def test_json_round_trip_and_validation():
 
 
 def test_the_closed_form_curve_equals_the_feature_sum():
+    concave = preset(TINY_MOE, "cpu", ep=2, pad_tokens=(4, 16, 64))
+    concave = CostModel(concave.model, 2, {**concave.coef, "batching": 3e-4}, concave.pad_tokens)
     for cm in (preset(TINY_MOE, "cpu", ep=2, pad_tokens=(4, 16, 64)), preset("moe-35b-a3b", "h20", ep=16),
-               preset("dense-8b", "h100")):
+               preset("dense-8b", "h100"), concave):
         tokens = np.arange(1, 300)
         f = cm.features(np.full(len(tokens), 7), tokens, np.full(len(tokens), 7 * 333))
         np.testing.assert_allclose(cm.verify_curve(7, 7 * 333).seconds(tokens), f @ cm.coef_vector(), rtol=1e-12)

@@ -13,9 +13,14 @@ SCRIPT = str(ROOT / "benchmarks/replay_ab.py")
 
 
 def test_variants_run_beside_ar_and_are_reported_over_it(tmp_path):
+    from dcut_core.cost_model import CostModel, preset
+
     variants = {"gated": {}, "ungated, block 4": {"drafting_gate": False, "block": 4}}
+    truth = tmp_path / "truth.json"  # a forward of 0.2 ms plus a concave token cost
+    truth.write_text(CostModel(preset("moe-35b-a3b", "cpu").model, 1, {"fixed": 2e-4, "batching": 1e-5}).to_json())
     proc = subprocess.run([sys.executable, SCRIPT, "--variants", json.dumps(variants), "--concurrency", "1,2",
-                           "--rounds", "2", "--num-prompts", "3", "--max-tokens", "8", "--out", str(tmp_path)],
+                           "--rounds", "2", "--num-prompts", "3", "--max-tokens", "8", "--out", str(tmp_path),
+                           "--forward-model", str(truth)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
@@ -29,7 +34,8 @@ def test_variants_run_beside_ar_and_are_reported_over_it(tmp_path):
 
 def test_the_reported_prompts_are_refused_and_unknown_settings_named():
     for args, says in ((["--seed", "11"], "training draw"),
-                       (["--variants", '{"x": {"no_such_setting": 1}}'], "no_such_setting")):
+                       (["--variants", '{"x": {"no_such_setting": 1}}'], "no_such_setting"),
+                       (["--forward-model", "/no/such/model.json"], "not a cost model's JSON")):
         proc = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert proc.returncode == 2 and says in proc.stderr, proc.stderr[-2000:]
 
