@@ -31,7 +31,7 @@ from dcut_core.counterfactual import Trace
 from dcut_core.drafting import AcceptanceTracker, DraftCost, DraftPlanner, Exploration, Predicted, Verified
 from dcut_core.gate import LOOKAHEAD_REQUESTS, DraftingCosts, DraftingGate, GateInput, KindReach, Plan
 from dcut_core.learned import KindState, LearnedState
-from dcut_core.pruning import DraftBatch, policy_from_name
+from dcut_core.pruning import DraftBatch, StepCost, policy_from_name
 
 
 @dataclass(frozen=True)
@@ -162,6 +162,7 @@ class _Run:
         self.ngram = s.kinds.index("ngram") if s.lookahead and "ngram" in s.kinds else None
         self.remote = np.array([k != "ngram" for k in s.kinds])  # the kinds drafted on the replicas
         self._available: np.ndarray | None = None
+        self._feeding: list[tuple[_Live, int, int]] = []  # this step's prefill chunks (request, start, tokens)
         self._passes: dict[int, int] = {}  # the last step's passes of each cut chain (`_cut_chains`)
         self._unlearnt: tuple | None = None  # the last step's learning, and the requests that finished in it
         self.queue: deque[int] = deque(range(len(trace.requests)))
@@ -183,6 +184,7 @@ class _Run:
             self.next_rid += 1
         batch = [r for r in self.running if r.t > 0]
         feeding = self._feed([r for r in self.running if r.t == 0])
+        self._feeding = feeding  # the step's price of a draft is its share of the whole forward (`_curve`)
         lengths, kinds, fallback = self._plan(batch)
         self._settle()  # the step before, learnt while this step's forward runs (the engine's overlap)
         drafts, used = self._propose(batch, lengths, kinds, fallback)
@@ -220,8 +222,16 @@ class _Run:
         return self.trace.max_tokens - r.t
 
     def _curve(self, batch: list[_Live]):
+        """The step's forward time by its decoding requests' verify tokens, its prefill chunks
+        included (as `Engine._verify_curve`)."""
         context = sum(r.cached(self.trace.requests[r.q].prompt_len) for r in batch)
-        return self.costs.verify_curve(len(batch), context)
+        feeding = self._feeding
+        if not feeding:
+            return self.costs.verify_curve(len(batch), context)
+        fed = sum(n for _, _, n in feeding)
+        whole = self.costs.verify_curve(len(batch) + len(feeding), context + sum(start for _, start, _ in feeding))
+        return StepCost(lambda tokens: whole.verify_seconds(np.asarray(tokens, dtype=np.int64) + fed), 0.0,
+                        whole.min_marginal)
 
     def _plan(self, batch: list[_Live]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(drafts [R], hosted kind [R], fallback [R]), as `Engine.plan`."""

@@ -227,7 +227,7 @@ class Engine:
                 return None
             cached = [s.cached for s in batch]
             context = sum(cached)
-            curve = self.cost.verify_curve(len(batch), context) if self.cost else FLAT_CURVE
+            curve = self._verify_curve(len(batch), context, feeding)
             drafting = bool(batch) and self.can_draft and self.policy.drafts
             remaining = np.array([s.remaining for s in batch], dtype=np.int64) if drafting else None
             caps = self._caps(batch, remaining) if drafting else None
@@ -488,6 +488,21 @@ class Engine:
         """One drafting-cost fit per kind; the look-ahead's kind starts from nothing (its drafts
         are made already; their confidences cost microseconds) and learns its own time."""
         return DraftCostLearner(len(self.kinds), free=() if self.lookahead is None else (self.lookahead.kind,))
+
+    def _verify_curve(self, requests: int, context: int, feeding: list[Feed]) -> StepCost:
+        """The step's forward time by its decoding requests' verify tokens (the gate's and
+        pruning's price of a draft): where the step also feeds prompt chunks, the whole forward's,
+        so a draft is priced at what it adds to that forward, not to a decode-only one. Under a
+        concave cost (`batching`) a draft costs less beside a prefill chunk, and against the
+        longer step the tokens it may win weigh as they will."""
+        if self.cost is None:
+            return FLAT_CURVE
+        if not feeding:
+            return self.cost.verify_curve(requests, context)
+        fed = sum(len(f.tokens) for f in feeding)
+        whole = self.cost.verify_curve(requests + len(feeding), context + sum(f.start for f in feeding))
+        return StepCost(lambda tokens: whole.verify_seconds(np.asarray(tokens, dtype=np.int64) + fed), 0.0,
+                        whole.min_marginal)
 
     def _caps(self, batch: list[Sequence], remaining: np.ndarray) -> np.ndarray:
         """[R] the most drafts each request may verify this step: within the block, one fewer

@@ -11,9 +11,11 @@ from actors.engine.backlog import Backlog, ContextLedger
 from actors.engine.config import EngineConfig
 from actors.engine.coordinator import Engine
 from actors.engine.sequence import SamplingParams
+from actors.engine.stages import Feed
 from actors.target.checkpoint import load_model
 from actors.target.decode import greedy_decode
 from actors.target.local import LocalTarget
+from dcut_core.cost_model import CostModel, OnlineCorrection, preset
 from dcut_core.learners import PRIOR_DRAFT_COST
 from tests.actors.conftest import holding_drafts
 
@@ -74,6 +76,22 @@ def test_prefill_rides_in_the_decode_step_and_long_prompts_span_steps(tiny_bundl
         assert eng.scheduler.finished[late].output == reference[7]
     finally:
         eng.shutdown()
+
+
+def test_a_steps_drafts_are_priced_beside_its_prefill_chunks():
+    # The gate's and pruning's curve of a step that also feeds prompt chunks is the whole
+    # forward's (its requests and fed tokens included); under a concave cost a draft adds less
+    # there than to a decode-only step (replay at 16 / 64 requests: +2.8 / +3.0 %, session 37).
+    shape = preset("moe-35b-a3b", "cpu").model
+    cost = OnlineCorrection(CostModel(shape, 1, {"fixed": 4e-3, "dense": 5e-5, "kv_read": 1e-6, "batching": 1e-3}))
+    owner = type("Owner", (), {"cost": cost})()
+    feeding = [Feed(None, 0, [1] * 50), Feed(None, 30, [1] * 20)]  # a fresh prompt, and one's second chunk
+    decode_only = Engine._verify_curve(owner, 16, 1600, [])
+    mixed = Engine._verify_curve(owner, 16, 1600, feeding)
+    n = np.arange(16, 48)
+    np.testing.assert_allclose(decode_only.seconds(n), cost.verify_curve(16, 1600).seconds(n))
+    np.testing.assert_allclose(mixed.seconds(n), cost.verify_curve(18, 1630).seconds(n + 70))
+    assert np.diff(mixed.seconds(n)).max() < np.diff(decode_only.seconds(n)).min()
 
 
 def test_lazy_drafter_context_drafts_what_eager_context_drafts(tiny_bundle, reference, tmp_path):
