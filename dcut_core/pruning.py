@@ -94,6 +94,14 @@ class StepCost:
             raise ValueError("step cost must be finite and positive for every budget")
         return out
 
+    def beside(self, fed: int) -> StepCost:
+        """The curve of a forward that also carries `fed` tokens the counts leave out (a step's
+        prefill chunks): its time at n counted tokens is this curve's at n + fed."""
+        if not fed:
+            return self
+        return StepCost(lambda tokens: self.verify_seconds(np.asarray(tokens, dtype=np.int64) + fed),
+                        self.fixed_seconds, self.min_marginal)
+
     def tabulated(self, lo: int, hi: int) -> StepCost:
         """The same curve with its values at lo..hi tokens computed (and checked) once: a step's
         gate and pruning ask it at every budget they scan, a lookup each; a count outside the

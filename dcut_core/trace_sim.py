@@ -31,7 +31,7 @@ from dcut_core.counterfactual import Trace
 from dcut_core.drafting import AcceptanceTracker, DraftCost, DraftPlanner, Exploration, Predicted, Verified
 from dcut_core.gate import LOOKAHEAD_REQUESTS, DraftingCosts, DraftingGate, GateInput, KindReach, Plan
 from dcut_core.learned import KindState, LearnedState
-from dcut_core.pruning import DraftBatch, StepCost, policy_from_name
+from dcut_core.pruning import DraftBatch, policy_from_name
 
 
 @dataclass(frozen=True)
@@ -228,10 +228,8 @@ class _Run:
         feeding = self._feeding
         if not feeding:
             return self.costs.verify_curve(len(batch), context)
-        fed = sum(n for _, _, n in feeding)
         whole = self.costs.verify_curve(len(batch) + len(feeding), context + sum(start for _, start, _ in feeding))
-        return StepCost(lambda tokens: whole.verify_seconds(np.asarray(tokens, dtype=np.int64) + fed), 0.0,
-                        whole.min_marginal)
+        return whole.beside(sum(n for _, _, n in feeding))
 
     def _plan(self, batch: list[_Live]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(drafts [R], hosted kind [R], fallback [R]), as `Engine.plan`."""

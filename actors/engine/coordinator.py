@@ -499,10 +499,8 @@ class Engine:
             return FLAT_CURVE
         if not feeding:
             return self.cost.verify_curve(requests, context)
-        fed = sum(len(f.tokens) for f in feeding)
         whole = self.cost.verify_curve(requests + len(feeding), context + sum(f.start for f in feeding))
-        return StepCost(lambda tokens: whole.verify_seconds(np.asarray(tokens, dtype=np.int64) + fed), 0.0,
-                        whole.min_marginal)
+        return whole.beside(sum(len(f.tokens) for f in feeding))
 
     def _caps(self, batch: list[Sequence], remaining: np.ndarray) -> np.ndarray:
         """[R] the most drafts each request may verify this step: within the block, one fewer

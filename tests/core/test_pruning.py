@@ -375,3 +375,11 @@ def test_a_2d_array_flattens_as_its_rows(r, k, seed):
     flat, cu = flatten(x)
     ref_flat, ref_cu = flatten(list(x))
     assert np.array_equal(flat, ref_flat) and np.array_equal(cu, ref_cu)
+
+
+def test_a_curve_beside_fed_tokens_is_the_same_forward_further_on():
+    curve = StepCost(lambda n: 1e-3 * np.sqrt(np.asarray(n, dtype=np.float64)) + 2e-3, 0.5e-3, 1e-5)
+    assert curve.beside(0) is curve
+    n = np.arange(1, 40)
+    np.testing.assert_array_equal(curve.beside(70).seconds(n), curve.seconds(n + 70))
+    assert curve.beside(70).min_marginal == curve.min_marginal
