@@ -54,16 +54,18 @@ class NgramDrafter:
         """Bring each request's history up to its prompt and output so far (what it holds is a
         prefix of them: only the tokens past it are added). The coordinator's look-ahead
         follows its sequences this way, with no commit calls to make."""
+        histories = self._history
         for rid, prompt, output in zip(request_ids, prompts, outputs, strict=True):
-            history = self._history.get(rid)
+            history = histories.get(rid)
             if history is None:
-                history = self._history[rid] = History(self.min_n, self.max_n)
-            have = len(history.tokens)
-            if have < len(prompt):
+                history = histories[rid] = History(self.min_n, self.max_n)
+            have, fed = len(history.tokens), len(prompt)
+            if have < fed:
                 history.extend(prompt[have:])
-                have = len(prompt)
-            if have - len(prompt) < len(output):
-                history.extend(output[have - len(prompt):])
+                have = fed
+            new = output[have - fed:]
+            if new:
+                history.extend(new)
 
     def truncate(self, lengths: dict[int, int]) -> None:
         for rid, n in lengths.items():
@@ -213,10 +215,11 @@ class History:
             for n, index in self.lengths:
                 if end >= n:
                     key = last[-n:]
-                    if key in index:
-                        index[key].append(end - n)
-                    else:
+                    starts = index.get(key)
+                    if starts is None:
                         index[key] = [end - n]
+                    else:
+                        starts.append(end - n)
             h.append(int(t))
             end += 1
 

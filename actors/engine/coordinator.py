@@ -421,13 +421,14 @@ class Engine:
         fed = self.scheduler.advance_prefill(st, self.eos)
         predicted = predicted_s(st, self.cost)  # before the cost model learns from this step
         committed = self.scheduler.record_step(st, self.eos)
-        held = [s.cached for s in batch]  # its features exist up to here: on its rank, or here (drafted this step)
-        features = [{k: h[: 1 + a] for k, h in f.items()} if f else {}
-                    for f, a in zip(st.out.features[:len(batch)], accepted, strict=True)]
-        live = [c for c in [*zip(batch, committed, held, features, strict=True), *((*f, None) for f in fed)]
-                if c[0].finish_reason is None]
-        if live and self.policy.drafts:  # plain decoding keeps no drafter state
-            self.drafters.commit(*map(list, zip(*live, strict=True)), self.target)
+        if self.policy.drafts and self.drafters:  # plain decoding, or the n-gram kind alone: no replica state
+            held = [s.cached for s in batch]  # its features exist up to here: on its rank, or here (drafted this step)
+            features = [{k: h[: 1 + a] for k, h in f.items()} if f else {}
+                        for f, a in zip(st.out.features[:len(batch)], accepted, strict=True)]
+            live = [c for c in [*zip(batch, committed, held, features, strict=True), *((*f, None) for f in fed)]
+                    if c[0].finish_reason is None]
+            if live:
+                self.drafters.commit(*map(list, zip(*live, strict=True)), self.target)
         done = self.scheduler.finish_done()
         self._release(done, forget=False)
         rec = record(st, predicted, self.history, self.overhead)
