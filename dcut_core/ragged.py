@@ -8,6 +8,7 @@ how to walk that layout, so the policies and rules stay straight-line array code
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 
 import numpy as np
 
@@ -33,6 +34,13 @@ def flatten(rows: Sequence[Sequence[float] | np.ndarray], dtype=np.float64) -> t
     """Turn a list of 1-D rows into (flat [N], cu [R + 1]). A 2-D array is R rows of equal length."""
     if isinstance(rows, np.ndarray) and rows.ndim == 2:  # no per-row work
         return rows.astype(dtype, copy=False).reshape(-1), np.arange(rows.shape[0] + 1, dtype=np.int64) * rows.shape[1]
+    if all(type(r) is list for r in rows):  # a step's token lists: one pass in C, not an array a row
+        cu = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum([len(r) for r in rows], out=cu[1:])
+        try:
+            return np.fromiter(chain.from_iterable(rows), dtype=dtype, count=int(cu[-1])), cu
+        except (TypeError, ValueError):  # rows of rows: the general path below flattens them
+            pass
     arrays = [np.asarray(r, dtype=dtype).reshape(-1) for r in rows]
     cu = offsets_from_lengths([len(a) for a in arrays])
     flat = np.concatenate(arrays) if arrays else np.zeros(0, dtype=dtype)

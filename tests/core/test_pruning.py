@@ -377,6 +377,19 @@ def test_a_2d_array_flattens_as_its_rows(r, k, seed):
     assert np.array_equal(flat, ref_flat) and np.array_equal(cu, ref_cu)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 50_000), max_size=6), max_size=12))
+def test_token_lists_flatten_as_arrays_of_their_rows_do(rows):
+    from dcut_core.ragged import flatten
+
+    flat, cu = flatten(rows, dtype=np.int64)  # lists: one pass over them all
+    ref_flat, ref_cu = flatten([np.asarray(r, dtype=np.int64) for r in rows], dtype=np.int64)  # row by row
+    assert flat.dtype == np.int64 and np.array_equal(flat, ref_flat) and np.array_equal(cu, ref_cu)
+    nested, nested_cu = flatten([[r] for r in rows if r], dtype=np.int64)  # rows of rows flatten each row
+    assert np.array_equal(nested, np.concatenate([r for r in rows if r] or [[]]).astype(np.int64))
+    assert np.array_equal(nested_cu, np.cumsum([0] + [len(r) for r in rows if r]))
+
+
 def test_a_curve_beside_fed_tokens_is_the_same_forward_further_on():
     curve = StepCost(lambda n: 1e-3 * np.sqrt(np.asarray(n, dtype=np.float64)) + 2e-3, 0.5e-3, 1e-5)
     assert curve.beside(0) is curve
