@@ -400,6 +400,32 @@ def test_prompts_as_token_ids_and_several_prompts(client, reference):
 
 
 
+def test_requests_that_join_while_others_draft_decode_exactly_and_the_server_keeps_serving(client, tiny_bundle):
+    """Prompts fed in steps where other requests draft (the gate prices a draft beside the step's
+    prefill chunks): a one-token prompt, the longest allowed (64), repeating text the n-gram kind
+    drafts for, started a little apart and at once; each equals plain greedy decoding, and the
+    server serves after them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [PROMPT_IDS * 3, [5], [(7 * i) % 90 + 1 for i in range(64)], [9, 10, 11] * 5, [12, 13]]
+    model = LocalTarget(load_model(f"{tiny_bundle}/target"))
+    expected = greedy_decode(model, list(range(len(prompts))), prompts, 20)
+
+    def complete(i: int) -> str:
+        time.sleep(0.05 * (i % 3))  # some arrive while the first ones decode
+        out = client.completions.create(model="dcut-demo", prompt=prompts[i], max_tokens=20, temperature=0,
+                                        extra_body={"ignore_eos": True}, timeout=60)
+        return out.choices[0].text.strip()
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        texts = list(pool.map(complete, range(len(prompts))))
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(f"{tiny_bundle}/tokenizer.json")  # token 0, EOS, is written by its name
+    assert texts == [tok.decode(e, skip_special_tokens=False).strip() for e in expected]
+    assert_still_serving(client)
+
+
 def test_a_streamed_request_of_several_choices_that_fails_at_the_first_token_is_a_400(server, client):
     """Every choice of a streamed n = 4 request fails before its first token (structured output on
     a model without a tokenizer): one 400, not a 500 from closing the other choices' streams while
