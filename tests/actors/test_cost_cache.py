@@ -42,32 +42,49 @@ def test_fractional_gpus_are_refused_at_ep_above_one():
 
 
 @pytest.mark.usefixtures("local_ray")
-def test_a_cached_profile_taken_under_other_conditions_is_made_again(tiny_bundle, tmp_path):
+def test_a_cached_profile_taken_under_other_conditions_is_made_again(tiny_bundle, tmp_path, monkeypatch):
     """A profile cached while other processes held the cores predicted 4 x the step's time, and
     with its level its shape was off; every later start reused it. The start checks a few
     forwards against the cached profile and profiles again when its level is off by more than
-    `STALE_LEVEL`; a profile that holds is kept as it is."""
+    `STALE_LEVEL`; a profile that holds is kept as it is.
+
+    Whether a fresh profile holds a minute later is the machine's business (CI once timed the
+    check's forwards at 0.49 x the profile's, another process having left the cores), so the test
+    records each level the start measured and checks the decision taken on it."""
     import json
 
     from actors.engine.config import EngineConfig
     from actors.engine.coordinator import Engine
-    from actors.engine.costs import STALE_LEVEL, measured_level, startup_cost_model
-    from actors.target.config import MoEConfig
+    from actors.engine.costs import STALE_LEVEL, startup_cost_model
 
+    levels = []
+    measure = actors.engine.costs.measured_level
+
+    def recorded(*args):
+        levels.append(measure(*args))
+        return levels[-1]
+
+    monkeypatch.setattr(actors.engine.costs, "measured_level", recorded)
     cfg = EngineConfig(target_dir=f"{tiny_bundle}/target", drafter="ngram", block=4, policy="dcut",
                        cost_model_cache=str(tmp_path), freeze_heap=False)
     eng = Engine(cfg)  # profiles now, and caches it
     try:
         (cache,) = tmp_path.glob("cost_model_*.json")
+        assert levels == []  # nothing cached: profiled, not checked
         fresh = json.loads(cache.read_text())
-        vocab = MoEConfig.load(cfg.target_dir).vocab_size
-        assert 1 / STALE_LEVEL < measured_level(startup_cost_model(eng.target, cfg), eng.target, vocab) < STALE_LEVEL
-        assert json.loads(cache.read_text()) == fresh  # it held: kept as it was
+        startup_cost_model(eng.target, cfg)
+        (level,) = levels
+        held = 1 / STALE_LEVEL <= level <= STALE_LEVEL
+        assert (json.loads(cache.read_text()) == fresh) == held  # kept exactly when it held
 
-        stale = fresh | {"coef": {k: 4 * v for k, v in fresh["coef"].items()}}
+        # 50 x the forward's time: no phase of a shared machine brings that within the bound
+        current = json.loads(cache.read_text())
+        stale = current | {"coef": {k: 50 * v for k, v in current["coef"].items()}}
         cache.write_text(json.dumps(stale))
         model = startup_cost_model(eng.target, cfg)
-        assert json.loads(cache.read_text())["coef"] != stale["coef"]  # made again, and cached
-        assert 1 / STALE_LEVEL < measured_level(model, eng.target, vocab) < STALE_LEVEL
+        assert levels[-1] < 1 / STALE_LEVEL
+        remade = json.loads(cache.read_text())
+        assert remade["coef"] != stale["coef"] and remade["coef"] == model.coef  # made again, and cached
+        assert sum(remade["coef"].values()) < sum(stale["coef"].values()) / 10
     finally:
         eng.shutdown()
