@@ -27,12 +27,13 @@ from actors.ray_env import set_local_env
 
 set_local_env()
 
-SETTINGS = {  # name: (drafter, block, policy)
+SETTINGS = {  # name: (drafter, block, policy[, other ServeSettings fields])
     "ar": ("block", 8, "ar"),
     "block-16 (old default)": ("block", 16, "dcut"),
     "auto-8": ("auto", 8, "dcut"),
     "mtp-8": ("mtp", 8, "dcut"),
     "ngram-8": ("ngram", 8, "dcut"),
+    "ngram-8 unchecked": ("ngram", 8, "dcut", {"payoff_check": False}),  # the gate alone (dcut_core/payoff.py)
     "tuned-8": ("tuned", 8, "dcut"),  # the kinds the bundle's prior names (MTP + n-gram for the demo)
 }
 
@@ -74,12 +75,12 @@ def main() -> int:
         names = names[rnd % len(names):] + names[:rnd % len(names)]
         for c in levels:
             for name in names:
-                drafter, block, policy = chosen[name]
+                drafter, block, policy, *more = chosen[name]
                 with tempfile.TemporaryDirectory() as cache:
                     for f in profiles.glob("cost_model_*.json"):
                         shutil.copy(f, cache)
                     s = ServeSettings(model_root=str(BUNDLED), drafter=drafter, block=block, policy=policy,
-                                      max_running=max(levels), cost_model_cache=cache)
+                                      max_running=max(levels), cost_model_cache=cache, **(more[0] if more else {}))
                     eng = Engine(s.engine_config())
                     try:
                         for phase in ("cold", "warm"):

@@ -31,6 +31,7 @@ from dcut_core.counterfactual import Trace
 from dcut_core.drafting import AcceptanceTracker, DraftCost, DraftPlanner, Exploration, Predicted, Verified
 from dcut_core.gate import LOOKAHEAD_REQUESTS, DraftingCosts, DraftingGate, GateInput, KindReach, Plan
 from dcut_core.learned import KindState, LearnedState
+from dcut_core.payoff import PayoffCheck
 from dcut_core.pruning import DraftBatch, policy_from_name
 
 
@@ -64,6 +65,7 @@ class SimSettings:
     overlap: bool = False  # a step is learnt after the next step's plan (`EngineConfig.overlap`: GPU ranks)
     chain_stop: bool = False  # chained kinds cut pass by pass (`EngineConfig.chain_stop`, dcut_core/chains.py)
     chained: tuple[str, ...] = ("mtp",)  # the kinds that draft a pass per position (`DrafterKind.chained`)
+    payoff_check: bool = True  # plain decoding measured beside the gate's steps (`EngineConfig.payoff_check`)
 
 
 @dataclass
@@ -164,6 +166,9 @@ class _Run:
         self._available: np.ndarray | None = None
         self._feeding: list[tuple[_Live, int, int]] = []  # this step's prefill chunks (request, start, tokens)
         self._passes: dict[int, int] = {}  # the last step's passes of each cut chain (`_cut_chains`)
+        gated = self.policy.gated and s.drafting_gate
+        self.payoff = PayoffCheck() if gated and s.payoff_check else None  # as the engine's (dcut_core/payoff.py)
+        self._arm: bool | None = None  # this step's arm of the payoff check (None: not checked)
         self._unlearnt: tuple | None = None  # the last step's learning, and the requests that finished in it
         self.queue: deque[int] = deque(range(len(trace.requests)))
         self.running: list[_Live] = []
@@ -192,8 +197,13 @@ class _Run:
         accepted = np.minimum(drafts["accepted"], kept)
         learn = _Outcome(batch, [x.t for x in batch], self._available, drafts, used, lengths, kept, accepted,
                          estimate)
+        seconds = self.out.seconds
         self._advance_time(batch, feeding, kept, drafts, used)
+        decoded = sum(min(int(a) + 1, self.trace.requests[x.q].length - x.t)
+                      for x, a in zip(batch, accepted, strict=True))
         self._unlearnt = (learn, self._commit(batch, feeding, accepted))
+        if self._arm is not None:
+            self.payoff.observe(len(batch), self._arm, decoded, self.out.seconds - seconds, self._plain_seconds(batch))
         if not self.s.overlap or not (self.queue or self.running):
             self._settle()
 
@@ -231,10 +241,25 @@ class _Run:
         whole = self.costs.verify_curve(len(batch) + len(feeding), context + sum(start for _, start, _ in feeding))
         return whole.beside(sum(n for _, _, n in feeding))
 
+    def _plain_seconds(self, batch: list[_Live]) -> float:
+        """What a plain step of this step's shape (its prefill chunks included) costs by the trace's
+        forward: the payoff check's scale (the engine's is its start-up profile)."""
+        context = sum(r.cached(self.trace.requests[r.q].prompt_len) for r in batch)
+        fed = self._feeding
+        shape = StepShape(len(batch) + len(fed), len(batch) + sum(n for *_, n in fed),
+                          context + sum(start for _, start, _ in fed))
+        return self.costs.forward_seconds(shape)
+
     def _plan(self, batch: list[_Live]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(drafts [R], hosted kind [R], fallback [R]), as `Engine.plan`."""
         r = len(batch)
+        self._arm = None
         if not r or not self.policy.drafts:
+            plain = Plan.plain(r)
+            return plain.lengths, plain.kinds, plain.fallback
+        self._arm = self.payoff.drafts(r) if self.payoff is not None else None
+        if self._arm is False:  # the payoff check's plain arm: no look-ahead, no gate
+            self._available = None
             plain = Plan.plain(r)
             return plain.lengths, plain.kinds, plain.fallback
         cap = np.array([max(0, min(self.block - 1, self._remaining(x) - 1)) for x in batch], dtype=np.int64)
@@ -376,8 +401,8 @@ class _Run:
         o.steps += 1
         o.forward_seconds += forward
         o.draft_seconds += draft
-        o.seconds += forward + draft + costs.own_seconds(len(batch) + len(feeding), self.policy.drafts,
-                                                         bool(counts.sum()))
+        checks = self.policy.drafts and self._arm is not False  # a plain arm's step costs plain decoding's own time
+        o.seconds += forward + draft + costs.own_seconds(len(batch) + len(feeding), checks, bool(counts.sum()))
         o.drafted += int(counts.sum())
         o.kept += int(kept.sum())
         for j in used[counts > 0]:

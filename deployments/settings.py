@@ -57,6 +57,8 @@ class ServeSettings(BaseModel):
                                      "a timing side channel between tenants: docs/security.md)")
     guard_threshold: float = Field(0.02, ge=0)
     max_budget: int | None = Field(None, ge=1)
+    payoff_check: bool = Field(True, description="measure plain decoding beside the drafting gate's steps, load "
+                               "band by load band, and decode plainly where it delivers more (dcut_core/payoff.py)")
     threads_per_rank: int | None = Field(None, ge=1, description="torch threads per rank (default: cores / EP)")
     cpus_per_rank: float | None = Field(None, gt=0, description="CPUs reserved per rank (default: min(1, cores / EP))")
     cpus_per_drafter: float = Field(0.5, gt=0)
@@ -122,7 +124,7 @@ class ServeSettings(BaseModel):
             threads_per_rank=s.threads_per_rank, cpus_per_rank=s.cpus_per_rank, gpus_per_rank=s.gpus_per_rank,
             cpus_per_drafter=s.cpus_per_drafter, eos_token_id=bundle.eos_token_id(),
             cost_model_cache=s.cost_model_cache, guard_threshold=s.guard_threshold, max_budget=s.max_budget,
-            ngram_corpus_tokens=s.ngram_corpus_tokens,
+            ngram_corpus_tokens=s.ngram_corpus_tokens, payoff_check=s.payoff_check,
             unit_placement=unit_placement, in_process=s.in_process, group_timeout_s=s.group_timeout_s,
         )
 

@@ -50,9 +50,11 @@ from actors.target.group import EPGroup, EPGroupError, InProcessGroup
 from dcut_core import ragged
 from dcut_core.acceptance import Calibrator, survival
 from dcut_core.chains import ChainStop
+from dcut_core.cost_model import StepShape
 from dcut_core.drafting import AcceptanceTracker, Exploration
 from dcut_core.gate import LOOKAHEAD_REQUESTS, DraftingCosts, DraftingGate, GateInput, KindReach, Plan
 from dcut_core.learners import DraftCostLearner, StepOverhead
+from dcut_core.payoff import PayoffCheck
 from dcut_core.pruning import DraftBatch, StepCost, policy_from_name
 
 log = logging.getLogger(__name__)
@@ -91,6 +93,7 @@ class Engine:
         self.draft_cost = self._new_cost_learner()
         self.drafted_by_kind = {k: dict.fromkeys(("chosen", "drafted", "kept", "accepted"), 0) for k in self.kinds}
         self.overhead = StepOverhead()
+        self.payoff = PayoffCheck() if cfg.drafting_gate and cfg.payoff_check else None
         self.model_cfg = MoEConfig.load(cfg.target_dir)
         self.warm_start = WarmStart(cfg)
         learned, self.started_from = self.warm_start.load()
@@ -122,6 +125,8 @@ class Engine:
         if policy.drafts and not self.can_draft:
             raise ValueError("this engine was built without drafters (policy ar)")
         self.policy = policy
+        if self.payoff is not None:  # another policy's drafting arm: measured anew
+            self.payoff = PayoffCheck()
         self._profile_drafter()
         self._start_cost_model()
 
@@ -229,11 +234,15 @@ class Engine:
             context = sum(cached)
             curve = self._verify_curve(len(batch), context, feeding)
             drafting = bool(batch) and self.can_draft and self.policy.drafts
+            arm = None  # the payoff check's arm: None where it does not check
+            if drafting and self.payoff is not None and self.policy.gated:
+                arm = drafting = self.payoff.drafts(len(batch))
             remaining = np.array([s.remaining for s in batch], dtype=np.int64) if drafting else None
             caps = self._caps(batch, remaining) if drafting else None
             if caps is not None:  # every count the gate and pruning ask about, computed once
                 curve = curve.tabulated(len(batch), len(batch) + int(caps.sum()))
-            st = Step(batch, feeding, time.perf_counter(), context, curve, caps, cached=cached, remaining=remaining)
+            st = Step(batch, feeding, time.perf_counter(), context, curve, caps, cached=cached, remaining=remaining,
+                      arm=arm)
             st.lookahead = self.look(st)
             st.plan = self.plan(st)
             st.drafts = self.propose(st)
@@ -432,6 +441,12 @@ class Engine:
         done = self.scheduler.finish_done()
         self._release(done, forget=False)
         rec = record(st, predicted, self.history, self.overhead)
+        if st.arm is not None:  # its wall time so far: the forward, the drafting and this engine's own
+            fed = st.feeding  # a plain step's prediction with its prefill chunks: they ride in either arm
+            plain_s = self.cost.model.predict(StepShape(len(batch) + len(fed), len(batch) + st.prefill_tokens,
+                                                        st.context + sum(f.start for f in fed)))
+            self.payoff.observe(len(batch), st.arm, sum(map(len, committed)),
+                                time.perf_counter() - st.started, plain_s)
         self._unlearnt = (st, [s.rid for s in done])
         # Learnt now if there is no next forward to hide it behind, or little to learn (a plain
         # step: handing it to the learner thread would cost more than learning it).

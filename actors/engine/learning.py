@@ -119,6 +119,9 @@ def record(st: Step, predicted: float, history: StepHistory, overhead: StepOverh
                      rank_compute_s=tuple(r.total_s for r in out.rank_stats),
                      graph_captures=sum(r.graph_captures for r in out.rank_stats))
     history.append(rec)
-    if not st.feeding:  # what drafting adds outside the passes (prefill chunks would blur it)
+    # What drafting adds outside the passes, among the steps the gate decided (prefill chunks would
+    # blur it; the payoff check's plain steps skip the look-ahead and the gate, which a step the
+    # gate leaves plain pays).
+    if not st.feeding and st.arm is not False:
         overhead.observe(rec.drafted > 0, rec.step_s - rec.target_compute_s - rec.draft_s)
     return rec

@@ -73,6 +73,7 @@ class Step:
     accepted: Accepted | None = None
     cached: list[int] = field(default_factory=list)  # each decoding request's KV length when the step began
     remaining: np.ndarray | None = None  # [R] tokens each may still make (computed where the step may draft)
+    arm: bool | None = None  # the payoff check's arm (True: the gate decided; False: plain); None: not checked
 
     @property
     def verify_tokens(self) -> int:

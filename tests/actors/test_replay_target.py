@@ -60,6 +60,47 @@ def test_a_prompt_without_a_recorded_output_is_a_clear_error(greedy, tiny_bundle
         eng.shutdown()
 
 
+@pytest.fixture(scope="module")
+def long_greedy(tiny_bundle, tmp_path_factory):
+    """The real target's greedy outputs of 64 tokens (plain decoding)."""
+    eng = Engine(config(tiny_bundle, tmp_path_factory.mktemp("cache"), "ar"))
+    try:
+        seqs = eng.generate(PROMPTS, [SamplingParams(max_tokens=64) for _ in PROMPTS])
+    finally:
+        eng.shutdown()
+    return {tuple(p): s.output for p, s in zip(PROMPTS, seqs, strict=True)}
+
+
+@pytest.mark.parametrize("per_draft_s, drafting_pays", [(0.0, True), (0.02, False)])
+def test_the_payoff_check_plays_the_arm_that_delivers_more(long_greedy, tiny_bundle, tmp_path, per_draft_s,
+                                                           drafting_pays):
+    """The engine is not told what its target's drafted tokens cost (its profile is the real
+    target's): a forward of 10 ms where they cost nothing, and one where each costs 20 ms more.
+    The payoff check measures both arms and then plays the one that delivered more — drafting in
+    the first, plain decoding in the second — and outputs equal plain greedy decoding either way."""
+    from dcut_core.payoff import PayoffCheck
+
+    def forward(shape):
+        return 0.0 if shape.tokens > 8 * shape.requests else 0.010 + per_draft_s * (shape.tokens - shape.requests)
+
+    eng = ReplayEngine(config(tiny_bundle, tmp_path, "dcut"), long_greedy, forward_s=forward)
+    eng.payoff = check = PayoffCheck(least=2, warm=2, probe=8, sure=8)  # decided after four steps
+    arms, drafts = [], check.drafts
+    check.drafts = lambda r: arms.append((r, drafts(r))) or arms[-1][1]
+    prompts = PROMPTS * 4
+    try:
+        seqs = eng.generate(prompts, [SamplingParams(max_tokens=64) for _ in prompts])
+        records = list(eng.history.recent)
+    finally:
+        eng.shutdown()
+    assert [s.output for s in seqs] == [long_greedy[tuple(p)] for p in prompts]
+    assert sum(r.accepted for r in records) > 0  # speculation happened
+    band = check.bands[check.band_of(len(prompts))]
+    assert (check.lead(band) > 1) == drafting_pays
+    decided = [a for r, a in arms if r == len(prompts)][4:]  # the full batch's band, once both arms are known
+    assert sum(a == drafting_pays for a in decided) >= 0.8 * len(decided) >= 0.8 * 8
+
+
 def test_a_forward_takes_the_time_it_is_given(greedy, tiny_bundle, tmp_path):
     eng = ReplayEngine(config(tiny_bundle, tmp_path, "dcut"), greedy, forward_s=lambda shape: 0.004)
     try:
