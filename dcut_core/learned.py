@@ -1,6 +1,7 @@
 """What an engine has learned that outlives a process: per drafter kind, the confidence
 calibration and the acceptance tracker's global rates; the drafting costs; the step's own time;
-the cost model's online correction; the gate's exploration counter.
+the cost model's online correction; the gate's exploration counter; the payoff check's recent
+outcomes by load band.
 
 Saved beside the cost-model cache and reloaded at start, or taken from the bundle's prior (made
 from traces of training prompts, `dcut trace --prior`), so a new replica starts warm: its gate
@@ -25,6 +26,7 @@ import numpy as np
 
 from dcut_core.acceptance import Calibrator
 from dcut_core.drafting import AcceptanceTracker, DraftCost, Exploration
+from dcut_core.payoff import PayoffCheck
 
 VERSION = 1
 
@@ -62,6 +64,7 @@ class LearnedState:
     cost_log_ratio: float = 0.0  # the verify cost model's online correction (log measured / predicted)
     explored: int = 0  # the gate's exploration counter
     tuned: tuple[str, ...] = ()  # a prior's kinds for `--drafter tuned` (empty: every kind the bundle holds)
+    payoff: dict = field(default_factory=dict)  # the payoff check's recent outcomes by band (`PayoffCheck.as_dict`)
 
     def as_dict(self) -> dict:
         def kind(k: KindState) -> dict:
@@ -74,7 +77,7 @@ class LearnedState:
 
         return {"version": VERSION, "kinds": {n: kind(k) for n, k in self.kinds.items()}, "shared": self.shared,
                 "overhead": dict(self.overhead), "cost_log_ratio": self.cost_log_ratio, "explored": self.explored,
-                "tuned": list(self.tuned)}
+                "tuned": list(self.tuned), "payoff": self.payoff}
 
     @classmethod
     def from_dict(cls, d: dict) -> LearnedState:
@@ -86,8 +89,11 @@ class LearnedState:
             kinds[name] = KindState(tuple(map(float, k["weights"])), int(k["calibrated"]),
                                     tuple(map(float, k["accepted"])), tuple(map(float, k["judged"])),
                                     int(k["observations"]), draft)
+        payoff = dict(d.get("payoff") or {})
+        PayoffCheck().restore(payoff)  # checked now: a bad entry makes the file unreadable, not the start
         return cls(kinds, float(d.get("shared", 0.0)), {k: float(v) for k, v in (d.get("overhead") or {}).items()},
-                   float(d.get("cost_log_ratio", 0.0)), int(d.get("explored", 0)), tuple(d.get("tuned") or ()))
+                   float(d.get("cost_log_ratio", 0.0)), int(d.get("explored", 0)), tuple(d.get("tuned") or ()),
+                   payoff)
 
     def restore(self, names: tuple[str, ...], calibrators: list[Calibrator], trackers: list[AcceptanceTracker],
                 exploration: Exploration) -> list[str]:

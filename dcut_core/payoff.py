@@ -8,23 +8,32 @@ says at 16–64 requests, and the replay target given that price (`benchmarks/re
 correction notwithstanding (docs/benchmarks.md, session 38). D-Cut's promise is never to lose to
 the best static choice; plain decoding is one, so it is measured beside the gate's.
 
-Two arms per load band (requests decoding, in powers of two): steps the gate decides (the
-*drafting* arm) and plain steps that skip the look-ahead and the gate (the *plain* arm). Each
-step's outcome is its tokens a request and its wall time (its own Python included: a plain step
-pays `ar`'s) over what the cost model predicts a plain step of its shape takes (`plain_s`), so a
-band's steps compare across their request counts, contexts and prefill chunks. An arm's rate is
-a ratio of sums over its recent outcomes — tokens over time, as throughput is: a median of each
-step's ratio would judge drafting at one request by its typical step, which accepts little,
-and not by the long accepted runs that make its throughput. A band drafts while the drafting
-arm's rate is at least the plain arm's, and decodes plainly otherwise; the arm not played is
-probed every `probe` steps of the band (every `sure` steps once the leader leads by `margin`),
-so a change of load or of the machine's phase is seen. A band starts on the drafting arm, with
-a plain probe every `warm` steps until each arm has `least` outcomes. Deterministic (counters,
-no random draws): an engine's and the trace simulator's choices replay exactly.
+Two arms per load band (requests decoding, bands doubling in width: `band_of`): steps the gate
+decides (the *drafting* arm) and plain steps that skip the look-ahead and the gate (the *plain*
+arm). Each step's outcome is its tokens a request and its wall time (its own Python included: a
+plain step pays `ar`'s) over what the cost model predicts a plain step of its shape takes
+(`plain_s`), so a band's steps compare across their request counts and contexts. Only steps that
+feed no prompt chunk are measured: the profile's error on a mixed step is not a plain step's, and
+the arms, probed at fixed counts, would sample different mixes (at 64 requests in a closed loop a
+probe-time plain step had been a decode-only one and the gate's mostly mixed: a lead of 1.8 where
+end to end the two were level); a mixed step plays the band's leader.
+An arm's rate is a ratio of sums over its recent outcomes — tokens over time, as throughput is:
+a median of each step's ratio would judge drafting at one request by its typical step, which
+accepts little, and not by the long accepted runs that make its throughput. A band lets the gate
+decide unless plain decoding's rate leads the drafting arm's by `confidence` standard errors
+(one request's steps scatter widely — a run of eight accepted drafts, then none — so at low load
+only a clear loss counts; a batch's steps scatter little, and a loss of a few percent shows in a
+few dozen steps). The arm not played is probed every `probe` steps of the band (every `sure`
+steps once the leader leads by `margin` and by the evidence), so a change of load or of the
+machine's phase is seen. Below `least_requests` requests the gate decides alone. A band starts
+on the drafting arm, with a plain probe every `warm` steps until each arm has `least` outcomes.
+Deterministic (counters, no random draws): an engine's and the trace simulator's choices replay
+exactly.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -46,33 +55,68 @@ class Band:
         """Tokens a request per plain step's time, over the outcomes together."""
         return sum(t for t, _ in outcomes) / sum(s for _, s in outcomes)
 
+    @staticmethod
+    def variance(outcomes: deque) -> float:
+        """The variance of `rate` as an estimate (a ratio of sums, to first order): what one
+        request's bursts of accepted drafts make large and a batch's steps small."""
+        n = len(outcomes)
+        if n < 2:
+            return math.inf
+        r, total = Band.rate(outcomes), sum(s for _, s in outcomes)
+        return sum((t - r * s) ** 2 for t, s in outcomes) / total ** 2 * n / (n - 1)
+
 
 @dataclass
 class PayoffCheck:
-    least: int = 3  # outcomes of each arm before the medians decide
+    least: int = 3  # outcomes of each arm before their rates decide
     warm: int = 4  # a plain probe every `warm` steps of a band until then
     probe: int = 16  # the arm not played, probed every `probe` steps of the band
     sure: int = 128  # ... every `sure` steps while the leader leads by `margin`
     margin: float = 0.15
+    confidence: float = 1.0  # standard errors by which plain decoding must lead before it is played
     window: int = 32  # recent outcomes kept per arm and band
+    # Fewer requests than this: the gate alone. One request's text moves between stretches that
+    # repeat (drafting 2-4 x plain decoding) and stretches that do not (the gate's own time makes
+    # its steps ~10 % slower than plain ones): the look-ahead tells the gate which stretch it is in
+    # now, the check only what the last dozens of steps were — on the replay target it decoded
+    # plainly in a third of a one-request run's steps and cost 4-9 % (docs/benchmarks.md,
+    # session 38). A batch's steps mix many requests' stretches.
+    least_requests: int = 6
     bands: dict[int, Band] = field(default_factory=dict)
 
     @staticmethod
     def band_of(requests: int) -> int:
-        """The load band of a step decoding `requests` requests: 1, 2–3, 4–7, 8–15, ..."""
-        return max(1, requests).bit_length() - 1
+        """The load band of a step decoding `requests` requests: 1, 2, 3–5, 6–11, 12–23, 24–47,
+        48–95, ... — powers of two from 4 on lie inside a band, not at its edge: in a closed loop at
+        16 a step decodes 15 requests while a newcomer's prompt is fed, and bands cut at 16 had
+        measured one load as two, one of them mixed with the run's tail."""
+        return (max(1, requests) * 4 // 3).bit_length() - 1
 
-    def drafts(self, requests: int) -> bool:
+    @staticmethod
+    def lowest(band: int) -> int:
+        """The fewest requests of a band."""
+        return -(-3 * (1 << band) // 4)
+
+    def drafts(self, requests: int, measured: bool = True) -> bool:
         """Whether a step decoding `requests` requests lets the gate decide (True) or decodes
-        plainly (False). Counts the step in its band: call once a step."""
-        band = self.bands.setdefault(self.band_of(requests), Band())
+        plainly (False). A `measured` step (one whose outcome `observe` will be told) counts in
+        its band and may be a probe: call once a step. One that is not — a step that also feeds
+        prompt chunks — plays the band's leader and changes nothing."""
+        if requests < self.least_requests:
+            return True
+        band = self.bands.get(self.band_of(requests))
+        if not measured:
+            return band is None or self.lead(band) is None or self.evidence(band) >= -self.confidence
+        if band is None:
+            band = self.bands[self.band_of(requests)] = Band()
         band.steps += 1
         lead = self.lead(band)
         if lead is None:  # still learning both arms: the drafting arm, a plain probe now and then
             return band.steps % self.warm != 0 or len(band.plain) >= self.least
-        every = self.sure if abs(lead - 1.0) >= self.margin else self.probe
-        leader = lead >= 1.0
-        return leader if band.steps % every else not leader
+        z = self.evidence(band)
+        leader = z >= -self.confidence  # the gate's arm unless plain decoding is shown to deliver more
+        sure = abs(lead - 1.0) >= self.margin and abs(z) >= self.confidence
+        return leader if band.steps % (self.sure if sure else self.probe) else not leader
 
     def lead(self, band: Band) -> float | None:
         """The drafting arm's rate over the plain arm's (None: either has fewer than `least`
@@ -81,11 +125,20 @@ class PayoffCheck:
             return None
         return Band.rate(band.drafting) / Band.rate(band.plain)
 
+    def evidence(self, band: Band) -> float:
+        """How many standard errors the drafting arm's rate lies above the plain arm's (negative:
+        below; infinite where both arms' outcomes are exact)."""
+        diff = Band.rate(band.drafting) - Band.rate(band.plain)
+        se = math.sqrt(Band.variance(band.drafting) + Band.variance(band.plain))
+        if se == 0.0 or not math.isfinite(se):
+            return 0.0 if diff == 0.0 or not math.isfinite(se) else math.copysign(math.inf, diff)
+        return diff / se
+
     def observe(self, requests: int, drafts: bool, tokens: float, seconds: float, plain_s: float) -> None:
         """One step's outcome: `tokens` emitted by its `requests` decoding requests in `seconds` of
         wall time, on the arm `drafts`; `plain_s` what the cost model predicts a plain step of its
         shape takes (the scale that makes a band's steps comparable)."""
-        if requests <= 0 or seconds <= 0 or plain_s <= 0:
+        if requests < max(1, self.least_requests) or seconds <= 0 or plain_s <= 0:
             return
         band = self.bands.setdefault(self.band_of(requests), Band())
         kept = band.outcomes(drafts)
@@ -93,7 +146,26 @@ class PayoffCheck:
         if len(kept) > self.window:
             kept.popleft()
 
+    def as_dict(self) -> dict:
+        """Each band's recent outcomes, for the learned state a restarted engine starts from
+        (`dcut_core/learned.py`)."""
+        return {str(b): {"drafting": [list(o) for o in band.drafting], "plain": [list(o) for o in band.plain]}
+                for b, band in sorted(self.bands.items())}
+
+    def restore(self, d: dict) -> None:
+        """The bands' outcomes as `as_dict` wrote them (ValueError on anything else): a band whose
+        arms both have `least` outcomes is decided from its first step, and probes on schedule."""
+        bands = {}
+        for b, arms in d.items():
+            band = bands[int(b)] = Band()
+            for drafts in (True, False):
+                for tokens, seconds in arms["drafting" if drafts else "plain"][-self.window:]:
+                    if not (float(tokens) >= 0 and float(seconds) > 0):  # NaN fails too
+                        raise ValueError(f"a payoff outcome needs tokens >= 0 and seconds > 0: {tokens}, {seconds}")
+                    band.outcomes(drafts).append((float(tokens), float(seconds)))
+        self.bands = bands
+
     def leads(self) -> dict[int, float | None]:
         """Each band's lead (its lowest request count -> drafting over plain), for /metrics and
         the benchmarks."""
-        return {1 << b: self.lead(band) for b, band in sorted(self.bands.items())}
+        return {self.lowest(b): self.lead(band) for b, band in sorted(self.bands.items())}

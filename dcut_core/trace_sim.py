@@ -168,7 +168,8 @@ class _Run:
         self._passes: dict[int, int] = {}  # the last step's passes of each cut chain (`_cut_chains`)
         gated = self.policy.gated and s.drafting_gate
         self.payoff = PayoffCheck() if gated and s.payoff_check else None  # as the engine's (dcut_core/payoff.py)
-        self._arm: bool | None = None  # this step's arm of the payoff check (None: not checked)
+        self._arm: bool | None = None  # this step's measured arm of the payoff check (None: not measured)
+        self._checked_plain = False  # the check made this step plain (measured or not)
         self._unlearnt: tuple | None = None  # the last step's learning, and the requests that finished in it
         self.queue: deque[int] = deque(range(len(trace.requests)))
         self.running: list[_Live] = []
@@ -242,26 +243,26 @@ class _Run:
         return whole.beside(sum(n for _, _, n in feeding))
 
     def _plain_seconds(self, batch: list[_Live]) -> float:
-        """What a plain step of this step's shape (its prefill chunks included) costs by the trace's
-        forward: the payoff check's scale (the engine's is its start-up profile)."""
+        """What a plain step of this step's decoding requests costs by the trace's forward: the
+        payoff check's scale (the engine's is its start-up profile)."""
         context = sum(r.cached(self.trace.requests[r.q].prompt_len) for r in batch)
-        fed = self._feeding
-        shape = StepShape(len(batch) + len(fed), len(batch) + sum(n for *_, n in fed),
-                          context + sum(start for _, start, _ in fed))
-        return self.costs.forward_seconds(shape)
+        return self.costs.forward_seconds(StepShape(len(batch), len(batch), context))
 
     def _plan(self, batch: list[_Live]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(drafts [R], hosted kind [R], fallback [R]), as `Engine.plan`."""
         r = len(batch)
-        self._arm = None
+        self._arm, self._checked_plain = None, False
         if not r or not self.policy.drafts:
             plain = Plan.plain(r)
             return plain.lengths, plain.kinds, plain.fallback
-        self._arm = self.payoff.drafts(r) if self.payoff is not None else None
-        if self._arm is False:  # the payoff check's plain arm: no look-ahead, no gate
-            self._available = None
-            plain = Plan.plain(r)
-            return plain.lengths, plain.kinds, plain.fallback
+        if self.payoff is not None:  # as `Engine.step`: a step feeding prompts plays the leader, unmeasured
+            drafts = self.payoff.drafts(r, measured=not self._feeding)
+            self._arm = None if self._feeding else drafts
+            if not drafts:  # the payoff check's plain arm: no look-ahead, no gate
+                self._checked_plain = True
+                self._available = None
+                plain = Plan.plain(r)
+                return plain.lengths, plain.kinds, plain.fallback
         cap = np.array([max(0, min(self.block - 1, self._remaining(x) - 1)) for x in batch], dtype=np.int64)
         held = np.array([[x.cached(self.trace.requests[x.q].prompt_len) - x.seen[j] for j in range(len(self.kidx))]
                          for x in batch], dtype=np.int64)
@@ -401,7 +402,7 @@ class _Run:
         o.steps += 1
         o.forward_seconds += forward
         o.draft_seconds += draft
-        checks = self.policy.drafts and self._arm is not False  # a plain arm's step costs plain decoding's own time
+        checks = self.policy.drafts and not self._checked_plain  # a plain arm's step costs plain decoding's own time
         o.seconds += forward + draft + costs.own_seconds(len(batch) + len(feeding), checks, bool(counts.sum()))
         o.drafted += int(counts.sum())
         o.kept += int(kept.sum())

@@ -60,6 +60,11 @@ class Metrics:
                             "(chosen: request-steps), drafts it made, kept by pruning, accepted by the target",
                             ["drafter", "outcome"], registry=r)
 
+        self._payoff = Gauge("dcut_engine_payoff_lead", "the payoff check's drafting arm over plain decoding, "
+                             "tokens per second, by load band (its fewest decoding requests); below 1 the band "
+                             "decodes plainly where the evidence says so (dcut_core/payoff.py)", ["requests"],
+                             registry=r)
+
     def request(self, endpoint: str, status: int) -> None:
         self._requests.labels(endpoint, str(status)).inc()
 
@@ -78,6 +83,8 @@ class Metrics:
         for kind, counts in engine_stats.get("drafter_kinds", {}).items():
             for outcome, n in counts.items():
                 self._kinds.labels(kind, outcome).set(float(n))
+        for requests, lead in engine_stats.get("payoff_leads", {}).items():
+            self._payoff.labels(str(requests)).set(float(lead))
         for rank, seconds in enumerate(engine_stats.get("rank_step_s", ())):
             self._ranks.labels(str(rank)).set(float(seconds))
         for gpu in engine_stats.get("gpus", ()):

@@ -234,9 +234,10 @@ class Engine:
             context = sum(cached)
             curve = self._verify_curve(len(batch), context, feeding)
             drafting = bool(batch) and self.can_draft and self.policy.drafts
-            arm = None  # the payoff check's arm: None where it does not check
+            arm = None  # the payoff check's arm where this step's outcome is measured (feeding no prompt)
             if drafting and self.payoff is not None and self.policy.gated:
-                arm = drafting = self.payoff.drafts(len(batch))
+                drafting = self.payoff.drafts(len(batch), measured=not feeding)
+                arm = None if feeding else drafting
             remaining = np.array([s.remaining for s in batch], dtype=np.int64) if drafting else None
             caps = self._caps(batch, remaining) if drafting else None
             if caps is not None:  # every count the gate and pruning ask about, computed once
@@ -442,9 +443,7 @@ class Engine:
         self._release(done, forget=False)
         rec = record(st, predicted, self.history, self.overhead)
         if st.arm is not None:  # its wall time so far: the forward, the drafting and this engine's own
-            fed = st.feeding  # a plain step's prediction with its prefill chunks: they ride in either arm
-            plain_s = self.cost.model.predict(StepShape(len(batch) + len(fed), len(batch) + st.prefill_tokens,
-                                                        st.context + sum(f.start for f in fed)))
+            plain_s = self.cost.model.predict(StepShape(len(batch), len(batch), st.context))
             self.payoff.observe(len(batch), st.arm, sum(map(len, committed)),
                                 time.perf_counter() - st.started, plain_s)
         self._unlearnt = (st, [s.rid for s in done])

@@ -229,6 +229,8 @@ class AsyncEngine:
             "drafter_context_lost": self.engine.degraded["drafter_context_lost"],
             "ep_group_rebuilds": self.engine.degraded["ep_group_rebuilt"],
             "drafter_kinds": {k: dict(c) for k, c in self.engine.drafted_by_kind.items()},
+            "payoff_leads": {r: lead for r, lead in (self.engine.payoff.leads() if self.engine.payoff else {}).items()
+                             if lead is not None},
             "verify_tokens_per_step": sum(r.verify_tokens for r in recs) / len(recs) if recs else 0.0,
             "running": self.engine.counts()[0],
             "waiting": self.engine.counts()[1] + len(self._new),

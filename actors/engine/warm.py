@@ -70,7 +70,8 @@ def snapshot(engine) -> LearnedState:
     overhead = {n: over[k] for n, k in (("plain", False), ("drafting", True)) if k in over}
     log_ratio = engine.cost.log_ratio if engine.cost is not None else 0.0
     return LearnedState(kinds, float(learner.shared), overhead, log_ratio,
-                        engine.gate.exploration.steps)
+                        engine.gate.exploration.steps,
+                        payoff=engine.payoff.as_dict() if engine.payoff is not None else {})
 
 
 def warm(engine, state: LearnedState) -> None:
@@ -85,5 +86,7 @@ def warm(engine, state: LearnedState) -> None:
     if engine.cost is not None:
         engine.cost.log_ratio = state.cost_log_ratio
         engine.cost.observed = max(engine.cost.observed, 50)  # a correction from many steps: not a first guess
+    if engine.payoff is not None and state.payoff:
+        engine.payoff.restore(state.payoff)
     if missing:
         log.info("learned state has nothing for drafter kind(s) %s: they start cold", ", ".join(missing))

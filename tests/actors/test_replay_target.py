@@ -86,7 +86,7 @@ def test_the_payoff_check_plays_the_arm_that_delivers_more(long_greedy, tiny_bun
     eng = ReplayEngine(config(tiny_bundle, tmp_path, "dcut"), long_greedy, forward_s=forward)
     eng.payoff = check = PayoffCheck(least=2, warm=2, probe=8, sure=8)  # decided after four steps
     arms, drafts = [], check.drafts
-    check.drafts = lambda r: arms.append((r, drafts(r))) or arms[-1][1]
+    check.drafts = lambda r, measured=True: arms.append((r, measured, drafts(r, measured))) or arms[-1][2]
     prompts = PROMPTS * 4
     try:
         seqs = eng.generate(prompts, [SamplingParams(max_tokens=64) for _ in prompts])
@@ -97,7 +97,7 @@ def test_the_payoff_check_plays_the_arm_that_delivers_more(long_greedy, tiny_bun
     assert sum(r.accepted for r in records) > 0  # speculation happened
     band = check.bands[check.band_of(len(prompts))]
     assert (check.lead(band) > 1) == drafting_pays
-    decided = [a for r, a in arms if r == len(prompts)][4:]  # the full batch's band, once both arms are known
+    decided = [a for r, m, a in arms if r == len(prompts) and m][4:]  # the full batch's band, both arms known
     assert sum(a == drafting_pays for a in decided) >= 0.8 * len(decided) >= 0.8 * 8
 
 

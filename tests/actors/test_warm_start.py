@@ -53,6 +53,7 @@ def test_a_restarted_engine_starts_from_what_the_last_one_learnt(tiny_bundle, tm
         assert again.started_from == "saved"
         assert snapshot(again).kinds == snapshot(first).kinds  # calibration, rates, drafting costs
         assert again.draft_cost.shared == first.draft_cost.shared
+        assert again.payoff.as_dict() == first.payoff.as_dict() != {}  # the payoff check's outcomes by band
         got = decisions(again)
         assert all((a == b).all() for a, b in zip(got, plan, strict=True))
     finally:

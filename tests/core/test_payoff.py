@@ -4,9 +4,13 @@ steady arms it ends on the better one, paying at most its probes."""
 
 from __future__ import annotations
 
+import json
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dcut_core.learned import LearnedState
 from dcut_core.payoff import PayoffCheck
 
 
@@ -22,45 +26,50 @@ def play(check: PayoffCheck, requests: int, drafting_rate: float, plain_rate: fl
     return arms
 
 
-def test_bands_are_powers_of_two_of_the_requests():
-    assert [PayoffCheck.band_of(r) for r in (0, 1, 2, 3, 4, 7, 8, 15, 16, 63, 64, 1024)] == \
-        [0, 0, 1, 1, 2, 2, 3, 3, 4, 5, 6, 10]
+def test_bands_double_and_hold_the_usual_concurrencies_inside():
+    requests = (0, 1, 2, 3, 4, 5, 6, 11, 12, 15, 16, 23, 24, 32, 47, 48, 64, 95, 96, 1024)
+    assert [PayoffCheck.band_of(r) for r in requests] == \
+        [0, 0, 1, 2, 2, 2, 3, 3, 4, 4, 4, 4, 5, 5, 5, 6, 6, 6, 7, 10]
+    assert [PayoffCheck.lowest(b) for b in range(8)] == [1, 2, 3, 6, 12, 24, 48, 96]
+    for r in range(1, 3000):  # `lowest` is each band's first request count
+        assert PayoffCheck.band_of(PayoffCheck.lowest(PayoffCheck.band_of(r))) == PayoffCheck.band_of(r)
+        assert PayoffCheck.band_of(PayoffCheck.lowest(PayoffCheck.band_of(r)) - 1) < PayoffCheck.band_of(r) or r < 2
 
 
 def test_a_fresh_band_drafts_and_probes_plain_decoding_every_warm_steps_until_both_arms_are_known():
-    check = PayoffCheck(least=3, warm=4)
+    check = PayoffCheck(least_requests=1, least=3, warm=4)
     arms = play(check, 8, drafting_rate=2.0, plain_rate=1.0, steps=12)
     assert arms == [True, True, True, False] * 3
     assert check.lead(check.bands[3]) == 2.0
 
 
 def test_a_band_where_drafting_loses_decodes_plainly_and_probes_drafting():
-    check = PayoffCheck(least=3, warm=4, probe=16, sure=64, margin=0.15)
+    check = PayoffCheck(least_requests=1, least=3, warm=4, probe=16, sure=64, margin=0.15)
     arms = play(check, 16, drafting_rate=0.95, plain_rate=1.0, steps=12 + 64)
     later = arms[12:]  # band steps 13 .. 76: drafting only on the steps divisible by `probe`
     assert [i + 13 for i, a in enumerate(later) if a] == [16, 32, 48, 64]
-    far = PayoffCheck(least=3, warm=4, probe=16, sure=64, margin=0.15)
+    far = PayoffCheck(least_requests=1, least=3, warm=4, probe=16, sure=64, margin=0.15)
     arms = play(far, 16, drafting_rate=0.5, plain_rate=1.0, steps=12 + 64)
     assert [i + 13 for i, a in enumerate(arms[12:]) if a] == [64]  # a lead past the margin: every `sure` steps
 
 
 def test_a_band_where_drafting_pays_drafts_and_probes_plain_decoding():
-    check = PayoffCheck(least=3, warm=4, probe=16, sure=64, margin=0.15)
+    check = PayoffCheck(least_requests=1, least=3, warm=4, probe=16, sure=64, margin=0.15)
     arms = play(check, 1, drafting_rate=1.1, plain_rate=1.0, steps=12 + 64)
     assert [i + 13 for i, a in enumerate(arms[12:]) if not a] == [16, 32, 48, 64]
 
 
 def test_bands_are_measured_apart():
-    check = PayoffCheck(least=2, warm=2)
+    check = PayoffCheck(least_requests=1, least=2, warm=2)
     play(check, 1, drafting_rate=3.0, plain_rate=1.0, steps=8)
     play(check, 40, drafting_rate=0.5, plain_rate=1.0, steps=8)
-    assert check.leads() == {1: 3.0, 32: 0.5}
+    assert check.leads() == {1: 3.0, 24: 0.5}
 
 
 def test_outcomes_are_scaled_by_the_plain_steps_prediction():
     """Two steps of one band at different request counts and contexts compare by tokens a second
     over what a plain step of their shape is predicted to make."""
-    check = PayoffCheck(least=1)
+    check = PayoffCheck(least_requests=1, least=1)
     check.observe(16, False, 16, 0.010, 0.010)  # a plain step as predicted
     check.observe(20, True, 30, 0.015, 0.0125)  # 1.5 tokens a request in 1.2 x a plain step's time
     assert abs(check.lead(check.bands[4]) - 1.25) < 1e-12
@@ -70,15 +79,37 @@ def test_an_arms_rate_is_its_tokens_over_its_time_not_its_typical_step():
     """At one request drafting accepts nothing in most steps and runs long in a few: three steps
     of 1 token and one of 8, each 1.2 x a plain step's time, make 11 tokens in 4.8 plain steps'
     time (2.3 x plain decoding), though the median step makes 0.83 x."""
-    check = PayoffCheck(least=1)
+    check = PayoffCheck(least_requests=1, least=1)
     for tokens in (1, 1, 8, 1):
         check.observe(1, True, tokens, 0.012, 0.010)
     check.observe(1, False, 1, 0.010, 0.010)
     assert abs(check.lead(check.bands[0]) - 11 / 4.8) < 1e-12
 
 
+def test_one_requests_bursts_are_no_evidence_of_a_loss_but_a_batchs_steady_loss_is():
+    """One request: a burst of 8 tokens in 2.1 plain steps' time, then 31 steps without a match
+    (1 token in 1.3: the gate's own time) — 0.92 x plain decoding over the window, within the
+    scatter one burst makes: the gate keeps deciding. A batch whose every step makes 0.94–0.96 x
+    plain's rate: plain decoding is played."""
+    check = PayoffCheck(least_requests=1)
+    for t, sec in [(8, 2.1)] + [(1, 1.3)] * 31:
+        check.observe(1, True, t, sec, 1.0)
+    for _ in range(6):
+        check.observe(1, False, 1, 1.0, 1.0)
+    band = check.bands[0]
+    assert check.lead(band) < 1 and -check.confidence < check.evidence(band) < 0
+    assert check.drafts(1)
+    steady = PayoffCheck(least_requests=1, least=3, warm=4, probe=16)
+    arms = []
+    for i in range(40):
+        drafts = steady.drafts(16)
+        steady.observe(16, drafts, 16 * (0.95 + 0.01 * (i % 3 - 1)) if drafts else 16, 1.0, 1.0)
+        arms.append(drafts)
+    assert steady.evidence(steady.bands[4]) < -steady.confidence and not any(arms[-8:])
+
+
 def test_outcomes_without_time_or_requests_are_ignored():
-    check = PayoffCheck()
+    check = PayoffCheck(least_requests=1)
     check.observe(0, True, 0, 0.01, 0.01)
     check.observe(4, True, 4, 0.0, 0.01)
     check.observe(4, False, 4, 0.01, 0.0)
@@ -86,7 +117,7 @@ def test_outcomes_without_time_or_requests_are_ignored():
 
 
 def test_only_the_recent_outcomes_are_kept():
-    check = PayoffCheck(least=1, window=4)
+    check = PayoffCheck(least_requests=1, least=1, window=4)
     for rate in (0.1, 0.1, 0.1, 0.1, 2.0, 2.0, 2.0, 2.0):  # the machine's phase moved
         check.observe(4, True, rate * 4, 1.0, 1.0)
     check.observe(4, False, 4, 1.0, 1.0)
@@ -96,7 +127,7 @@ def test_only_the_recent_outcomes_are_kept():
 @settings(max_examples=200, deadline=None)
 @given(st.floats(0.3, 3.0), st.floats(0.3, 3.0), st.sampled_from([1, 3, 12, 40, 200]))
 def test_against_steady_arms_it_ends_on_the_better_one_paying_only_its_probes(d, p, requests):
-    check = PayoffCheck(least=3, warm=4, probe=16, sure=64, margin=0.15)
+    check = PayoffCheck(least_requests=1, least=3, warm=4, probe=16, sure=64, margin=0.15)
     warmup = check.least * check.warm
     arms = play(check, requests, d, p, warmup + 320)
     later = arms[warmup:]
@@ -106,3 +137,42 @@ def test_against_steady_arms_it_ends_on_the_better_one_paying_only_its_probes(d,
     # what it delivered after the warm-up, against always playing the better arm
     delivered = sum(d if a else p for a in later) / len(later)
     assert delivered >= max(d, p) * (1 - 1 / check.probe) - 1e-9
+
+
+def test_a_restored_check_decides_from_its_first_step_as_the_saved_one_would():
+    saved = PayoffCheck(least_requests=1)
+    play(saved, 16, drafting_rate=0.8, plain_rate=1.0, steps=40)
+    play(saved, 1, drafting_rate=2.0, plain_rate=1.0, steps=40)
+    state = LearnedState.from_dict(json.loads(json.dumps(LearnedState({}, payoff=saved.as_dict()).as_dict())))
+    again = PayoffCheck(least_requests=1)
+    again.restore(state.payoff)
+    assert again.leads() == saved.leads()
+    assert {b: round(lead, 9) for b, lead in saved.leads().items()} == {1: 2.0, 12: 0.8}
+    assert again.drafts(16) is False and again.drafts(1) is True  # no warm-up: the leader from the first step
+
+
+@pytest.mark.parametrize("bad", [{"4": {"drafting": [[1.0, 0.0]], "plain": []}},
+                                 {"4": {"drafting": [[float("nan"), 1.0]], "plain": []}},
+                                 {"x": {"drafting": [], "plain": []}}, {"4": {"plain": []}}])
+def test_a_bad_saved_outcome_makes_the_learned_state_unreadable(bad):
+    with pytest.raises((ValueError, KeyError)):
+        LearnedState.from_dict(LearnedState({}, payoff=bad).as_dict())
+
+
+def test_below_least_requests_the_gate_alone_decides_and_nothing_is_measured():
+    check = PayoffCheck(least_requests=6)
+    assert all(check.drafts(r) for r in (1, 2, 5) for _ in range(40))
+    check.observe(5, False, 5, 1.0, 1.0)
+    assert not check.bands  # nothing counted, nothing kept
+    assert check.drafts(6) and check.bands
+
+
+def test_a_step_not_measured_plays_the_leader_and_changes_nothing():
+    """A step that also feeds prompts: its outcome is not measured (the profile's error on a mixed
+    step is not a plain one's), so it is no probe and not counted — it plays the band's leader."""
+    check = PayoffCheck(least_requests=1, least=3, warm=4, probe=16)
+    assert check.drafts(16, measured=False) and not check.bands  # nothing known: the gate's arm
+    play(check, 16, drafting_rate=0.9, plain_rate=1.0, steps=12)
+    before = check.bands[4].steps
+    assert [check.drafts(16, measured=False) for _ in range(40)] == [False] * 40
+    assert check.bands[4].steps == before

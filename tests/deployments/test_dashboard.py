@@ -47,7 +47,9 @@ def test_gpu_gauges_come_from_nvml(monkeypatch):
     gpus = device_usage()
     assert [(g.index, g.name, g.memory_used_bytes, g.utilization) for g in gpus] == [
         (0, "Stand-in H200", 10 ** 9, 0.3), (1, "Stand-in H200", 2 * 10 ** 9, 0.7)]
-    text = Metrics().render({"gpus": [vars(g) for g in gpus], "rank_step_s": [0.012, 0.014]}).decode()
+    text = Metrics().render({"gpus": [vars(g) for g in gpus], "rank_step_s": [0.012, 0.014],
+                             "payoff_leads": {12: 0.93}}).decode()
+    assert 'dcut_engine_payoff_lead{requests="12"} 0.93' in text
     assert 'dcut_gpu_utilization_ratio{gpu="1",name="Stand-in H200"} 0.7' in text
     assert 'dcut_gpu_memory_total_bytes{gpu="0",name="Stand-in H200"} 1.41e+11' in text
     assert 'dcut_engine_rank_step_seconds{rank="1"} 0.014' in text
