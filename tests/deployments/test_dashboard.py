@@ -21,7 +21,7 @@ def test_the_dashboard_is_a_grafana_dashboard_over_prometheus():
     wanted = {"dcut_generated_tokens_total", "dcut_ttft_seconds_bucket", "dcut_tpot_seconds_bucket", "dcut_engine_mat",
               "dcut_engine_drafter_drafts", "dcut_engine_verify_tokens_per_step", "dcut_engine_keep_ratio",
               "dcut_engine_waiting", "dcut_engine_ep_group_rebuilds", "dcut_engine_rank_step_seconds",
-              "dcut_gpu_memory_used_bytes", "dcut_gpu_utilization_ratio"}
+              "dcut_gpu_memory_used_bytes", "dcut_gpu_utilization_ratio", "dcut_engine_payoff_lead"}
     assert wanted <= queried_metrics()
 
 
