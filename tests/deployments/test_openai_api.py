@@ -427,6 +427,39 @@ def test_requests_that_join_while_others_draft_decode_exactly_and_the_server_kee
     assert_still_serving(client)
 
 
+def test_a_batch_under_the_payoff_check_decodes_exactly_after_odd_requests_and_the_server_keeps_serving(
+        client, tiny_bundle):
+    """Odd requests first (a negative `max_tokens`, a prompt of a token id past the vocabulary),
+    then ten at once — enough decoding requests for the payoff check (dcut_core/payoff.py) to
+    measure both arms, plain steps among the gate's: each equals plain greedy decoding, the check
+    reports a lead for their load band on /metrics, and the server serves after them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tokenizers import Tokenizer
+
+    for body in ({"model": "dcut-demo", "prompt": "w1", "max_tokens": -3},
+                 {"model": "dcut-demo", "prompt": [10 ** 6], "max_tokens": 4}):
+        r = httpx.post(f"{BASE}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 400, r.text[:300]
+    prompts = [[(3 * i + j) % 80 + 1 for j in range(4 + i)] * 2 for i in range(10)]
+    model = LocalTarget(load_model(f"{tiny_bundle}/target"))
+    expected = greedy_decode(model, list(range(len(prompts))), prompts, 32)
+
+    def complete(i: int) -> str:
+        out = client.completions.create(model="dcut-demo", prompt=prompts[i], max_tokens=32, temperature=0,
+                                        extra_body={"ignore_eos": True}, timeout=120)
+        return out.choices[0].text.strip()
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        texts = list(pool.map(complete, range(len(prompts))))
+    tok = Tokenizer.from_file(f"{tiny_bundle}/tokenizer.json")
+    assert texts == [tok.decode(e, skip_special_tokens=False).strip() for e in expected]
+    metrics = httpx.get(f"{BASE}/metrics", timeout=30).text
+    assert re.search(r'^dcut_engine_payoff_lead\{requests="6"\} \S+$', metrics, re.M), \
+        [line for line in metrics.splitlines() if "payoff" in line]
+    assert_still_serving(client)
+
+
 def test_a_streamed_request_of_several_choices_that_fails_at_the_first_token_is_a_400(server, client):
     """Every choice of a streamed n = 4 request fails before its first token (structured output on
     a model without a tokenizer): one 400, not a 500 from closing the other choices' streams while
