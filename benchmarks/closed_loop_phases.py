@@ -6,7 +6,9 @@ wave — while speculation's requests finish when their accepted runs take them 
 join one or two at a time and the last wave drains at a falling batch (docs/benchmarks.md, session
 38). Per system and round, the run's tok/s and, for each kind of step, (steps, seconds, tokens,
 tok/s): full = decoding at least 90 % of C with no prompt fed, prefill = feeding a prompt chunk,
-tail = decoding fewer than 90 % of C with none fed; and the payoff check's leads by band.
+tail = decoding fewer than 90 % of C with none fed, each with how many of its steps drafted; the
+payoff check's leads and leaders (the arm each band plays) by band, and the tokens each drafter
+kind drafted and had accepted.
 
 Prompts: a training draw of the mixed workload (seed 29 by default; 11, the reported one, refused).
 
@@ -16,6 +18,7 @@ Prompts: a training draw of the mixed workload (seed 29 by default; 11, the repo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import shutil
@@ -29,21 +32,26 @@ from actors.ray_env import set_local_env
 
 set_local_env()
 
-SYSTEMS = {"ar": {"policy": "ar"}, "default": {}, "unchecked": {"payoff_check": False}}
+# ServeSettings (or EngineConfig) fields over the default (the n-gram kind at block 8).
+SYSTEMS = {"ar": {"policy": "ar"}, "default": {}, "unchecked": {"payoff_check": False},
+           "auto": {"drafter": "auto"}, "auto-unchecked": {"drafter": "auto", "payoff_check": False},
+           "auto-plain-arm": {"drafter": "auto", "payoff_kind_arms": False}}  # (an EngineConfig field)
 
 
 def phases(records: list, concurrency: int) -> dict[str, list]:
-    """(steps, seconds, tokens, tok/s) of each kind of step; `records` (StepRecord, wall seconds)."""
+    """(steps, seconds, tokens, tok/s, steps that drafted) of each kind of step; `records`
+    (StepRecord, wall seconds)."""
     kinds = {"full": [], "prefill": [], "tail": []}
     for rec, wall in records:
         if rec is None:
             continue
         kind = "prefill" if rec.prefill_tokens else "full" if rec.requests >= 0.9 * concurrency else "tail"
-        kinds[kind].append((rec.requests + rec.accepted, wall))
+        kinds[kind].append((rec.requests + rec.accepted, wall, rec.drafted > 0))
     out = {}
     for kind, steps in kinds.items():
-        seconds, tokens = sum(w for _, w in steps), sum(t for t, _ in steps)
-        out[kind] = [len(steps), round(seconds, 3), tokens, round(tokens / seconds, 1) if seconds else 0.0]
+        seconds, tokens = sum(w for _, w, _ in steps), sum(t for t, _, _ in steps)
+        out[kind] = [len(steps), round(seconds, 3), tokens, round(tokens / seconds, 1) if seconds else 0.0,
+                     sum(d for _, _, d in steps)]
     return out
 
 
@@ -81,8 +89,10 @@ def main() -> int:
             with tempfile.TemporaryDirectory() as cache:  # the cached start-up profile; nothing learnt is kept
                 for f in pathlib.Path(ServeSettings().cost_model_cache).glob("cost_model_*.json"):
                     shutil.copy(f, cache)
-                s = ServeSettings(drafter="ngram", block=8, max_running=c, cost_model_cache=cache, **SYSTEMS[name])
-                eng = Engine(s.engine_config())
+                fields = {"drafter": "ngram", "block": 8, "max_running": c, "cost_model_cache": cache, **SYSTEMS[name]}
+                serve = {k: v for k, v in fields.items() if k in ServeSettings.model_fields}
+                eng = Engine(dataclasses.replace(ServeSettings(**serve).engine_config(),
+                                                 **{k: v for k, v in fields.items() if k not in serve}))
                 records, step = [], eng.step
 
                 def timed(step=step, records=records):
@@ -95,13 +105,17 @@ def main() -> int:
                 try:
                     res = closed_loop(eng, prompts, c, args.max_tokens)
                     leads = eng.payoff.leads() if eng.payoff is not None else {}
+                    leaders = eng.payoff.leaders() if eng.payoff is not None else {}
+                    by_kind = {k: [v["drafted"], v["accepted"]] for k, v in eng.drafted_by_kind.items() if v["drafted"]}
                 finally:
                     eng.shutdown()
             if res.outputs != outputs.setdefault("first", res.outputs):  # lossless: every system's the same
                 raise AssertionError(f"{name} (round {rnd}): an output differs from the first system's")
             print(json.dumps({"system": name, "round": rnd, "tok_s": round(res.output_tokens / res.wall_s, 1),
                               **phases(records, c),
-                              "leads": {r: None if v is None else round(v, 3) for r, v in leads.items()}}), flush=True)
+                              "leads": {r: None if v is None else round(v, 3) for r, v in leads.items()},
+                              "leaders": leaders,
+                              "drafted_accepted": by_kind}), flush=True)
     return 0
 
 

@@ -35,11 +35,14 @@ class KindReach:
     """[R, kinds]: what each drafter kind can do for each request this step — the context it has
     not seen (`lag`: catching up on it comes before drafting), whether the request may use it
     (`allowed`; None: every kind), and the drafts it is known to be able to make now
-    (`available`: the n-gram kind's look-ahead; -1: as many as asked; None: not known)."""
+    (`available`: the n-gram kind's look-ahead; -1: as many as asked; None: not known); and
+    `only`, the one kind every request drafts with this step if any (the payoff check's arm of
+    that kind: no choice to make)."""
 
     lag: np.ndarray
     allowed: np.ndarray | None = None
     available: np.ndarray | None = None
+    only: int | None = None
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,7 @@ class GateInput:
     costs: DraftingCosts
     allowed: np.ndarray | None = None  # [R, kinds] bool
     available: np.ndarray | None = None  # [R, kinds] drafts each kind can make now (-1: as many as asked)
+    only: int | None = None  # the one kind every request drafts with (None: the chooser's)
 
     @classmethod
     def capture(cls, rids: list[int], caps, remaining, reach: KindReach, verify: StepCost,
@@ -70,11 +74,15 @@ class GateInput:
         tokens = len(rids) + np.arange(int(caps.sum()) + 1)
         lag = np.asarray(reach.lag, dtype=np.float64).reshape(shape)
         allowed, available = reach.allowed, reach.available
+        if reach.only is not None:  # the other kinds are not the requests' to use this step
+            one = np.arange(shape[1]) == reach.only
+            allowed = np.broadcast_to(one, shape) if allowed is None else np.asarray(allowed, dtype=bool) & one
         costs = DraftingCosts(list(costs.draft), float(costs.shared_fixed), float(costs.call),
                               None if costs.remote is None else np.asarray(costs.remote, dtype=bool))
         return cls(list(rids), caps, np.asarray(remaining, dtype=np.int64), lag, verify.seconds(tokens), costs,
                    None if allowed is None else np.asarray(allowed, dtype=bool),
-                   None if available is None else np.asarray(available, dtype=np.int64).reshape(shape))
+                   None if available is None else np.asarray(available, dtype=np.int64).reshape(shape),
+                   None if reach.only is None else int(reach.only))
 
     def room(self) -> np.ndarray:
         """[R, kinds]: the most drafts each kind may make for each request this step: the cap,
@@ -106,7 +114,7 @@ class GateInput:
                 "draft": [[d.fixed, d.per_request, d.per_position, d.per_context, d.per_pass] for d in c.draft],
                 "allowed": None if self.allowed is None else self.allowed.tolist(), "shared_fixed": c.shared_fixed,
                 "available": None if self.available is None else self.available.tolist(), "call": c.call,
-                "remote": None if c.remote is None else c.remote.tolist()}
+                "remote": None if c.remote is None else c.remote.tolist(), "only": self.only}
 
     @classmethod
     def from_dict(cls, d: dict) -> GateInput:
@@ -125,7 +133,8 @@ class GateInput:
         return cls(list(d["rids"]), np.asarray(d["caps"], dtype=np.int64), np.asarray(d["remaining"], dtype=np.int64),
                    lag, table, costs,
                    None if allowed is None else np.asarray(allowed, dtype=bool),
-                   None if available is None else np.asarray(available, dtype=np.int64).reshape(lag.shape))
+                   None if available is None else np.asarray(available, dtype=np.int64).reshape(lag.shape),
+                   None if d.get("only") is None else int(d["only"]))
 
 
 @dataclass(frozen=True)
@@ -199,8 +208,12 @@ class DraftingGate:
         return Plan(kinds, lengths, fallback, g)
 
     def kinds(self, g: GateInput, predicted: Predicted) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(kind, exploring, fallback) [R]: the kinds kept from an earlier decision (`sticky`) if
-        every request of the batch has one, else the chooser's for the whole batch."""
+        """(kind, exploring, fallback) [R]: the one kind of the step if it has one (`only`), the
+        kinds kept from an earlier decision (`sticky`) if every request of the batch has one, else
+        the chooser's for the whole batch."""
+        r = len(g.rids)
+        if g.only is not None:  # a choice made for the step, outside what `sticky` keeps
+            return np.full(r, g.only, dtype=np.int64), np.zeros(r, dtype=bool), np.full(r, -1, dtype=np.int64)
         usable = g.usable()
         kept = self.sticky.recall(g.rids, usable)
         if kept is not None:

@@ -8,27 +8,31 @@ says at 16–64 requests, and the replay target given that price (`benchmarks/re
 correction notwithstanding (docs/benchmarks.md, session 38). D-Cut's promise is never to lose to
 the best static choice; plain decoding is one, so it is measured beside the gate's.
 
-Two arms per load band (requests decoding, bands doubling in width: `band_of`): steps the gate
-decides (the *drafting* arm) and plain steps that skip the look-ahead and the gate (the *plain*
-arm). Each step's outcome is its tokens a request and its wall time (its own Python included: a
-plain step pays `ar`'s) over what the cost model predicts a plain step of its shape takes
-(`plain_s`), so a band's steps compare across their request counts and contexts. Only steps that
-feed no prompt chunk are measured: the profile's error on a mixed step is not a plain step's, and
-the arms, probed at fixed counts, would sample different mixes (at 64 requests in a closed loop a
-probe-time plain step had been a decode-only one and the gate's mostly mixed: a lead of 1.8 where
-end to end the two were level); a mixed step plays the band's leader.
-An arm's rate is a ratio of sums over its recent outcomes — tokens over time, as throughput is:
-a median of each step's ratio would judge drafting at one request by its typical step, which
-accepts little, and not by the long accepted runs that make its throughput. A band lets the gate
-decide unless plain decoding's rate leads the drafting arm's by `confidence` standard errors
-(one request's steps scatter widely — a run of eight accepted drafts, then none — so at low load
-only a clear loss counts; a batch's steps scatter little, and a loss of a few percent shows in a
-few dozen steps). The arm not played is probed every `probe` steps of the band (every `sure`
-steps once the leader leads by `margin` and by the evidence), so a change of load or of the
-machine's phase is seen. Below `least_requests` requests the gate decides alone. A band starts
-on the drafting arm, with a plain probe every `warm` steps until each arm has `least` outcomes.
-Deterministic (counters, no random draws): an engine's and the trace simulator's choices replay
-exactly.
+Arms per load band (requests decoding, bands doubling in width: `band_of`): steps the gate decides
+(the *drafting* arm), plain steps that skip the look-ahead and the gate (the *plain* arm), and, in
+an engine hosting several drafter kinds, steps whose gate may choose only one kind (an arm per
+kind: per-request choice among kinds had measured 0.86–0.91 × the best single kind at 16 requests,
+the chooser's own time and the passes of kinds drafting for a few requests each among the causes —
+docs/benchmarks.md, sessions 34 and 38; the single kind is a static choice the promise must not
+lose to either). Each step's outcome is its tokens a request and its wall time (its own Python
+included: a plain step pays `ar`'s) over what the cost model predicts a plain step of its shape
+takes (`plain_s`), so a band's steps compare across their request counts and contexts. Only steps
+that feed no prompt chunk are measured: the profile's error on a mixed step is not a plain step's,
+and the arms, probed at fixed counts, would sample different mixes (at 64 requests in a closed
+loop a probe-time plain step had been a decode-only one and the gate's mostly mixed: a lead of 1.8
+where end to end the two were level); a mixed step plays the band's leader.
+An arm's rate is a ratio of sums over its recent outcomes — tokens over time, as throughput is: a
+median of each step's ratio would judge drafting at one request by its typical step, which accepts
+little, and not by the long accepted runs that make its throughput. A band plays the drafting arm
+unless another arm's rate leads it by `confidence` standard errors (then the best such arm): one
+request's steps scatter widely — a run of eight accepted drafts, then none — so at low load only a
+clear loss counts; a batch's steps scatter little, and a loss of a few percent shows in a few
+dozen steps. The arms not played are probed in turn every `probe` steps of the band; one that the
+leader leads by `margin` and by the evidence only every `sure` steps, so a change of load or of
+the machine's phase is seen. Below `least_requests` requests the gate decides alone. A band starts
+on the drafting arm, probing the others in turn every `warm` steps until each arm has `least`
+outcomes. Deterministic (counters, no random draws): an engine's and the trace simulator's choices
+replay exactly.
 """
 
 from __future__ import annotations
@@ -37,19 +41,40 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+PLAIN, DRAFTING = 0, 1  # the arms every check has; an engine of several kinds adds one per kind
+
+
+def kind_arm(kind: str) -> str:
+    """The name of the arm whose gate may choose only `kind`."""
+    return f"kind:{kind}"
+
+
+def arms_of(kinds) -> tuple[str, ...]:
+    """The arms of an engine hosting `kinds`: plain, the gate over every kind, and with several
+    kinds the gate over each alone."""
+    return ("plain", "drafting", *(kind_arm(k) for k in kinds)) if len(kinds) > 1 else ("plain", "drafting")
+
 
 @dataclass
 class Band:
     """One load band's recent outcomes of each arm, (tokens a request, seconds over a plain
-    step's predicted), and its step counter."""
+    step's predicted), and its counters."""
 
-    drafting: deque = field(default_factory=deque)
-    plain: deque = field(default_factory=deque)
-    steps: int = 0  # steps of this band so far
-    judged: tuple | None = None  # (lead, evidence) of the outcomes as they are; None: not yet worked out
+    outcomes: list[deque]  # per arm
+    steps: int = 0  # measured steps of this band so far
+    probes: int = 0  # probes so far (whose turn is next among the arms due)
+    # (leader, arms unsure, arms behind) of the outcomes as they are; None: not worked out yet
+    # (a step asks every time; the passes over the windows cost ~18 µs), False: still learning
+    judged: tuple | bool | None = None
 
-    def outcomes(self, drafts: bool) -> deque:
-        return self.drafting if drafts else self.plain
+    @classmethod
+    def of(cls, arms: int) -> Band:
+        return cls([deque() for _ in range(arms)])
+
+    def probe(self, arms: list[int]) -> int:
+        """The next of `arms` in turn."""
+        self.probes += 1
+        return arms[(self.probes - 1) % len(arms)]
 
     @staticmethod
     def rate(outcomes: deque) -> float:
@@ -69,12 +94,13 @@ class Band:
 
 @dataclass
 class PayoffCheck:
+    arms: tuple[str, ...] = ("plain", "drafting")  # PLAIN and DRAFTING first (`arms_of`)
     least: int = 3  # outcomes of each arm before their rates decide
-    warm: int = 4  # a plain probe every `warm` steps of a band until then
-    probe: int = 16  # the arm not played, probed every `probe` steps of the band
-    sure: int = 128  # ... every `sure` steps while the leader leads by `margin`
+    warm: int = 4  # a probe every `warm` steps of a band until then
+    probe: int = 16  # an arm not played, probed every `probe` steps of the band (in turn)
+    sure: int = 128  # ... every `sure` steps while the leader leads it by `margin` and the evidence
     margin: float = 0.15
-    confidence: float = 1.0  # standard errors by which plain decoding must lead before it is played
+    confidence: float = 1.0  # standard errors by which an arm must lead the drafting arm to be played
     window: int = 32  # recent outcomes kept per arm and band
     # Fewer requests than this: the gate alone. One request's text moves between stretches that
     # repeat (drafting 2-4 x plain decoding) and stretches that do not (the gate's own time makes
@@ -84,6 +110,11 @@ class PayoffCheck:
     # session 38). A batch's steps mix many requests' stretches.
     least_requests: int = 6
     bands: dict[int, Band] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.arms = tuple(self.arms)
+        if self.arms[:2] != ("plain", "drafting") or len(set(self.arms)) != len(self.arms):
+            raise ValueError(f"a payoff check's arms are plain, drafting, then others, each once: {self.arms}")
 
     @staticmethod
     def band_of(requests: int) -> int:
@@ -98,84 +129,114 @@ class PayoffCheck:
         """The fewest requests of a band."""
         return -(-3 * (1 << band) // 4)
 
-    def drafts(self, requests: int, measured: bool = True) -> bool:
-        """Whether a step decoding `requests` requests lets the gate decide (True) or decodes
-        plainly (False). A `measured` step (one whose outcome `observe` will be told) counts in
-        its band and may be a probe: call once a step. One that is not — a step that also feeds
-        prompt chunks — plays the band's leader and changes nothing."""
+    def arm(self, requests: int, measured: bool = True) -> int:
+        """The arm a step decoding `requests` requests plays (an index into `arms`: PLAIN decodes
+        plainly, DRAFTING lets the gate decide, another restricts the gate to its kind). A
+        `measured` step (one whose outcome `observe` will be told) counts in its band and may be
+        a probe: call once a step. One that is not — a step that also feeds prompt chunks — plays
+        the band's leader and changes nothing."""
         if requests < self.least_requests:
-            return True
-        band = self.bands.get(self.band_of(requests))
+            return DRAFTING
+        key = self.band_of(requests)
+        band = self.bands.get(key)
         if not measured:
-            lead, z = (None, 0.0) if band is None else self._judge(band)
-            return lead is None or z >= -self.confidence
+            judged = False if band is None else self._judge(band)
+            return judged[0] if judged else DRAFTING
         if band is None:
-            band = self.bands[self.band_of(requests)] = Band()
+            band = self.bands[key] = Band.of(len(self.arms))
         band.steps += 1
-        lead, z = self._judge(band)
-        if lead is None:  # still learning both arms: the drafting arm, a plain probe now and then
-            return band.steps % self.warm != 0 or len(band.plain) >= self.least
-        leader = z >= -self.confidence  # the gate's arm unless plain decoding is shown to deliver more
-        sure = abs(lead - 1.0) >= self.margin and abs(z) >= self.confidence
-        return leader if band.steps % (self.sure if sure else self.probe) else not leader
+        judged = self._judge(band)
+        if not judged:  # still learning the arms: the drafting arm, the others probed in turn
+            lacking = [a for a in range(len(self.arms)) if a != DRAFTING and len(band.outcomes[a]) < self.least]
+            return band.probe(lacking) if lacking and band.steps % self.warm == 0 else DRAFTING
+        leader, unsure, behind = judged
+        if behind and band.steps % self.sure == 0:
+            return band.probe(behind)
+        if unsure and band.steps % self.probe == 0:
+            return band.probe(unsure)
+        return leader
 
-    def _judge(self, band: Band) -> tuple[float | None, float]:
-        """(lead, evidence) of a band, worked out once per new outcome (a step asks every time:
-        six passes over its windows cost ~18 µs)."""
+    def _judge(self, band: Band) -> tuple | bool:
+        """(leader, arms unsure, arms behind) of a band, or False while an arm has fewer than
+        `least` outcomes; worked out once per new outcome."""
         if band.judged is None:
-            lead = self.lead(band)
-            band.judged = (lead, 0.0 if lead is None else self.evidence(band))
+            band.judged = self._judged(band)
         return band.judged
 
-    def lead(self, band: Band) -> float | None:
-        """The drafting arm's rate over the plain arm's (None: either has fewer than `least`
-        outcomes)."""
-        if len(band.drafting) < self.least or len(band.plain) < self.least:
-            return None
-        return Band.rate(band.drafting) / Band.rate(band.plain)
+    def _judged(self, band: Band) -> tuple | bool:
+        if any(len(o) < self.least for o in band.outcomes):
+            return False
+        rates = [Band.rate(o) for o in band.outcomes]
+        ahead = [a for a in range(len(self.arms)) if a != DRAFTING and self.evidence(band, a) > self.confidence]
+        leader = max(ahead, key=rates.__getitem__) if ahead else DRAFTING
+        others = [a for a in range(len(self.arms)) if a != leader]
+        behind = [a for a in others if rates[leader] >= (1 + self.margin) * rates[a]
+                  and self.evidence(band, leader, a) >= self.confidence]
+        return leader, [a for a in others if a not in behind], behind
 
-    def evidence(self, band: Band) -> float:
-        """How many standard errors the drafting arm's rate lies above the plain arm's (negative:
-        below; infinite where both arms' outcomes are exact)."""
-        diff = Band.rate(band.drafting) - Band.rate(band.plain)
-        se = math.sqrt(Band.variance(band.drafting) + Band.variance(band.plain))
+    def lead(self, band: Band, arm: int = DRAFTING, over: int = PLAIN) -> float | None:
+        """One arm's rate over another's, by default the drafting arm's over plain decoding's
+        (None: either has fewer than `least` outcomes)."""
+        a, b = band.outcomes[arm], band.outcomes[over]
+        if len(a) < self.least or len(b) < self.least:
+            return None
+        return Band.rate(a) / Band.rate(b)
+
+    def evidence(self, band: Band, arm: int = DRAFTING, over: int | None = None) -> float:
+        """How many standard errors one arm's rate lies above another's (negative: below; infinite
+        where both arms' outcomes are exact): by default the drafting arm over plain decoding,
+        another arm over the drafting arm."""
+        over = (PLAIN if arm == DRAFTING else DRAFTING) if over is None else over
+        a, b = band.outcomes[arm], band.outcomes[over]
+        diff = Band.rate(a) - Band.rate(b)
+        se = math.sqrt(Band.variance(a) + Band.variance(b))
         if se == 0.0 or not math.isfinite(se):
             return 0.0 if diff == 0.0 or not math.isfinite(se) else math.copysign(math.inf, diff)
         return diff / se
 
-    def observe(self, requests: int, drafts: bool, tokens: float, seconds: float, plain_s: float) -> None:
+    def observe(self, requests: int, arm: int, tokens: float, seconds: float, plain_s: float) -> None:
         """One step's outcome: `tokens` emitted by its `requests` decoding requests in `seconds` of
-        wall time, on the arm `drafts`; `plain_s` what the cost model predicts a plain step of its
-        shape takes (the scale that makes a band's steps comparable)."""
+        wall time, on `arm`; `plain_s` what the cost model predicts a plain step of its shape
+        takes (the scale that makes a band's steps comparable)."""
         if requests < max(1, self.least_requests) or seconds <= 0 or plain_s <= 0:
             return
-        band = self.bands.setdefault(self.band_of(requests), Band())
-        kept = band.outcomes(drafts)
+        band = self.bands.setdefault(self.band_of(requests), Band.of(len(self.arms)))
+        kept = band.outcomes[arm]
         band.judged = None
         kept.append((tokens / requests, seconds / plain_s))
         if len(kept) > self.window:
             kept.popleft()
 
     def as_dict(self) -> dict:
-        """Each band's recent outcomes, for the learned state a restarted engine starts from
-        (`dcut_core/learned.py`)."""
-        return {str(b): {"drafting": [list(o) for o in band.drafting], "plain": [list(o) for o in band.plain]}
+        """Each band's recent outcomes by arm, for the learned state a restarted engine starts
+        from (`dcut_core/learned.py`)."""
+        return {str(b): {name: [list(o) for o in band.outcomes[a]] for a, name in enumerate(self.arms)}
                 for b, band in sorted(self.bands.items())}
 
     def restore(self, d: dict) -> None:
         """The bands' outcomes as `as_dict` wrote them (ValueError on anything else): a band whose
-        arms both have `least` outcomes is decided from its first step, and probes on schedule."""
+        arms all have `least` outcomes is decided from its first step, and probes on schedule.
+        Every saved arm is checked; those this check does not have (a state saved by an engine
+        of other kinds) are left out, and an arm not saved starts empty."""
         bands = {}
         for b, arms in d.items():
-            band = bands[int(b)] = Band()
-            for drafts in (True, False):
-                for tokens, seconds in arms["drafting" if drafts else "plain"][-self.window:]:
-                    if not (float(tokens) >= 0 and float(seconds) > 0):  # NaN fails too
-                        raise ValueError(f"a payoff outcome needs tokens >= 0 and seconds > 0: {tokens}, {seconds}")
-                    band.outcomes(drafts).append((float(tokens), float(seconds)))
+            band = bands[int(b)] = Band.of(len(self.arms))
+            if not {"drafting", "plain"} <= set(arms):
+                raise ValueError(f"a saved payoff band has the drafting and plain arms: {sorted(arms)}")
+            for name, outcomes in arms.items():
+                kept = [(float(t), float(s)) for t, s in outcomes[-self.window:]]
+                if not all(t >= 0 and s > 0 for t, s in kept):  # NaN fails too
+                    raise ValueError(f"a payoff outcome needs tokens >= 0 and seconds > 0: {outcomes}")
+                if name in self.arms:
+                    band.outcomes[self.arms.index(name)].extend(kept)
         self.bands = bands
 
     def leads(self) -> dict[int, float | None]:
         """Each band's lead (its lowest request count -> drafting over plain), for /metrics and
         the benchmarks."""
         return {self.lowest(b): self.lead(band) for b, band in sorted(self.bands.items())}
+
+    def leaders(self) -> dict[int, str | None]:
+        """Each band's leader (its lowest request count -> the arm played; None while learning)."""
+        return {self.lowest(b): (self.arms[j[0]] if j else None)
+                for b, band in sorted(self.bands.items()) for j in [self._judge(band)]}

@@ -31,7 +31,7 @@ from dcut_core.counterfactual import Trace
 from dcut_core.drafting import AcceptanceTracker, DraftCost, DraftPlanner, Exploration, Predicted, Verified
 from dcut_core.gate import LOOKAHEAD_REQUESTS, DraftingCosts, DraftingGate, GateInput, KindReach, Plan
 from dcut_core.learned import KindState, LearnedState
-from dcut_core.payoff import PayoffCheck
+from dcut_core.payoff import DRAFTING, PLAIN, PayoffCheck, arms_of
 from dcut_core.pruning import DraftBatch, policy_from_name
 
 
@@ -66,6 +66,7 @@ class SimSettings:
     chain_stop: bool = False  # chained kinds cut pass by pass (`EngineConfig.chain_stop`, dcut_core/chains.py)
     chained: tuple[str, ...] = ("mtp",)  # the kinds that draft a pass per position (`DrafterKind.chained`)
     payoff_check: bool = True  # plain decoding measured beside the gate's steps (`EngineConfig.payoff_check`)
+    payoff_kind_arms: bool = True  # ... and each kind alone (`EngineConfig.payoff_kind_arms`)
 
 
 @dataclass
@@ -167,8 +168,9 @@ class _Run:
         self._feeding: list[tuple[_Live, int, int]] = []  # this step's prefill chunks (request, start, tokens)
         self._passes: dict[int, int] = {}  # the last step's passes of each cut chain (`_cut_chains`)
         gated = self.policy.gated and s.drafting_gate
-        self.payoff = PayoffCheck() if gated and s.payoff_check else None  # as the engine's (dcut_core/payoff.py)
-        self._arm: bool | None = None  # this step's measured arm of the payoff check (None: not measured)
+        arms = arms_of(s.kinds if s.payoff_kind_arms else s.kinds[:1])
+        self.payoff = PayoffCheck(arms) if gated and s.payoff_check else None  # as the engine's
+        self._arm: int | None = None  # this step's measured arm of the payoff check (None: not measured)
         self._checked_plain = False  # the check made this step plain (measured or not)
         self._unlearnt: tuple | None = None  # the last step's learning, and the requests that finished in it
         self.queue: deque[int] = deque(range(len(trace.requests)))
@@ -255,10 +257,12 @@ class _Run:
         if not r or not self.policy.drafts:
             plain = Plan.plain(r)
             return plain.lengths, plain.kinds, plain.fallback
+        only = None  # the one kind the gate may choose (the check's kind arm)
         if self.payoff is not None:  # as `Engine.step`: a step feeding prompts plays the leader, unmeasured
-            drafts = self.payoff.drafts(r, measured=not self._feeding)
-            self._arm = None if self._feeding else drafts
-            if not drafts:  # the payoff check's plain arm: no look-ahead, no gate
+            played = self.payoff.arm(r, measured=not self._feeding)
+            self._arm = None if self._feeding else played
+            only = played - DRAFTING - 1 if played > DRAFTING else None
+            if played == PLAIN:  # the payoff check's plain arm: no look-ahead, no gate
                 self._checked_plain = True
                 self._available = None
                 plain = Plan.plain(r)
@@ -271,7 +275,7 @@ class _Run:
         a, b = costs.own_drafting
         extra = max(0.0, a + b * r)  # what a drafting step costs outside the passes (the engine's `extra`)
         available = None
-        if self.ngram is not None and r <= LOOKAHEAD_REQUESTS:  # the look-ahead: what n-gram can draft now
+        if self.ngram is not None and r <= LOOKAHEAD_REQUESTS and only in (None, self.ngram):  # the look-ahead
             available = np.full((r, len(self.kidx)), -1, dtype=np.int64)
             available[:, self.ngram] = np.minimum(cap, [self.trace.requests[x.q].count[self.kidx[self.ngram], x.t]
                                                         for x in batch])
@@ -279,7 +283,7 @@ class _Run:
         if self.s.hindsight:  # the gate is a HindsightGate: tell it this step's outcomes
             self.gate.accepted = np.array([[self.trace.requests[x.q].accepted[k, x.t] for k in self.kidx]
                                            for x in batch], dtype=np.int64).reshape(r, len(self.kidx))
-        g = GateInput.capture([x.rid for x in batch], cap, remaining, KindReach(held, None, available),
+        g = GateInput.capture([x.rid for x in batch], cap, remaining, KindReach(held, None, available, only),
                               self._curve(batch), DraftingCosts(self.draft, extra, costs.shared, self.remote))
         gated = self.policy.gated and self.s.drafting_gate
         plan = self.gate.decide(g) if gated else self.gate.choose(g)

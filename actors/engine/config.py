@@ -55,6 +55,8 @@ class EngineConfig:
     # Plain decoding measured beside the gate's steps, load band by load band, and played where it
     # delivers more (dcut_core/payoff.py): the gate's predictions can be priced wrong.
     payoff_check: bool = True
+    # ... and, with several kinds, the gate over each kind alone beside the gate over all of them.
+    payoff_kind_arms: bool = True
     step_log: str | None = None  # msgpack file of every step's drafts and decisions
     # The estimators learn from a step on a thread while the next step's forward runs. None: on when
     # the ranks are on GPUs (there the forward waits on the device); on this machine's CPU ranks torch

@@ -54,7 +54,7 @@ from dcut_core.cost_model import StepShape
 from dcut_core.drafting import AcceptanceTracker, Exploration
 from dcut_core.gate import LOOKAHEAD_REQUESTS, DraftingCosts, DraftingGate, GateInput, KindReach, Plan
 from dcut_core.learners import DraftCostLearner, StepOverhead
-from dcut_core.payoff import PayoffCheck
+from dcut_core.payoff import DRAFTING, PLAIN, PayoffCheck, arms_of
 from dcut_core.pruning import DraftBatch, StepCost, policy_from_name
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class Engine:
         self.draft_cost = self._new_cost_learner()
         self.drafted_by_kind = {k: dict.fromkeys(("chosen", "drafted", "kept", "accepted"), 0) for k in self.kinds}
         self.overhead = StepOverhead()
-        self.payoff = PayoffCheck() if cfg.drafting_gate and cfg.payoff_check else None
+        self.payoff = PayoffCheck(self._payoff_arms()) if cfg.drafting_gate and cfg.payoff_check else None
         self.model_cfg = MoEConfig.load(cfg.target_dir)
         self.warm_start = WarmStart(cfg)
         learned, self.started_from = self.warm_start.load()
@@ -126,9 +126,12 @@ class Engine:
             raise ValueError("this engine was built without drafters (policy ar)")
         self.policy = policy
         if self.payoff is not None:  # another policy's drafting arm: measured anew
-            self.payoff = PayoffCheck()
+            self.payoff = PayoffCheck(self._payoff_arms())
         self._profile_drafter()
         self._start_cost_model()
+
+    def _payoff_arms(self) -> tuple[str, ...]:
+        return arms_of(self.kinds if self.cfg.payoff_kind_arms else self.kinds[:1])
 
     @property
     def degraded(self) -> dict[str, int]:
@@ -234,16 +237,17 @@ class Engine:
             context = sum(cached)
             curve = self._verify_curve(len(batch), context, feeding)
             drafting = bool(batch) and self.can_draft and self.policy.drafts
-            arm = None  # the payoff check's arm where this step's outcome is measured (feeding no prompt)
+            arm, only = None, None  # the payoff check's arm where this step's outcome is measured (feeding no prompt)
             if drafting and self.payoff is not None and self.policy.gated:
-                drafting = self.payoff.drafts(len(batch), measured=not feeding)
-                arm = None if feeding else drafting
+                played = self.payoff.arm(len(batch), measured=not feeding)
+                drafting, only = played != PLAIN, (played - DRAFTING - 1 if played > DRAFTING else None)
+                arm = None if feeding else played
             remaining = np.array([s.remaining for s in batch], dtype=np.int64) if drafting else None
             caps = self._caps(batch, remaining) if drafting else None
             if caps is not None:  # every count the gate and pruning ask about, computed once
                 curve = curve.tabulated(len(batch), len(batch) + int(caps.sum()))
             st = Step(batch, feeding, time.perf_counter(), context, curve, caps, cached=cached, remaining=remaining,
-                      arm=arm)
+                      arm=arm, only=only)
             st.lookahead = self.look(st)
             st.plan = self.plan(st)
             st.drafts = self.propose(st)
@@ -318,6 +322,8 @@ class Engine:
         where the kind drafts on demand)."""
         if self.lookahead is None or st.caps is None or len(st.batch) > LOOKAHEAD_REQUESTS:
             return None
+        if st.only is not None and st.only != self.lookahead.kind:  # the step drafts another kind alone
+            return None
         mine = [not s.params.drafters or LOCAL_KIND in s.params.drafters for s in st.batch]
         return self.lookahead.look(st.batch, np.where(mine, st.caps, 0))
 
@@ -333,8 +339,8 @@ class Engine:
             allowed = np.array([[k in (s.params.drafters or self.kinds) for k in self.kinds] for s in batch])
         available = st.lookahead.available(len(self.kinds)) if st.lookahead is not None else None
         costs = DraftingCosts(self.draft_cost.costs, self.overhead.extra, self.draft_cost.shared, self.remote)
-        g = GateInput.capture([s.rid for s in batch], st.caps, st.remaining,
-                              KindReach(self.drafters.lag(batch, st.cached), allowed, available), st.verify_cost, costs)
+        reach = KindReach(self.drafters.lag(batch, st.cached), allowed, available, st.only)
+        g = GateInput.capture([s.rid for s in batch], st.caps, st.remaining, reach, st.verify_cost, costs)
         gated = self.policy.gated and self.cfg.drafting_gate
         return self.gate.decide(g) if gated else self.gate.choose(g)
 

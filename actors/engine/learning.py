@@ -16,6 +16,7 @@ from dcut_core.cost_model import StepShape
 from dcut_core.drafting import Verified
 from dcut_core.gate import DraftingGate
 from dcut_core.learners import StepOverhead
+from dcut_core.payoff import PLAIN
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,6 @@ def record(st: Step, predicted: float, history: StepHistory, overhead: StepOverh
     # What drafting adds outside the passes, among the steps the gate decided (prefill chunks would
     # blur it; the payoff check's plain steps skip the look-ahead and the gate, which a step the
     # gate leaves plain pays).
-    if not st.feeding and st.arm is not False:
+    if not st.feeding and st.arm != PLAIN:
         overhead.observe(rec.drafted > 0, rec.step_s - rec.target_compute_s - rec.draft_s)
     return rec

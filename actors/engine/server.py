@@ -231,6 +231,8 @@ class AsyncEngine:
             "drafter_kinds": {k: dict(c) for k, c in self.engine.drafted_by_kind.items()},
             "payoff_leads": {r: lead for r, lead in (self.engine.payoff.leads() if self.engine.payoff else {}).items()
                              if lead is not None},
+            "payoff_leaders": {r: arm for r, arm in (self.engine.payoff.leaders() if self.engine.payoff else {}).items()
+                               if arm is not None},  # the arm each load band plays
             "verify_tokens_per_step": sum(r.verify_tokens for r in recs) / len(recs) if recs else 0.0,
             "running": self.engine.counts()[0],
             "waiting": self.engine.counts()[1] + len(self._new),

@@ -73,7 +73,8 @@ class Step:
     accepted: Accepted | None = None
     cached: list[int] = field(default_factory=list)  # each decoding request's KV length when the step began
     remaining: np.ndarray | None = None  # [R] tokens each may still make (computed where the step may draft)
-    arm: bool | None = None  # the payoff check's arm (True: the gate decided; False: plain); None: not checked
+    arm: int | None = None  # the payoff check's measured arm (an index of its `arms`); None: not measured
+    only: int | None = None  # the one kind the gate may choose this step (the check's kind arm); None: any
 
     @property
     def verify_tokens(self) -> int:

@@ -229,3 +229,36 @@ def test_drafts_of_one_part_for_the_whole_batch_merge_as_scattered_parts_do():
                  (one.margin, two.margin), (one.kinds, two.kinds)):
         assert a.dtype == b.dtype and a.tolist() == b.tolist()
     assert one.kinds.tolist() == [2, 2, 1, 2] and one.cu.tolist() == [0, 3, 3, 5, 6]
+
+
+@pytest.mark.parametrize("only", ["mtp", "ngram"])
+def test_a_payoff_arm_of_one_kind_drafts_with_that_kind_alone_and_outputs_stay_greedy(tiny_bundle, reference,
+                                                                                      tmp_path, only):
+    """An engine of several kinds measures, beside plain decoding and the gate over every kind, the
+    gate over each kind alone (dcut_core/payoff.py). A step on such an arm drafts with that kind
+    only — no chooser, the n-gram look-ahead only for the n-gram kind — and is measured as that
+    arm; outputs stay plain greedy decoding's."""
+    from dcut_core.payoff import PayoffCheck, arms_of
+
+    kinds = ("mtp", "ngram")
+    eng = engine(tiny_bundle, tmp_path, drafter=",".join(kinds), drafter_dir=None, policy="dcut",
+                 drafter_dirs=(("mtp", f"{tiny_bundle}/mtp"),))
+    try:
+        assert eng.payoff.arms == arms_of(kinds) == ("plain", "drafting", "kind:mtp", "kind:ngram")
+        want = eng.payoff.arms.index(f"kind:{only}")
+        eng.payoff = check = PayoffCheck(eng.payoff.arms, least_requests=1)
+        check.arm = lambda r, measured=True: want  # every step on the one kind's arm
+        plans, looks, plan = [], [], eng.plan
+        eng.plan = lambda st: plans.append(plan(st)) or (looks.append(st.lookahead), plans[-1])[1]
+        seqs = eng.generate(PROMPTS, [SamplingParams(max_tokens=MAX_TOKENS) for _ in PROMPTS])
+    finally:
+        eng.shutdown()
+    assert [s.output for s in seqs] == reference
+    drafting = [p for p in plans if p.drafting]
+    assert drafting and all((p.kinds == kinds.index(only)).all() for p in drafting)  # speculation happened, one kind
+    assert all(p.seen.only == kinds.index(only) for p in plans if p.seen is not None)
+    assert (only == "ngram") == any(look is not None for look in looks)
+    measured = {b: [len(o) for o in band.outcomes] for b, band in check.bands.items()}
+    assert measured and all(n[want] > 0 and sum(n) == n[want] for n in measured.values())
+    drafted = {k: v["drafted"] for k, v in eng.drafted_by_kind.items()}
+    assert drafted[only] > 0 and all(v == 0 for k, v in drafted.items() if k != only)

@@ -85,8 +85,8 @@ def test_the_payoff_check_plays_the_arm_that_delivers_more(long_greedy, tiny_bun
 
     eng = ReplayEngine(config(tiny_bundle, tmp_path, "dcut"), long_greedy, forward_s=forward)
     eng.payoff = check = PayoffCheck(least=2, warm=2, probe=8, sure=8)  # decided after four steps
-    arms, drafts = [], check.drafts
-    check.drafts = lambda r, measured=True: arms.append((r, measured, drafts(r, measured))) or arms[-1][2]
+    arms, arm = [], check.arm
+    check.arm = lambda r, measured=True: arms.append((r, measured, arm(r, measured))) or arms[-1][2]
     prompts = PROMPTS * 4
     try:
         seqs = eng.generate(prompts, [SamplingParams(max_tokens=64) for _ in prompts])

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dcut_core.learned import LearnedState
-from dcut_core.payoff import PayoffCheck
+from dcut_core.payoff import DRAFTING, PLAIN, PayoffCheck, arms_of
 
 
 def play(check: PayoffCheck, requests: int, drafting_rate: float, plain_rate: float, steps: int) -> list[bool]:
@@ -19,7 +19,7 @@ def play(check: PayoffCheck, requests: int, drafting_rate: float, plain_rate: fl
     predicted at 1 s); the arms played, in order."""
     arms = []
     for _ in range(steps):
-        drafts = check.drafts(requests)
+        drafts = check.arm(requests)
         rate = drafting_rate if drafts else plain_rate
         check.observe(requests, drafts, rate * requests, 1.0, 1.0)
         arms.append(drafts)
@@ -98,11 +98,11 @@ def test_one_requests_bursts_are_no_evidence_of_a_loss_but_a_batchs_steady_loss_
         check.observe(1, False, 1, 1.0, 1.0)
     band = check.bands[0]
     assert check.lead(band) < 1 and -check.confidence < check.evidence(band) < 0
-    assert check.drafts(1)
+    assert check.arm(1)
     steady = PayoffCheck(least_requests=1, least=3, warm=4, probe=16)
     arms = []
     for i in range(40):
-        drafts = steady.drafts(16)
+        drafts = steady.arm(16)
         steady.observe(16, drafts, 16 * (0.95 + 0.01 * (i % 3 - 1)) if drafts else 16, 1.0, 1.0)
         arms.append(drafts)
     assert steady.evidence(steady.bands[4]) < -steady.confidence and not any(arms[-8:])
@@ -113,7 +113,7 @@ def test_outcomes_without_time_or_requests_are_ignored():
     check.observe(0, True, 0, 0.01, 0.01)
     check.observe(4, True, 4, 0.0, 0.01)
     check.observe(4, False, 4, 0.01, 0.0)
-    assert all(not b.drafting and not b.plain for b in check.bands.values())
+    assert all(not any(b.outcomes) for b in check.bands.values())
 
 
 def test_only_the_recent_outcomes_are_kept():
@@ -121,7 +121,7 @@ def test_only_the_recent_outcomes_are_kept():
     for rate in (0.1, 0.1, 0.1, 0.1, 2.0, 2.0, 2.0, 2.0):  # the machine's phase moved
         check.observe(4, True, rate * 4, 1.0, 1.0)
     check.observe(4, False, 4, 1.0, 1.0)
-    assert len(check.bands[2].drafting) == 4 and check.lead(check.bands[2]) == 2.0
+    assert len(check.bands[2].outcomes[DRAFTING]) == 4 and check.lead(check.bands[2]) == 2.0
 
 
 @settings(max_examples=200, deadline=None)
@@ -148,7 +148,7 @@ def test_a_restored_check_decides_from_its_first_step_as_the_saved_one_would():
     again.restore(state.payoff)
     assert again.leads() == saved.leads()
     assert {b: round(lead, 9) for b, lead in saved.leads().items()} == {1: 2.0, 12: 0.8}
-    assert again.drafts(16) is False and again.drafts(1) is True  # no warm-up: the leader from the first step
+    assert again.arm(16) == PLAIN and again.arm(1) == DRAFTING  # no warm-up: the leader from the first step
 
 
 @pytest.mark.parametrize("bad", [{"4": {"drafting": [[1.0, 0.0]], "plain": []}},
@@ -161,18 +161,89 @@ def test_a_bad_saved_outcome_makes_the_learned_state_unreadable(bad):
 
 def test_below_least_requests_the_gate_alone_decides_and_nothing_is_measured():
     check = PayoffCheck(least_requests=6)
-    assert all(check.drafts(r) for r in (1, 2, 5) for _ in range(40))
+    assert all(check.arm(r) for r in (1, 2, 5) for _ in range(40))
     check.observe(5, False, 5, 1.0, 1.0)
     assert not check.bands  # nothing counted, nothing kept
-    assert check.drafts(6) and check.bands
+    assert check.arm(6) and check.bands
 
 
 def test_a_step_not_measured_plays_the_leader_and_changes_nothing():
     """A step that also feeds prompts: its outcome is not measured (the profile's error on a mixed
     step is not a plain one's), so it is no probe and not counted — it plays the band's leader."""
     check = PayoffCheck(least_requests=1, least=3, warm=4, probe=16)
-    assert check.drafts(16, measured=False) and not check.bands  # nothing known: the gate's arm
+    assert check.arm(16, measured=False) and not check.bands  # nothing known: the gate's arm
     play(check, 16, drafting_rate=0.9, plain_rate=1.0, steps=12)
     before = check.bands[4].steps
-    assert [check.drafts(16, measured=False) for _ in range(40)] == [False] * 40
+    assert [check.arm(16, measured=False) for _ in range(40)] == [False] * 40
     assert check.bands[4].steps == before
+
+
+# -- an engine of several kinds: an arm per kind beside plain decoding and the gate over all ------------
+
+
+def play_arms(check: PayoffCheck, requests: int, rates: list[float], steps: int) -> list[int]:
+    """`steps` steps of one band against steady arms (`rates` by arm index); the arms played."""
+    played = []
+    for _ in range(steps):
+        a = check.arm(requests)
+        check.observe(requests, a, rates[a] * requests, 1.0, 1.0)
+        played.append(a)
+    return played
+
+
+def test_arms_of_an_engine_are_plain_drafting_and_each_kind_where_there_are_several():
+    assert arms_of(("ngram",)) == ("plain", "drafting")
+    assert arms_of(("block", "ngram")) == ("plain", "drafting", "kind:block", "kind:ngram")
+    with pytest.raises(ValueError):
+        PayoffCheck(arms=("drafting", "plain"))
+    with pytest.raises(ValueError):
+        PayoffCheck(arms=("plain", "drafting", "kind:a", "kind:a"))
+
+
+def test_a_fresh_band_of_several_arms_probes_each_in_turn_until_all_are_known():
+    check = PayoffCheck(arms=arms_of(("a", "b")), least_requests=1, least=2, warm=4)
+    played = play_arms(check, 16, [1.0, 1.2, 1.5, 0.9], steps=24)
+    # every 4th step the next arm lacking outcomes (plain, kind:a, kind:b, in turn), else the gate's
+    assert [(i + 1, a) for i, a in enumerate(played) if a != DRAFTING] == \
+        [(4, PLAIN), (8, 2), (12, 3), (16, PLAIN), (20, 2), (24, 3)]
+    assert check.leaders() == {12: "kind:a"}
+
+
+def test_the_best_arm_ahead_of_the_gate_is_played_and_the_others_probed_in_turn():
+    check = PayoffCheck(arms=arms_of(("a", "b")), least_requests=1, least=2, warm=1, probe=8, sure=64, margin=0.15)
+    # kind:a leads the gate by 2 %, plain by less: both ahead (steady outcomes: exact evidence); kind:b
+    # behind by far. With a probe every step until all are known (the gate's arm plays once no other
+    # lacks), then kind:a; plain and the gate probed in turn every 8 steps, kind:b every 64.
+    played = play_arms(check, 16, [1.01, 1.0, 1.02, 0.5], steps=8 + 128)
+    assert played[:8] == [PLAIN, 2, 3, PLAIN, 2, 3, DRAFTING, DRAFTING]
+    assert [(i + 9, a) for i, a in enumerate(played[8:]) if a != 2] == \
+        [(16, PLAIN), (24, DRAFTING), (32, PLAIN), (40, DRAFTING), (48, PLAIN), (56, DRAFTING), (64, 3),
+         (72, DRAFTING), (80, PLAIN), (88, DRAFTING), (96, PLAIN), (104, DRAFTING), (112, PLAIN), (120, DRAFTING),
+         (128, 3), (136, DRAFTING)]
+    assert check.leaders() == {12: "kind:a"}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(0.3, 3.0), min_size=4, max_size=6), st.sampled_from([6, 12, 40, 200]))
+def test_against_steady_arms_of_every_kind_it_ends_on_the_best_paying_only_its_probes(rates, requests):
+    check = PayoffCheck(arms=arms_of([f"k{i}" for i in range(len(rates) - 2)]), least=3, warm=4, probe=16, sure=64)
+    warmup = check.least * check.warm * (len(rates) - 1)
+    played = play_arms(check, requests, rates, warmup + 320)
+    later = played[warmup:]
+    best = max(rates)
+    if sorted(rates)[-2] < best * (1 - 1e-9):  # one best arm
+        assert sum(rates[a] == best for a in later) >= len(later) * (1 - 1 / check.probe)
+    delivered = sum(rates[a] for a in later) / len(later)
+    assert delivered >= best * (1 - 1 / check.probe) - 1e-9
+
+
+def test_a_saved_state_of_other_kinds_restores_the_arms_both_have():
+    saved = PayoffCheck(arms=arms_of(("a", "b")), least_requests=1)
+    play_arms(saved, 16, [1.0, 1.2, 1.5, 0.9], steps=60)
+    one_kind = PayoffCheck(least_requests=1)
+    one_kind.restore(json.loads(json.dumps(saved.as_dict())))
+    assert one_kind.leads() == saved.leads() and one_kind.leaders() == {12: "drafting"}
+    other = PayoffCheck(arms=arms_of(("a", "c")), least_requests=1)
+    other.restore(saved.as_dict())
+    assert other.leaders() == {12: None}  # kind:c never measured: learning again
+    assert len(other.bands[4].outcomes[2]) == len(saved.bands[4].outcomes[2])
