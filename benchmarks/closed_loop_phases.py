@@ -7,8 +7,8 @@ join one or two at a time and the last wave drains at a falling batch (docs/benc
 38). Per system and round, the run's tok/s and, for each kind of step, (steps, seconds, tokens,
 tok/s): full = decoding at least 90 % of C with no prompt fed, prefill = feeding a prompt chunk,
 tail = decoding fewer than 90 % of C with none fed, each with how many of its steps drafted; the
-payoff check's leads and leaders (the arm each band plays) by band, and the tokens each drafter
-kind drafted and had accepted.
+payoff check's leads, leaders (the arm each band plays) and each arm's rate by band, and the
+tokens each drafter kind drafted and had accepted.
 
 Prompts: a training draw of the mixed workload (seed 29 by default; 11, the reported one, refused).
 
@@ -106,6 +106,7 @@ def main() -> int:
                     res = closed_loop(eng, prompts, c, args.max_tokens)
                     leads = eng.payoff.leads() if eng.payoff is not None else {}
                     leaders = eng.payoff.leaders() if eng.payoff is not None else {}
+                    rates = eng.payoff.rates() if eng.payoff is not None else {}
                     by_kind = {k: [v["drafted"], v["accepted"]] for k, v in eng.drafted_by_kind.items() if v["drafted"]}
                 finally:
                     eng.shutdown()
@@ -115,6 +116,8 @@ def main() -> int:
                               **phases(records, c),
                               "leads": {r: None if v is None else round(v, 3) for r, v in leads.items()},
                               "leaders": leaders,
+                              "rates": {r: {a: None if v is None else round(v, 3) for a, v in arms.items()}
+                                        for r, arms in rates.items()},
                               "drafted_accepted": by_kind}), flush=True)
     return 0
 

@@ -27,9 +27,10 @@ little, and not by the long accepted runs that make its throughput. A band plays
 unless another arm's rate leads it by `confidence` standard errors (then the best such arm): one
 request's steps scatter widely — a run of eight accepted drafts, then none — so at low load only a
 clear loss counts; a batch's steps scatter little, and a loss of a few percent shows in a few
-dozen steps. The arms not played are probed in turn every `probe` steps of the band; one that the
-leader leads by `margin` and by the evidence only every `sure` steps, so a change of load or of
-the machine's phase is seen. Below `least_requests` requests the gate decides alone. A band starts
+dozen steps. An arm not played is probed every `probe` steps of the band — every other probe the
+one most likely to lead (its rate's upper bound highest), the others in turn; one that the leader
+leads by `margin` and by the evidence only every `sure` steps — so a change of load or of the
+machine's phase is seen. Below `least_requests` requests the gate decides alone. A band starts
 on the drafting arm, probing the others in turn every `warm` steps until each arm has `least`
 outcomes. Deterministic (counters, no random draws): an engine's and the trace simulator's choices
 replay exactly.
@@ -63,7 +64,7 @@ class Band:
     outcomes: list[deque]  # per arm
     steps: int = 0  # measured steps of this band so far
     probes: int = 0  # probes so far (whose turn is next among the arms due)
-    # (leader, arms unsure, arms behind) of the outcomes as they are; None: not worked out yet
+    # (leader, arms unsure, arms behind, the most promising) as the outcomes are; None: not worked out yet
     # (a step asks every time; the passes over the windows cost ~18 µs), False: still learning
     judged: tuple | bool | None = None
 
@@ -149,16 +150,19 @@ class PayoffCheck:
         if not judged:  # still learning the arms: the drafting arm, the others probed in turn
             lacking = [a for a in range(len(self.arms)) if a != DRAFTING and len(band.outcomes[a]) < self.least]
             return band.probe(lacking) if lacking and band.steps % self.warm == 0 else DRAFTING
-        leader, unsure, behind = judged
+        leader, unsure, behind, promising = judged
         if behind and band.steps % self.sure == 0:
             return band.probe(behind)
         if unsure and band.steps % self.probe == 0:
-            return band.probe(unsure)
+            # Every other probe the arm most likely to lead (the highest upper bound: an arm a few
+            # percent ahead needs a dozen outcomes to show it), the others in turn (none left stale).
+            return promising if (band.steps // self.probe) % 2 else band.probe(unsure)
         return leader
 
     def _judge(self, band: Band) -> tuple | bool:
-        """(leader, arms unsure, arms behind) of a band, or False while an arm has fewer than
-        `least` outcomes; worked out once per new outcome."""
+        """(leader, arms unsure, arms behind, the unsure arm of the highest upper bound) of a
+        band, or False while an arm has fewer than `least` outcomes; worked out once per new
+        outcome."""
         if band.judged is None:
             band.judged = self._judged(band)
         return band.judged
@@ -172,7 +176,9 @@ class PayoffCheck:
         others = [a for a in range(len(self.arms)) if a != leader]
         behind = [a for a in others if rates[leader] >= (1 + self.margin) * rates[a]
                   and self.evidence(band, leader, a) >= self.confidence]
-        return leader, [a for a in others if a not in behind], behind
+        unsure = [a for a in others if a not in behind]
+        bound = [r + self.confidence * math.sqrt(Band.variance(o)) for r, o in zip(rates, band.outcomes, strict=True)]
+        return leader, unsure, behind, max(unsure, key=bound.__getitem__, default=None)
 
     def lead(self, band: Band, arm: int = DRAFTING, over: int = PLAIN) -> float | None:
         """One arm's rate over another's, by default the drafting arm's over plain decoding's
@@ -235,6 +241,13 @@ class PayoffCheck:
         """Each band's lead (its lowest request count -> drafting over plain), for /metrics and
         the benchmarks."""
         return {self.lowest(b): self.lead(band) for b, band in sorted(self.bands.items())}
+
+    def rates(self) -> dict[int, dict[str, float | None]]:
+        """Each band's rate of each arm (its lowest request count -> arm -> tokens a request per
+        plain step's time; None: fewer than `least` outcomes), for the benchmarks."""
+        return {self.lowest(b): {name: Band.rate(o) if len(o) >= self.least else None
+                                 for name, o in zip(self.arms, band.outcomes, strict=True)}
+                for b, band in sorted(self.bands.items())}
 
     def leaders(self) -> dict[int, str | None]:
         """Each band's leader (its lowest request count -> the arm played; None while learning)."""

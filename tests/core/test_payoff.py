@@ -213,13 +213,14 @@ def test_the_best_arm_ahead_of_the_gate_is_played_and_the_others_probed_in_turn(
     check = PayoffCheck(arms=arms_of(("a", "b")), least_requests=1, least=2, warm=1, probe=8, sure=64, margin=0.15)
     # kind:a leads the gate by 2 %, plain by less: both ahead (steady outcomes: exact evidence); kind:b
     # behind by far. With a probe every step until all are known (the gate's arm plays once no other
-    # lacks), then kind:a; plain and the gate probed in turn every 8 steps, kind:b every 64.
+    # lacks), then kind:a; every 8 steps a probe: of plain (the likelier of the two to lead) every
+    # other time, of plain and the gate in turn the rest; kind:b every 64.
     played = play_arms(check, 16, [1.01, 1.0, 1.02, 0.5], steps=8 + 128)
     assert played[:8] == [PLAIN, 2, 3, PLAIN, 2, 3, DRAFTING, DRAFTING]
     assert [(i + 9, a) for i, a in enumerate(played[8:]) if a != 2] == \
-        [(16, PLAIN), (24, DRAFTING), (32, PLAIN), (40, DRAFTING), (48, PLAIN), (56, DRAFTING), (64, 3),
-         (72, DRAFTING), (80, PLAIN), (88, DRAFTING), (96, PLAIN), (104, DRAFTING), (112, PLAIN), (120, DRAFTING),
-         (128, 3), (136, DRAFTING)]
+        [(16, PLAIN), (24, PLAIN), (32, DRAFTING), (40, PLAIN), (48, PLAIN), (56, PLAIN), (64, 3),
+         (72, PLAIN), (80, PLAIN), (88, PLAIN), (96, DRAFTING), (104, PLAIN), (112, PLAIN), (120, PLAIN),
+         (128, 3), (136, PLAIN)]
     assert check.leaders() == {12: "kind:a"}
 
 
@@ -247,3 +248,21 @@ def test_a_saved_state_of_other_kinds_restores_the_arms_both_have():
     other.restore(saved.as_dict())
     assert other.leaders() == {12: None}  # kind:c never measured: learning again
     assert len(other.bands[4].outcomes[2]) == len(saved.bands[4].outcomes[2])
+
+
+def test_rates_are_each_arms_tokens_over_time_once_it_has_least_outcomes():
+    check = PayoffCheck(arms=arms_of(("a", "b")), least_requests=1, least=2, warm=1)
+    play_arms(check, 16, [1.0, 1.2, 1.5, 0.9], steps=7)  # plain, a, b twice each, then the gate's once
+    assert check.rates() == {12: {"plain": 1.0, "drafting": None, "kind:a": 1.5, "kind:b": 0.9}}
+
+
+def test_every_other_probe_goes_to_the_arm_most_likely_to_lead_and_none_is_left_stale():
+    """Four arms within the margin of the gate's: kind:c, 1 % behind it, is the likeliest to lead
+    (the highest upper bound) and takes every other probe; the rest take their turns."""
+    check = PayoffCheck(arms=arms_of(("a", "b", "c")), least_requests=1, least=2, warm=1, probe=8, sure=64)
+    rates = [0.95, 1.0, 0.93, 0.94, 0.99]
+    played = play_arms(check, 16, rates, steps=10 + 128)
+    probes = [a for a in played[10:] if a != DRAFTING]
+    assert len(probes) == 16 and probes.count(4) >= 8
+    assert {0, 2, 3} <= set(probes)
+    assert check._judge(check.bands[4])[3] == 4
