@@ -64,6 +64,10 @@ class Metrics:
                              "tokens per second, by load band (its fewest decoding requests); below 1 the band "
                              "decodes plainly where the evidence says so (dcut_core/payoff.py)", ["requests"],
                              registry=r)
+        self._leader = Gauge("dcut_engine_payoff_arm", "1 for the arm the payoff check plays in a load band (its "
+                             "fewest decoding requests): drafting (the gate), plain, or kind:<k> (the gate over one "
+                             "drafter kind), 0 for an arm it played before", ["requests", "arm"], registry=r)
+        self._led: set[tuple[str, str]] = set()  # (band, arm) pairs the leader gauge has shown
 
     def request(self, endpoint: str, status: int) -> None:
         self._requests.labels(endpoint, str(status)).inc()
@@ -85,6 +89,10 @@ class Metrics:
                 self._kinds.labels(kind, outcome).set(float(n))
         for requests, lead in engine_stats.get("payoff_leads", {}).items():
             self._payoff.labels(str(requests)).set(float(lead))
+        leaders = {(str(r), arm) for r, arm in engine_stats.get("payoff_leaders", {}).items()}
+        for labels in self._led | leaders:
+            self._leader.labels(*labels).set(1.0 if labels in leaders else 0.0)
+        self._led |= leaders
         for rank, seconds in enumerate(engine_stats.get("rank_step_s", ())):
             self._ranks.labels(str(rank)).set(float(seconds))
         for gpu in engine_stats.get("gpus", ()):

@@ -21,7 +21,8 @@ def test_the_dashboard_is_a_grafana_dashboard_over_prometheus():
     wanted = {"dcut_generated_tokens_total", "dcut_ttft_seconds_bucket", "dcut_tpot_seconds_bucket", "dcut_engine_mat",
               "dcut_engine_drafter_drafts", "dcut_engine_verify_tokens_per_step", "dcut_engine_keep_ratio",
               "dcut_engine_waiting", "dcut_engine_ep_group_rebuilds", "dcut_engine_rank_step_seconds",
-              "dcut_gpu_memory_used_bytes", "dcut_gpu_utilization_ratio", "dcut_engine_payoff_lead"}
+              "dcut_gpu_memory_used_bytes", "dcut_gpu_utilization_ratio", "dcut_engine_payoff_lead",
+              "dcut_engine_payoff_arm"}
     assert wanted <= queried_metrics()
 
 
@@ -67,3 +68,14 @@ def test_without_a_driver_there_are_no_gpu_gauges(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
     assert device_usage() == []
     assert "dcut_gpu_memory_used_bytes{" not in Metrics().render({"gpus": []}).decode()
+
+
+def test_the_arm_each_band_plays_is_one_and_an_arm_it_left_is_zero():
+    m = Metrics()
+    first = m.render({"payoff_leaders": {12: "drafting", 24: "plain"}}).decode()
+    assert 'dcut_engine_payoff_arm{arm="drafting",requests="12"} 1.0' in first
+    assert 'dcut_engine_payoff_arm{arm="plain",requests="24"} 1.0' in first
+    then = m.render({"payoff_leaders": {12: "kind:ngram", 24: "plain"}}).decode()
+    assert 'dcut_engine_payoff_arm{arm="drafting",requests="12"} 0.0' in then
+    assert 'dcut_engine_payoff_arm{arm="kind:ngram",requests="12"} 1.0' in then
+    assert 'dcut_engine_payoff_arm{arm="plain",requests="24"} 1.0' in then
