@@ -159,6 +159,10 @@ class _Run:
             DraftPlanner(s.max_budget, s.draft_slack, s.draft_extend), bonus=s.bonus, teach_empty=k > 1,
             caution=s.caution, stick=s.stick)
         self.costs = costs = trace.costs.for_kinds(k)  # the own time of an engine hosting k kinds
+        # A step of the payoff check's arm of one kind chooses none: its own time is a one-kind
+        # engine's (hosting the others costs ~0.2 ms a step more at 16 requests on the real
+        # target, not separated in the trace: docs/benchmarks.md, session 39).
+        self.one_kind = trace.costs.for_kinds(1)
         self.draft = [costs.draft[i] for i in self.kidx]
         # The engine looks the n-gram kind up for every request before its gate decides (it knows
         # what that kind can draft, and learns what it would have had accepted every step).
@@ -172,6 +176,7 @@ class _Run:
         self.payoff = PayoffCheck(arms) if gated and s.payoff_check else None  # as the engine's
         self._arm: int | None = None  # this step's measured arm of the payoff check (None: not measured)
         self._checked_plain = False  # the check made this step plain (measured or not)
+        self._only: int | None = None  # the check made this step draft with one kind (its arm)
         self._unlearnt: tuple | None = None  # the last step's learning, and the requests that finished in it
         self.queue: deque[int] = deque(range(len(trace.requests)))
         self.running: list[_Live] = []
@@ -253,7 +258,7 @@ class _Run:
     def _plan(self, batch: list[_Live]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(drafts [R], hosted kind [R], fallback [R]), as `Engine.plan`."""
         r = len(batch)
-        self._arm, self._checked_plain = None, False
+        self._arm, self._checked_plain, self._only = None, False, None
         if not r or not self.policy.drafts:
             plain = Plan.plain(r)
             return plain.lengths, plain.kinds, plain.fallback
@@ -261,7 +266,7 @@ class _Run:
         if self.payoff is not None:  # as `Engine.step`: a step feeding prompts plays the leader, unmeasured
             played = self.payoff.arm(r, measured=not self._feeding)
             self._arm = None if self._feeding else played
-            only = played - DRAFTING - 1 if played > DRAFTING else None
+            only = self._only = played - DRAFTING - 1 if played > DRAFTING else None
             if played == PLAIN:  # the payoff check's plain arm: no look-ahead, no gate
                 self._checked_plain = True
                 self._available = None
@@ -272,7 +277,7 @@ class _Run:
                          for x in batch], dtype=np.int64)
         remaining = np.array([self._remaining(x) for x in batch])
         costs = self.costs
-        a, b = costs.own_drafting
+        a, b = (costs if only is None else self.one_kind).own_drafting
         extra = max(0.0, a + b * r)  # what a drafting step costs outside the passes (the engine's `extra`)
         available = None
         if self.ngram is not None and r <= LOOKAHEAD_REQUESTS and only in (None, self.ngram):  # the look-ahead
@@ -407,7 +412,8 @@ class _Run:
         o.forward_seconds += forward
         o.draft_seconds += draft
         checks = self.policy.drafts and not self._checked_plain  # a plain arm's step costs plain decoding's own time
-        o.seconds += forward + draft + costs.own_seconds(len(batch) + len(feeding), checks, bool(counts.sum()))
+        own = costs if self._only is None else self.one_kind
+        o.seconds += forward + draft + own.own_seconds(len(batch) + len(feeding), checks, bool(counts.sum()))
         o.drafted += int(counts.sum())
         o.kept += int(kept.sum())
         for j in used[counts > 0]:
