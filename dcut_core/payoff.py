@@ -30,10 +30,12 @@ clear loss counts; a batch's steps scatter little, and a loss of a few percent s
 dozen steps. An arm not played is probed every `probe` steps of the band — every other probe the
 one most likely to lead (its rate's upper bound highest), the others in turn; one that the leader
 leads by `margin` and by the evidence only every `sure` steps — so a change of load or of the
-machine's phase is seen. Below `least_requests` requests the gate decides alone. A band starts
-on the drafting arm, probing the others in turn every `warm` steps until each arm has `least`
-outcomes. Deterministic (counters, no random draws): an engine's and the trace simulator's choices
-replay exactly.
+machine's phase is seen; and while the most likely arm's upper bound passes the leader's rate, it
+is probed every `warm` steps besides (an arm that may lead is measured until it is known whether
+it does: it costs in proportion to how far behind it is, and that is little while it may lead).
+Below `least_requests` requests the gate decides alone. A band starts on the drafting arm, probing
+the others in turn every `warm` steps until each arm has `least` outcomes. Deterministic
+(counters, no random draws): an engine's and the trace simulator's choices replay exactly.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ class Band:
     outcomes: list[deque]  # per arm
     steps: int = 0  # measured steps of this band so far
     probes: int = 0  # probes so far (whose turn is next among the arms due)
-    # (leader, arms unsure, arms behind, the most promising) as the outcomes are; None: not worked out yet
+    # (leader, unsure, behind, the most promising, whether it may lead) as the outcomes are; None: not worked out yet
     # (a step asks every time; the passes over the windows cost ~18 µs), False: still learning
     judged: tuple | bool | None = None
 
@@ -150,7 +152,9 @@ class PayoffCheck:
         if not judged:  # still learning the arms: the drafting arm, the others probed in turn
             lacking = [a for a in range(len(self.arms)) if a != DRAFTING and len(band.outcomes[a]) < self.least]
             return band.probe(lacking) if lacking and band.steps % self.warm == 0 else DRAFTING
-        leader, unsure, behind, promising = judged
+        leader, unsure, behind, promising, chasing = judged
+        if chasing and band.steps % self.warm == 0:  # an arm that may lead: measured until it is known whether
+            return promising
         if behind and band.steps % self.sure == 0:
             return band.probe(behind)
         if unsure and band.steps % self.probe == 0:
@@ -160,9 +164,9 @@ class PayoffCheck:
         return leader
 
     def _judge(self, band: Band) -> tuple | bool:
-        """(leader, arms unsure, arms behind, the unsure arm of the highest upper bound) of a
-        band, or False while an arm has fewer than `least` outcomes; worked out once per new
-        outcome."""
+        """(leader, arms unsure, arms behind, the unsure arm of the highest upper bound, whether
+        that bound passes the leader's rate) of a band, or False while an arm has fewer than
+        `least` outcomes; worked out once per new outcome."""
         if band.judged is None:
             band.judged = self._judged(band)
         return band.judged
@@ -178,7 +182,8 @@ class PayoffCheck:
                   and self.evidence(band, leader, a) >= self.confidence]
         unsure = [a for a in others if a not in behind]
         bound = [r + self.confidence * math.sqrt(Band.variance(o)) for r, o in zip(rates, band.outcomes, strict=True)]
-        return leader, unsure, behind, max(unsure, key=bound.__getitem__, default=None)
+        promising = max(unsure, key=bound.__getitem__, default=None)
+        return leader, unsure, behind, promising, promising is not None and bound[promising] > rates[leader]
 
     def lead(self, band: Band, arm: int = DRAFTING, over: int = PLAIN) -> float | None:
         """One arm's rate over another's, by default the drafting arm's over plain decoding's

@@ -266,3 +266,19 @@ def test_every_other_probe_goes_to_the_arm_most_likely_to_lead_and_none_is_left_
     assert len(probes) == 16 and probes.count(4) >= 8
     assert {0, 2, 3} <= set(probes)
     assert check._judge(check.bands[4])[3] == 4
+
+
+def test_an_arm_that_may_lead_is_probed_every_warm_steps_until_it_is_known_whether_it_does():
+    """kind:a's outcomes scatter (0.7 and 1.2 tokens a plain step's time, in turn: 0.95 on
+    average, its upper bound above the gate's steady 1.0): probed every `warm` steps, not every
+    `probe`. Once its outcomes are many and steady below the gate's, the usual schedule again."""
+    check = PayoffCheck(arms=arms_of(("a", "b")), least_requests=1, least=2, warm=4, probe=16, sure=64)
+    for rate, arm in [(1.0, DRAFTING)] * 8 + [(0.8, PLAIN)] * 3 + [(0.5, 3)] * 3 + [(0.7, 2), (1.2, 2)]:
+        check.observe(16, arm, rate * 16, 1.0, 1.0)
+    judged = check._judge(check.bands[4])
+    assert judged[0] == DRAFTING and judged[3] == 2 and judged[4]  # kind:a may lead
+    assert [check.arm(16) for _ in range(16)] == [DRAFTING, DRAFTING, DRAFTING, 2] * 4
+    for _ in range(30):
+        check.observe(16, 2, 0.9 * 16, 1.0, 1.0)
+    assert not check._judge(check.bands[4])[4]
+    assert [check.arm(16) for _ in range(16)].count(2) <= 1
