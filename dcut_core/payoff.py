@@ -99,8 +99,8 @@ class Band:
 class PayoffCheck:
     arms: tuple[str, ...] = ("plain", "drafting")  # PLAIN and DRAFTING first (`arms_of`)
     least: int = 3  # outcomes of each arm before their rates decide
-    warm: int = 4  # a probe every `warm` steps of a band until then
-    probe: int = 16  # an arm not played, probed every `probe` steps of the band (in turn)
+    warm: int = 4  # a probe every `warm` steps of a band until then, and of an arm that may lead
+    probe: int = 16  # the arms not played, probed every `probe` steps of the band (`arm` says which)
     sure: int = 128  # ... every `sure` steps while the leader leads it by `margin` and the evidence
     margin: float = 0.15
     confidence: float = 1.0  # standard errors by which an arm must lead the drafting arm to be played
@@ -153,7 +153,7 @@ class PayoffCheck:
             lacking = [a for a in range(len(self.arms)) if a != DRAFTING and len(band.outcomes[a]) < self.least]
             return band.probe(lacking) if lacking and band.steps % self.warm == 0 else DRAFTING
         leader, unsure, behind, promising, chasing = judged
-        if chasing and band.steps % self.warm == 0:  # an arm that may lead: measured until it is known whether
+        if chasing and band.steps % self.warm == 0:  # it may lead: measured until it is known whether it does
             return promising
         if behind and band.steps % self.sure == 0:
             return band.probe(behind)
