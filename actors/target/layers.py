@@ -53,6 +53,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # request to the longest chunk's queries: a step of 46 decoding requests beside a 120-token
 # prompt chunk cost 226 ms on the bundled model, against 86 + 74 ms for its two parts.
 QUERY_SPAN = 32
+# Within a span, requests whose key lengths differ widely attend in groups of like length: one
+# padded batch reads every request's keys to the longest one's (on the bundled model at 16-64
+# requests of 20-300 context tokens a step took what one of uniform 300-token contexts takes,
+# 1.1-1.45 x one of uniform 160: docs/benchmarks.md, session 39). A group is cut off where that
+# saves at least `KEY_SAVING` of the padded (query, key) pairs and `KEY_PAIRS_SAVED` of them, and
+# keeps `KEY_GROUP_LEAST` requests: each group is one more attention call and gather a layer,
+# which at 16 requests cost what the cut saved.
+KEY_SAVING = 0.15
+KEY_PAIRS_SAVED = 4096
+KEY_GROUP_LEAST = 4
 
 
 @dataclass
@@ -125,6 +135,10 @@ def plan_attention(cache: PagedKVCache, request_ids: list[int], cu: torch.Tensor
     starts_a, lens_a = np.asarray(starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
     offsets = np.zeros(len(lens_a) + 1, dtype=np.int64)
     np.cumsum(lens_a, out=offsets[1:])
+    if padding is None:
+        ends = starts_a + lens_a
+        by_span = {(span, j): part for span, idx in by_span.items()
+                   for j, part in enumerate(split_by_keys(np.asarray(idx), ends, int(lens_a[idx].max())))}
     whole = len(by_span) <= 1
     if padding is not None and (not whole or 0 not in by_span or len(lengths) > padding.requests
                                 or max(lengths) > padding.queries or max(starts_a + lens_a) > padding.keys):
@@ -140,6 +154,29 @@ def plan_attention(cache: PagedKVCache, request_ids: list[int], cu: torch.Tensor
         write_slots = torch.cat([write_slots, torch.full((padding.tokens - total,), padding.scratch)])
     cos, sin = rotary.cos_sin(torch.from_numpy(positions))
     return AttentionPlan(upload(write_slots, dev), groups, upload(cos, dev), upload(sin, dev))
+
+
+def split_by_keys(idx: np.ndarray, ends: np.ndarray, queries: int, depth: int = 2) -> list[np.ndarray]:
+    """Requests `idx` in groups of like key length (`ends`: each request's keys after the step,
+    by request of the forward; `queries`: the group's padded queries a request): the cut of the
+    requests sorted by key length that pads the fewest keys, taken if it saves `KEY_SAVING` of the
+    padded (query, key) pairs and `KEY_PAIRS_SAVED` of them and leaves `KEY_GROUP_LEAST` requests
+    a side, then each side again (`depth` times: at most 2 ** depth groups). One group: `[idx]`."""
+    n = len(idx)
+    if depth == 0 or n < 2 * KEY_GROUP_LEAST:
+        return [idx]
+    order = idx[np.argsort(ends[idx], kind="stable")]
+    e = ends[order]
+    k = np.arange(KEY_GROUP_LEAST, n - KEY_GROUP_LEAST + 1)
+    padded = k * e[k - 1] + (n - k) * e[-1]
+    best = int(np.argmin(padded))
+    whole = n * int(e[-1])
+    saved = whole - int(padded[best])
+    if saved < KEY_SAVING * whole or saved * queries < KEY_PAIRS_SAVED:
+        return [idx]
+    cut = int(k[best])
+    return (split_by_keys(order[:cut], ends, queries, depth - 1)
+            + split_by_keys(order[cut:], ends, queries, depth - 1))
 
 
 class _Ragged(NamedTuple):

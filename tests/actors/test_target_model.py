@@ -223,3 +223,54 @@ def test_the_caches_slot_arrays_equal_its_per_request_slots():
     flat = torch.cat([cache.slots(rid, int(s), int(e)) for rid, s, e in zip(ids, starts, ends, strict=True)])
     assert cache.slots_between(ids, starts, ends).tolist() == flat.tolist()
     assert cache.slots_between(ids, ends, ends).tolist() == []
+
+
+def test_requests_of_widely_different_contexts_attend_in_groups_and_equal_each_alone(make_tiny, monkeypatch):
+    """Decoding requests whose contexts run from 6 to 300 tokens attend in groups of like key
+    length (`split_by_keys`): a step of 24 of them gives every row what each request gives
+    forwarded alone, the grouping is what the step used, and one padded group gives the same."""
+    import actors.target.layers as layers
+    import actors.target.model as forward
+
+    model = make_tiny()
+    g = torch.Generator().manual_seed(3)
+    vocab = model.cfg.vocab_size
+    contexts = [6 + (i * 97) % 295 for i in range(24)]
+    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in contexts]
+    steps = [torch.randint(0, vocab, (1 + i % 4,), generator=g).tolist() for i in range(24)]
+    ends = np.array([c + len(s) for c, s in zip(contexts, steps, strict=True)])
+    groups = layers.split_by_keys(np.arange(24), ends, 4)
+    assert len(groups) > 1 and sorted(np.concatenate(groups).tolist()) == list(range(24))
+    assert all(len(x) >= layers.KEY_GROUP_LEAST for x in groups)
+    seen = []
+    plan = forward.plan_attention
+    monkeypatch.setattr(forward, "plan_attention", lambda *a, **k: seen.append(p := plan(*a, **k)) or p)
+
+    def step(target) -> list[np.ndarray]:
+        target.forward(list(range(24)), prompts)
+        out = target.forward(list(range(24)), steps, with_logits=True)
+        return out.split(out.logits)
+
+    grouped = step(LocalTarget(model, kv_capacity_tokens=16384))
+    assert len(seen[-1].groups) == len(groups)
+    monkeypatch.setattr(layers, "KEY_SAVING", 2.0)  # never cut: one padded group
+    padded = step(LocalTarget(model, kv_capacity_tokens=16384))
+    assert len(seen[-1].groups) == 1
+    for i in range(24):
+        alone = LocalTarget(model, kv_capacity_tokens=1024)
+        alone.forward([i], [prompts[i]])
+        out = alone.forward([i], [steps[i]], with_logits=True)
+        want = torch.from_numpy(out.split(out.logits)[0])
+        torch.testing.assert_close(torch.from_numpy(grouped[i]), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(torch.from_numpy(padded[i]), want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_key_cut_pads_the_fewest_keys_and_leaves_like_lengths_alone():
+    from actors.target.layers import KEY_GROUP_LEAST, split_by_keys
+
+    ends = np.array([10] * 8 + [400] * 8)
+    parts = split_by_keys(np.arange(16), ends, 2)
+    assert [sorted(p.tolist()) for p in parts] == [list(range(8)), list(range(8, 16))]
+    assert len(split_by_keys(np.arange(16), np.full(16, 300), 8)) == 1  # nothing to save
+    assert len(split_by_keys(np.arange(2 * KEY_GROUP_LEAST - 1), np.arange(7) * 100 + 1, 8)) == 1  # too few
+    assert len(split_by_keys(np.arange(16), ends // 20 + 1, 1)) == 1  # saves too few pairs to pay a call
