@@ -59,7 +59,7 @@ QUERY_SPAN = 32
 # 1.1-1.45 x one of uniform 160: docs/benchmarks.md, session 39). A group is cut off where that
 # saves at least `KEY_SAVING` of the padded (query, key) pairs and `KEY_PAIRS_SAVED` of them, and
 # keeps `KEY_GROUP_LEAST` requests: each group is one more attention call and gather a layer,
-# which at 16 requests cost what the cut saved.
+# which at 16 requests cost what the cut saved. CPU ranks only (measured there).
 KEY_SAVING = 0.15
 KEY_PAIRS_SAVED = 4096
 KEY_GROUP_LEAST = 4
@@ -135,7 +135,9 @@ def plan_attention(cache: PagedKVCache, request_ids: list[int], cu: torch.Tensor
     starts_a, lens_a = np.asarray(starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
     offsets = np.zeros(len(lens_a) + 1, dtype=np.int64)
     np.cumsum(lens_a, out=offsets[1:])
-    if padding is None:
+    # Groups of like key length on CPU ranks, where the trade was measured; on a GPU (kernel
+    # launches against padded FLOPs) one padded batch until it is measured there.
+    if padding is None and dev.type == "cpu":
         ends = starts_a + lens_a
         by_span = {(span, j): part for span, idx in by_span.items()
                    for j, part in enumerate(split_by_keys(np.asarray(idx), ends, int(lens_a[idx].max())))}
