@@ -63,6 +63,7 @@ QUERY_SPAN = 32
 KEY_SAVING = 0.15
 KEY_PAIRS_SAVED = 4096
 KEY_GROUP_LEAST = 4
+KEY_GROUP_DEVICES = ("cpu",)  # where the trade was measured (tests/gpu/test_cuda.py checks CUDA's exactness)
 
 
 @dataclass
@@ -137,7 +138,7 @@ def plan_attention(cache: PagedKVCache, request_ids: list[int], cu: torch.Tensor
     np.cumsum(lens_a, out=offsets[1:])
     # Groups of like key length on CPU ranks, where the trade was measured; on a GPU (kernel
     # launches against padded FLOPs) one padded batch until it is measured there.
-    if padding is None and dev.type == "cpu":
+    if padding is None and dev.type in KEY_GROUP_DEVICES:
         ends = starts_a + lens_a
         by_span = {(span, j): part for span, idx in by_span.items()
                    for j, part in enumerate(split_by_keys(np.asarray(idx), ends, int(lens_a[idx].max())))}

@@ -347,3 +347,31 @@ def test_a_rank_forward_on_cuda_equals_the_cpu_with_sampling_controls_grammar_an
     assert np.allclose(gpu.logprobs, cpu.logprobs, atol=2e-3)
     drawn = gpu.sampled[owner == 2]
     assert mask[np.arange(len(drawn)), drawn].all(), drawn
+
+
+def test_key_length_groups_on_cuda_give_what_one_padded_batch_gives(monkeypatch):
+    """Requests of 6-300 context tokens attending in groups of like key length (on CPU ranks by
+    default: `KEY_GROUP_DEVICES`) give on the GPU, in float32, the logits one padded batch gives:
+    the path is ready to be switched on there once its trade is measured."""
+    import actors.target.layers as layers
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = load_model(str(BUNDLED)).to("cuda").eval()
+    g = torch.Generator().manual_seed(3)
+    contexts = [6 + (i * 97) % 295 for i in range(24)]
+    prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=g).tolist() for n in contexts]
+    steps = [torch.randint(0, model.cfg.vocab_size, (1 + i % 4,), generator=g).tolist() for i in range(24)]
+
+    def step() -> torch.Tensor:
+        cache = model.new_cache(16384)
+        for chunks in (prompts, steps):
+            b = ForwardBatch.from_lists(list(range(24)), chunks, "all")
+            b = ForwardBatch(b.request_ids, b.tokens.to("cuda"), b.cu, b.logit_index.to("cuda"))
+            logits, _ = model.forward(b, cache, StepStats())
+        return logits.float().cpu()
+
+    one = step()
+    monkeypatch.setattr(layers, "KEY_GROUP_DEVICES", ("cpu", "cuda"))
+    grouped = step()
+    assert torch.allclose(grouped, one, atol=2e-3, rtol=1e-3), (grouped - one).abs().max()
+    assert torch.equal(grouped.argmax(-1), one.argmax(-1))
