@@ -53,17 +53,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # request to the longest chunk's queries: a step of 46 decoding requests beside a 120-token
 # prompt chunk cost 226 ms on the bundled model, against 86 + 74 ms for its two parts.
 QUERY_SPAN = 32
-# Within a span, requests whose key lengths differ widely attend in groups of like length: one
-# padded batch reads every request's keys to the longest one's (on the bundled model at 16-64
-# requests of 20-300 context tokens a step took what one of uniform 300-token contexts takes,
-# 1.1-1.45 x one of uniform 160: docs/benchmarks.md, session 39). A group is cut off where that
-# saves at least `KEY_SAVING` of the padded (query, key) pairs and `KEY_PAIRS_SAVED` of them, and
-# keeps `KEY_GROUP_LEAST` requests: each group is one more attention call and gather a layer,
-# which at 16 requests cost what the cut saved. CPU ranks only (measured there).
-KEY_SAVING = 0.15
-KEY_PAIRS_SAVED = 4096
-KEY_GROUP_LEAST = 4
-KEY_GROUP_DEVICES = ("cpu",)  # where the trade was measured (tests/gpu/test_cuda.py checks CUDA's exactness)
+# Within a span, a step's requests attend in groups that pad fewer (query, key) pairs: one padded
+# batch reads every request's keys to the longest one's and its queries to the longest chunk's (on
+# the bundled model at 16-64 requests of 20-300 context tokens a step took what one of uniform
+# 300-token contexts takes, 1.1-1.45 x one of uniform 160; at 64 requests of which a quarter verify
+# 8 tokens and the rest 1, a cut by queries took 0.86-0.90 x: docs/benchmarks.md, session 39). A
+# group is cut off where that saves at least `GROUP_SAVING` of the padded pairs and
+# `GROUP_PAIRS_SAVED` of them, and keeps `GROUP_LEAST` requests; a span of fewer than
+# `GROUP_FROM` requests is not cut: each group is one more attention call, gather and mask a layer,
+# and at 16 decoding requests the cuts cost what they saved (0.94-1.03 x end to end).
+GROUP_SAVING = 0.15
+GROUP_PAIRS_SAVED = 4096
+GROUP_LEAST = 4
+GROUP_FROM = 32
+GROUP_DEVICES = ("cpu",)  # where the trade was measured (tests/gpu/test_cuda.py checks CUDA's exactness)
 
 
 @dataclass
@@ -136,12 +139,13 @@ def plan_attention(cache: PagedKVCache, request_ids: list[int], cu: torch.Tensor
     starts_a, lens_a = np.asarray(starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
     offsets = np.zeros(len(lens_a) + 1, dtype=np.int64)
     np.cumsum(lens_a, out=offsets[1:])
-    # Groups of like key length on CPU ranks, where the trade was measured; on a GPU (kernel
-    # launches against padded FLOPs) one padded batch until it is measured there.
-    if padding is None and dev.type in KEY_GROUP_DEVICES:
+    # Groups of like shape on CPU ranks, where the trade was measured; on a GPU (kernel launches
+    # against padded FLOPs) one padded batch until it is measured there.
+    if padding is None and dev.type in GROUP_DEVICES:
         ends = starts_a + lens_a
         by_span = {(span, j): part for span, idx in by_span.items()
-                   for j, part in enumerate(split_by_keys(np.asarray(idx), ends, int(lens_a[idx].max())))}
+                   for j, part in enumerate(split_padded(np.asarray(idx), ends, lens_a)
+                                            if len(idx) >= GROUP_FROM else [np.asarray(idx)])}
     whole = len(by_span) <= 1
     if padding is not None and (not whole or 0 not in by_span or len(lengths) > padding.requests
                                 or max(lengths) > padding.queries or max(starts_a + lens_a) > padding.keys):
@@ -159,27 +163,33 @@ def plan_attention(cache: PagedKVCache, request_ids: list[int], cu: torch.Tensor
     return AttentionPlan(upload(write_slots, dev), groups, upload(cos, dev), upload(sin, dev))
 
 
-def split_by_keys(idx: np.ndarray, ends: np.ndarray, queries: int, depth: int = 2) -> list[np.ndarray]:
-    """Requests `idx` in groups of like key length (`ends`: each request's keys after the step,
-    by request of the forward; `queries`: the group's padded queries a request): the cut of the
-    requests sorted by key length that pads the fewest keys, taken if it saves `KEY_SAVING` of the
-    padded (query, key) pairs and `KEY_PAIRS_SAVED` of them and leaves `KEY_GROUP_LEAST` requests
-    a side, then each side again (`depth` times: at most 2 ** depth groups). One group: `[idx]`."""
+def split_padded(idx: np.ndarray, ends: np.ndarray, lengths: np.ndarray, depth: int = 2) -> list[np.ndarray]:
+    """Requests `idx` in groups that pad fewer (query, key) pairs (`ends`, `lengths`: each
+    request's keys after the step and its new tokens, by request of the forward). A group attends
+    as one batch padded to its longest chunk and its longest keys: R_g · max queries · max keys
+    pairs. Of the cuts of the requests sorted by key length and of those sorted by queries, the
+    one that pads the fewest pairs is taken if it saves `GROUP_SAVING` of them and
+    `GROUP_PAIRS_SAVED` of them and leaves `GROUP_LEAST` requests a side, then each side again
+    (`depth` times: at most 2 ** depth groups). One group: `[idx]`."""
     n = len(idx)
-    if depth == 0 or n < 2 * KEY_GROUP_LEAST:
+    if depth == 0 or n < 2 * GROUP_LEAST:
         return [idx]
-    order = idx[np.argsort(ends[idx], kind="stable")]
-    e = ends[order]
-    k = np.arange(KEY_GROUP_LEAST, n - KEY_GROUP_LEAST + 1)
-    padded = k * e[k - 1] + (n - k) * e[-1]
-    best = int(np.argmin(padded))
-    whole = n * int(e[-1])
-    saved = whole - int(padded[best])
-    if saved < KEY_SAVING * whole or saved * queries < KEY_PAIRS_SAVED:
+    whole = n * int(lengths[idx].max()) * int(ends[idx].max())
+    k = np.arange(GROUP_LEAST, n - GROUP_LEAST + 1)
+    best = None  # (padded pairs, order, cut)
+    for key in (ends, lengths):
+        order = idx[np.argsort(key[idx], kind="stable")]
+        q, t = lengths[order], ends[order]
+        left = np.maximum.accumulate(q) * np.maximum.accumulate(t)  # the padded area of the first i + 1, per request
+        right = (np.maximum.accumulate(q[::-1]) * np.maximum.accumulate(t[::-1]))[::-1]
+        padded = k * left[k - 1] + (n - k) * right[k]
+        i = int(np.argmin(padded))
+        if best is None or padded[i] < best[0]:
+            best = (int(padded[i]), order, int(k[i]))
+    pairs, order, cut = best
+    if whole - pairs < max(GROUP_SAVING * whole, GROUP_PAIRS_SAVED):
         return [idx]
-    cut = int(k[best])
-    return (split_by_keys(order[:cut], ends, queries, depth - 1)
-            + split_by_keys(order[cut:], ends, queries, depth - 1))
+    return split_padded(order[:cut], ends, lengths, depth - 1) + split_padded(order[cut:], ends, lengths, depth - 1)
 
 
 class _Ragged(NamedTuple):

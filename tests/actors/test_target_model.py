@@ -225,38 +225,40 @@ def test_the_caches_slot_arrays_equal_its_per_request_slots():
     assert cache.slots_between(ids, ends, ends).tolist() == []
 
 
-def test_requests_of_widely_different_contexts_attend_in_groups_and_equal_each_alone(make_tiny, monkeypatch):
-    """Decoding requests whose contexts run from 6 to 300 tokens attend in groups of like key
-    length (`split_by_keys`): a step of 24 of them gives every row what each request gives
-    forwarded alone, the grouping is what the step used, and one padded group gives the same."""
+def test_requests_of_widely_different_shapes_attend_in_groups_and_equal_each_alone(make_tiny, monkeypatch):
+    """Decoding requests whose contexts run from 6 to 300 tokens and whose chunks from 1 to 8 attend
+    in groups that pad fewer (query, key) pairs (`split_padded`): a step of 40 of them gives every
+    row what each request gives forwarded alone, the grouping is what the step used, and one padded
+    group gives the same."""
     import actors.target.layers as layers
     import actors.target.model as forward
 
     model = make_tiny()
     g = torch.Generator().manual_seed(3)
     vocab = model.cfg.vocab_size
-    contexts = [6 + (i * 97) % 295 for i in range(24)]
+    contexts = [6 + (i * 97) % 295 for i in range(40)]
     prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in contexts]
-    steps = [torch.randint(0, vocab, (1 + i % 4,), generator=g).tolist() for i in range(24)]
-    ends = np.array([c + len(s) for c, s in zip(contexts, steps, strict=True)])
-    groups = layers.split_by_keys(np.arange(24), ends, 4)
-    assert len(groups) > 1 and sorted(np.concatenate(groups).tolist()) == list(range(24))
-    assert all(len(x) >= layers.KEY_GROUP_LEAST for x in groups)
+    steps = [torch.randint(0, vocab, (8 if i % 5 == 0 else 1 + i % 3,), generator=g).tolist() for i in range(40)]
+    lengths = np.array([len(s) for s in steps])
+    assert len(contexts) >= layers.GROUP_FROM
+    groups = layers.split_padded(np.arange(40), np.array(contexts) + lengths, lengths)
+    assert len(groups) > 1 and sorted(np.concatenate(groups).tolist()) == list(range(40))
+    assert all(len(x) >= layers.GROUP_LEAST for x in groups)
     seen = []
     plan = forward.plan_attention
     monkeypatch.setattr(forward, "plan_attention", lambda *a, **k: seen.append(p := plan(*a, **k)) or p)
 
     def step(target) -> list[np.ndarray]:
-        target.forward(list(range(24)), prompts)
-        out = target.forward(list(range(24)), steps, with_logits=True)
+        target.forward(list(range(40)), prompts)
+        out = target.forward(list(range(40)), steps, with_logits=True)
         return out.split(out.logits)
 
-    grouped = step(LocalTarget(model, kv_capacity_tokens=16384))
+    grouped = step(LocalTarget(model, kv_capacity_tokens=32768))
     assert len(seen[-1].groups) == len(groups)
-    monkeypatch.setattr(layers, "KEY_SAVING", 2.0)  # never cut: one padded group
-    padded = step(LocalTarget(model, kv_capacity_tokens=16384))
+    monkeypatch.setattr(layers, "GROUP_SAVING", 2.0)  # never cut: one padded group
+    padded = step(LocalTarget(model, kv_capacity_tokens=32768))
     assert len(seen[-1].groups) == 1
-    for i in range(24):
+    for i in range(40):
         alone = LocalTarget(model, kv_capacity_tokens=1024)
         alone.forward([i], [prompts[i]])
         out = alone.forward([i], [steps[i]], with_logits=True)
@@ -265,12 +267,15 @@ def test_requests_of_widely_different_contexts_attend_in_groups_and_equal_each_a
         torch.testing.assert_close(torch.from_numpy(padded[i]), want, rtol=1e-5, atol=1e-5)
 
 
-def test_the_key_cut_pads_the_fewest_keys_and_leaves_like_lengths_alone():
-    from actors.target.layers import KEY_GROUP_LEAST, split_by_keys
+def test_the_cut_pads_the_fewest_pairs_by_keys_or_by_queries_and_leaves_like_shapes_alone():
+    from actors.target.layers import GROUP_LEAST, split_padded
 
-    ends = np.array([10] * 8 + [400] * 8)
-    parts = split_by_keys(np.arange(16), ends, 2)
-    assert [sorted(p.tolist()) for p in parts] == [list(range(8)), list(range(8, 16))]
-    assert len(split_by_keys(np.arange(16), np.full(16, 300), 8)) == 1  # nothing to save
-    assert len(split_by_keys(np.arange(2 * KEY_GROUP_LEAST - 1), np.arange(7) * 100 + 1, 8)) == 1  # too few
-    assert len(split_by_keys(np.arange(16), ends // 20 + 1, 1)) == 1  # saves too few pairs to pay a call
+    def cut(ends, lengths):
+        return [sorted(p.tolist()) for p in split_padded(np.arange(len(ends)), np.array(ends), np.array(lengths))]
+
+    assert cut([10] * 8 + [400] * 8, [2] * 16) == [list(range(8)), list(range(8, 16))]  # by keys
+    by_queries = [[i for i in range(16) if i % 4 != 3], list(range(3, 16, 4))]
+    assert cut([200] * 16, [1, 1, 1, 8] * 4) == by_queries
+    assert len(cut([300] * 16, [8] * 16)) == 1  # nothing to save
+    assert len(cut(list(np.arange(2 * GROUP_LEAST - 1) * 100 + 1), [8] * 7)) == 1  # too few requests
+    assert len(cut([1] * 8 + [21] * 8, [1] * 16)) == 1  # saves too few pairs to pay a call

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pathlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -349,29 +350,32 @@ def test_a_rank_forward_on_cuda_equals_the_cpu_with_sampling_controls_grammar_an
     assert mask[np.arange(len(drawn)), drawn].all(), drawn
 
 
-def test_key_length_groups_on_cuda_give_what_one_padded_batch_gives(monkeypatch):
-    """Requests of 6-300 context tokens attending in groups of like key length (on CPU ranks by
-    default: `KEY_GROUP_DEVICES`) give on the GPU, in float32, the logits one padded batch gives:
-    the path is ready to be switched on there once its trade is measured."""
+def test_attention_groups_on_cuda_give_what_one_padded_batch_gives(monkeypatch):
+    """Requests of 6-300 context tokens and 1-4 new ones attending in groups that pad fewer pairs
+    (on CPU ranks by default: `GROUP_DEVICES`) give on the GPU, in float32, the logits one padded
+    batch gives: the path is ready to be switched on there once its trade is measured."""
     import actors.target.layers as layers
 
     torch.backends.cuda.matmul.allow_tf32 = False
     model = load_model(str(BUNDLED)).to("cuda").eval()
     g = torch.Generator().manual_seed(3)
-    contexts = [6 + (i * 97) % 295 for i in range(24)]
+    contexts = [6 + (i * 97) % 295 for i in range(40)]
     prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=g).tolist() for n in contexts]
-    steps = [torch.randint(0, model.cfg.vocab_size, (1 + i % 4,), generator=g).tolist() for i in range(24)]
+    steps = [torch.randint(0, model.cfg.vocab_size, (1 + i % 4,), generator=g).tolist() for i in range(40)]
+
+    assert len(prompts) >= layers.GROUP_FROM and len(layers.split_padded(
+        np.arange(40), np.array(contexts) + [len(s) for s in steps], np.array([len(s) for s in steps]))) > 1
 
     def step() -> torch.Tensor:
-        cache = model.new_cache(16384)
+        cache = model.new_cache(32768)
         for chunks in (prompts, steps):
-            b = ForwardBatch.from_lists(list(range(24)), chunks, "all")
+            b = ForwardBatch.from_lists(list(range(40)), chunks, "all")
             b = ForwardBatch(b.request_ids, b.tokens.to("cuda"), b.cu, b.logit_index.to("cuda"))
             logits, _ = model.forward(b, cache, StepStats())
         return logits.float().cpu()
 
     one = step()
-    monkeypatch.setattr(layers, "KEY_GROUP_DEVICES", ("cpu", "cuda"))
+    monkeypatch.setattr(layers, "GROUP_DEVICES", ("cpu", "cuda"))
     grouped = step()
     assert torch.allclose(grouped, one, atol=2e-3, rtol=1e-3), (grouped - one).abs().max()
     assert torch.equal(grouped.argmax(-1), one.argmax(-1))
