@@ -52,10 +52,26 @@ def kind_arm(kind: str) -> str:
     return f"kind:{kind}"
 
 
-def arms_of(kinds) -> tuple[str, ...]:
+def arms_of(kinds, per_kind: bool = True) -> tuple[str, ...]:
     """The arms of an engine hosting `kinds`: plain, the gate over every kind, and with several
-    kinds the gate over each alone."""
-    return ("plain", "drafting", *(kind_arm(k) for k in kinds)) if len(kinds) > 1 else ("plain", "drafting")
+    kinds (and `per_kind`) the gate over each alone."""
+    return ("plain", "drafting", *(kind_arm(k) for k in kinds)) if per_kind and len(kinds) > 1 \
+        else ("plain", "drafting")
+
+
+def kind_of(arm: int) -> int | None:
+    """The kind (its index among the engine's, in `arms_of`'s order) an arm restricts the gate to;
+    None for plain decoding and the gate over every kind."""
+    return arm - DRAFTING - 1 if arm > DRAFTING else None
+
+
+def _z(rate_a: float, var_a: float, rate_b: float, var_b: float) -> float:
+    """Standard errors by which rate a lies above rate b (negative: below; infinite where both are
+    exact; 0 where either is unknown)."""
+    diff, se = rate_a - rate_b, math.sqrt(var_a + var_b)
+    if se == 0.0 or not math.isfinite(se):
+        return 0.0 if diff == 0.0 or not math.isfinite(se) else math.copysign(math.inf, diff)
+    return diff / se
 
 
 @dataclass
@@ -174,14 +190,19 @@ class PayoffCheck:
     def _judged(self, band: Band) -> tuple | bool:
         if any(len(o) < self.least for o in band.outcomes):
             return False
-        rates = [Band.rate(o) for o in band.outcomes]
-        ahead = [a for a in range(len(self.arms)) if a != DRAFTING and self.evidence(band, a) > self.confidence]
+        rates = [Band.rate(o) for o in band.outcomes]  # each window read once a judgement (the step loop's)
+        var = [Band.variance(o) for o in band.outcomes]
+
+        def z(a: int, b: int) -> float:
+            return _z(rates[a], var[a], rates[b], var[b])
+
+        ahead = [a for a in range(len(self.arms)) if a != DRAFTING and z(a, DRAFTING) > self.confidence]
         leader = max(ahead, key=rates.__getitem__) if ahead else DRAFTING
         others = [a for a in range(len(self.arms)) if a != leader]
         behind = [a for a in others if rates[leader] >= (1 + self.margin) * rates[a]
-                  and self.evidence(band, leader, a) >= self.confidence]
+                  and z(leader, a) >= self.confidence]
         unsure = [a for a in others if a not in behind]
-        bound = [r + self.confidence * math.sqrt(Band.variance(o)) for r, o in zip(rates, band.outcomes, strict=True)]
+        bound = [r + self.confidence * math.sqrt(v) for r, v in zip(rates, var, strict=True)]
         promising = max(unsure, key=bound.__getitem__, default=None)
         return leader, unsure, behind, promising, promising is not None and bound[promising] > rates[leader]
 
@@ -199,11 +220,7 @@ class PayoffCheck:
         another arm over the drafting arm."""
         over = (PLAIN if arm == DRAFTING else DRAFTING) if over is None else over
         a, b = band.outcomes[arm], band.outcomes[over]
-        diff = Band.rate(a) - Band.rate(b)
-        se = math.sqrt(Band.variance(a) + Band.variance(b))
-        if se == 0.0 or not math.isfinite(se):
-            return 0.0 if diff == 0.0 or not math.isfinite(se) else math.copysign(math.inf, diff)
-        return diff / se
+        return _z(Band.rate(a), Band.variance(a), Band.rate(b), Band.variance(b))
 
     def observe(self, requests: int, arm: int, tokens: float, seconds: float, plain_s: float) -> None:
         """One step's outcome: `tokens` emitted by its `requests` decoding requests in `seconds` of

@@ -31,7 +31,7 @@ from dcut_core.counterfactual import Trace
 from dcut_core.drafting import AcceptanceTracker, DraftCost, DraftPlanner, Exploration, Predicted, Verified
 from dcut_core.gate import LOOKAHEAD_REQUESTS, DraftingCosts, DraftingGate, GateInput, KindReach, Plan
 from dcut_core.learned import KindState, LearnedState
-from dcut_core.payoff import DRAFTING, PLAIN, PayoffCheck, arms_of
+from dcut_core.payoff import PLAIN, PayoffCheck, arms_of, kind_of
 from dcut_core.pruning import DraftBatch, policy_from_name
 
 
@@ -172,8 +172,7 @@ class _Run:
         self._feeding: list[tuple[_Live, int, int]] = []  # this step's prefill chunks (request, start, tokens)
         self._passes: dict[int, int] = {}  # the last step's passes of each cut chain (`_cut_chains`)
         gated = self.policy.gated and s.drafting_gate
-        arms = arms_of(s.kinds if s.payoff_kind_arms else s.kinds[:1])
-        self.payoff = PayoffCheck(arms) if gated and s.payoff_check else None  # as the engine's
+        self.payoff = PayoffCheck(arms_of(s.kinds, s.payoff_kind_arms)) if gated and s.payoff_check else None
         self._arm: int | None = None  # this step's measured arm of the payoff check (None: not measured)
         self._checked_plain = False  # the check made this step plain (measured or not)
         self._only: int | None = None  # the check made this step draft with one kind (its arm)
@@ -266,7 +265,7 @@ class _Run:
         if self.payoff is not None:  # as `Engine.step`: a step feeding prompts plays the leader, unmeasured
             played = self.payoff.arm(r, measured=not self._feeding)
             self._arm = None if self._feeding else played
-            only = self._only = played - DRAFTING - 1 if played > DRAFTING else None
+            only = self._only = kind_of(played)
             if played == PLAIN:  # the payoff check's plain arm: no look-ahead, no gate
                 self._checked_plain = True
                 self._available = None

@@ -54,7 +54,7 @@ from dcut_core.cost_model import StepShape
 from dcut_core.drafting import AcceptanceTracker, Exploration
 from dcut_core.gate import LOOKAHEAD_REQUESTS, DraftingCosts, DraftingGate, GateInput, KindReach, Plan
 from dcut_core.learners import DraftCostLearner, StepOverhead
-from dcut_core.payoff import DRAFTING, PLAIN, PayoffCheck, arms_of
+from dcut_core.payoff import PLAIN, PayoffCheck, arms_of, kind_of
 from dcut_core.pruning import DraftBatch, StepCost, policy_from_name
 
 log = logging.getLogger(__name__)
@@ -131,7 +131,7 @@ class Engine:
         self._start_cost_model()
 
     def _payoff_arms(self) -> tuple[str, ...]:
-        return arms_of(self.kinds if self.cfg.payoff_kind_arms else self.kinds[:1])
+        return arms_of(self.kinds, self.cfg.payoff_kind_arms)
 
     @property
     def degraded(self) -> dict[str, int]:
@@ -240,7 +240,7 @@ class Engine:
             arm, only = None, None  # the payoff check's arm where this step's outcome is measured (feeding no prompt)
             if drafting and self.payoff is not None and self.policy.gated:
                 played = self.payoff.arm(len(batch), measured=not feeding)
-                drafting, only = played != PLAIN, (played - DRAFTING - 1 if played > DRAFTING else None)
+                drafting, only = played != PLAIN, kind_of(played)
                 arm = None if feeding else played
             remaining = np.array([s.remaining for s in batch], dtype=np.int64) if drafting else None
             caps = self._caps(batch, remaining) if drafting else None
