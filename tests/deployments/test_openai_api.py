@@ -458,6 +458,8 @@ def test_a_batch_under_the_payoff_check_decodes_exactly_after_odd_requests_and_t
     metrics = httpx.get(f"{BASE}/metrics", timeout=30).text
     assert re.search(r'^dcut_engine_payoff_lead\{requests="6"\} \S+$', metrics, re.M), \
         [line for line in metrics.splitlines() if "payoff" in line]
+    played = re.findall(r'^dcut_engine_payoff_arm\{arm="([^"]+)",requests="6"\} 1\.0$', metrics, re.M)
+    assert len(played) == 1 and played[0] in ("drafting", "plain"), played  # one arm a band (the default: one kind)
     assert_still_serving(client)
 
 
