@@ -121,9 +121,9 @@ class NgramDrafter:
         out, counts = [], []
         for rid, want in zip(request_ids, lengths, strict=True):
             history, want = self._history[rid], min(want, self.block - 1)
-            n, starts = self._match(history, want)
+            n, starts = self._match(history, want, 1)
             if starts:
-                d = history.after(starts[-1] + n, want)
+                d = history.after(starts[0] + n, want)
             else:
                 d = self.corpus.follow(history.tokens, want)[1] if self.corpus is not None and want > 0 else []
             out += d
@@ -132,23 +132,19 @@ class NgramDrafter:
         np.cumsum(counts, out=cu[1:])
         return np.asarray(out, dtype=np.int64), cu
 
-    def _match(self, history: History, want: int) -> tuple[int, list[int]]:
-        """(n, start positions oldest first) of the longest n-gram ending the history that
-        occurred before with a token after it; (0, []) when none did or nothing is wanted."""
-        if want > 0:
-            for n in range(min(self.max_n, len(history.tokens) - 1), self.min_n - 1, -1):
-                starts = history.earlier(n)
-                if starts:
-                    return n, starts
-        return 0, []
+    def _match(self, history: History, want: int, recent: int) -> tuple[int, list[int]]:
+        """(n, start positions newest first, at most `recent`) of the longest n-gram ending the
+        history that occurred before with a token after it; (0, []) when none did or nothing is
+        wanted."""
+        return history.match(self.min_n, recent) if want > 0 else (0, [])
 
     def _lookup(self, history: History, want: int) -> tuple[list[int], list[float], list[float]]:
         h = history.tokens
-        n, starts = self._match(history, want)
+        n, starts = self._match(history, want, self.recent)
         if starts:
             if len(starts) == 1:  # one occurrence (the common case): all its evidence agrees
                 return self._one_occurrence(n, history.after(starts[0] + n, want))
-            return self._statistics(n, [history.after(s + n, want) for s in reversed(starts[-self.recent:])])
+            return self._statistics(n, [history.after(s + n, want) for s in starts])
         if self.corpus is not None and want > 0:  # another request's output: one occurrence, as of its own
             return self._one_occurrence(*self.corpus.follow(h, want))
         return [], [], []
@@ -196,44 +192,73 @@ class NgramDrafter:
 class History:
     """One request's committed tokens and, for each n-gram length, where every n-gram occurs
     with a token after it — kept up to date as tokens are appended, so a lookup costs a dict
-    access instead of a scan of the whole context (which grows with it: 32 k tokens on a GPU)."""
+    access instead of a scan of the whole context (which grows with it: 32 k tokens on a GPU).
+
+    Per length n, as a compressor's match finder keeps them (hash chains): `head[key]` is the
+    start of the n-gram's most recent occurrence and `prev[s]` the start of the occurrence before
+    the one at s (−1: none), so the occurrences are a chain from the newest back. An n-gram's key
+    is an int, its tokens' ids packed `BITS` bits apiece (the newest lowest): one rolling int holds
+    the last `max_n` tokens and the key of the last n is its low n fields — a shift, an or and a
+    mask a token. Nothing the index holds is an object the cyclic garbage collector tracks but
+    its few lists: it had held a tuple key and a list of starts per n-gram, and at 1,024 requests
+    those were most of what the collector scanned — and a dict of ints alone is untracked until
+    a container goes in, then tracked anew in the youngest generation, so an index that grew a
+    list now and then set off young collections that walked whole indexes (docs/benchmarks.md,
+    session 40). Token ids must lie in [0, 2 ** BITS): a vocabulary's do (the engine refuses a
+    prompt outside it)."""
+
+    BITS = 32
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.tokens: list[int] = []
         self.first = 0  # tokens in the first extend: the prompt, as the engine and a trace's walk feed it
-        self.starts: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in range(min_n, max_n + 1)}
-        self.lengths = list(self.starts.items())  # (n, its index), for the loop over each new token
-        self.longest = max_n
+        self.low = {n: (1 << self.BITS * n) - 1 for n in range(1, max_n + 1)}  # the key of the last n: last & low[n]
+        # n -> (head: key -> newest start, prev: start -> the start before it of the same n-gram, or −1)
+        self.chains: dict[int, tuple[dict[int, int], list[int]]] = {n: ({}, []) for n in range(min_n, max_n + 1)}
+        self.lengths = [(n, head, prev, self.low[n]) for n, (head, prev) in self.chains.items()]  # n ascending
+        self.longest, self.mask = max_n, self.low[max_n]
+        self.last = 0  # the last max_n tokens, packed (fewer while the history is shorter: zeros above)
 
     def extend(self, tokens) -> None:
         h = self.tokens
         if not h:
             self.first = len(tokens)
-        end, longest = len(h), self.longest
+        end, last, bits, mask, lengths = len(h), self.last, self.BITS, self.mask, self.lengths
         for t in tokens:  # the n-grams ending at `end` (just before the new token) now have a successor
-            last = tuple(h[end - longest:end]) if end >= longest else tuple(h)
-            for n, index in self.lengths:
-                if end >= n:
-                    key = last[-n:]
-                    starts = index.get(key)
-                    if starts is None:
-                        index[key] = [end - n]
-                    else:
-                        starts.append(end - n)
-            h.append(int(t))
+            for n, head, prev, low in lengths:
+                if end < n:
+                    break
+                key = last & low
+                prev.append(head.get(key, -1))  # prev[end - n]: the n-gram at end − n's previous occurrence
+                head[key] = end - n
+            t = int(t)
+            h.append(t)
+            last = ((last << bits) | t) & mask
             end += 1
+        self.last = last
+
+    def _packed(self, end: int) -> int:
+        """The packed key of the (up to max_n) tokens before position `end`."""
+        key = 0
+        for t in self.tokens[max(0, end - self.longest):end]:
+            key = (key << self.BITS) | t
+        return key
 
     def truncate(self, length: int) -> None:
         h = self.tokens
         while len(h) > length:
             end = len(h) - 1  # dropping h[end]: the n-grams ending before it lose their successor
-            for n, index in self.starts.items():
-                if end >= n:
-                    key = tuple(h[end - n:end])
-                    index[key].pop()  # appended last, so it is the last entry
-                    if not index[key]:
-                        del index[key]
+            before = self._packed(end)
+            for n, head, prev, low in self.lengths:
+                if end < n:
+                    break
+                key, earlier = before & low, prev.pop()  # the newest occurrence, at end − n
+                if earlier < 0:
+                    del head[key]
+                else:
+                    head[key] = earlier
             h.pop()
+        self.last = self._packed(len(h))
 
     def after(self, start: int, want: int) -> list[int]:
         """Up to `want` tokens from position `start` on, as a match there predicts them: where
@@ -248,9 +273,22 @@ class History:
             out = (out * (want // len(out) + 1))[:want]
         return out
 
-    def earlier(self, n: int) -> list[int]:
-        """Start positions, oldest first, of the earlier occurrences of the last n tokens."""
-        return self.starts[n].get(tuple(self.tokens[-n:]), [])
+    def match(self, least: int, recent: int) -> tuple[int, list[int]]:
+        """(n, start positions newest first, at most `recent`) of the longest n-gram ending the
+        history, of `least` tokens or more, that occurred before with a token after it; (0, [])
+        when none did."""
+        last, chains, low = self.last, self.chains, self.low
+        for n in range(min(self.longest, len(self.tokens) - 1), least - 1, -1):
+            head, prev = chains[n]
+            at = head.get(last & low[n], -1)
+            if at >= 0:
+                starts = [at]
+                at = prev[at]
+                while at >= 0 and len(starts) < recent:
+                    starts.append(at)
+                    at = prev[at]
+                return n, starts
+        return 0, []
 
 
 class Corpus:

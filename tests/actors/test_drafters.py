@@ -247,6 +247,23 @@ def test_the_ngram_index_finds_what_a_scan_of_the_history_finds(chunks, cuts, wa
         np.testing.assert_allclose(out.margin, margins, rtol=1e-12)
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.sampled_from([0, 1, 2 ** 31, 2 ** 32 - 1]), min_size=1, max_size=40), st.integers(1, 7),
+       st.integers(1, 4))
+def test_the_ngram_index_keeps_token_ids_at_the_edges_of_a_packed_key_apart(tokens, want, max_n):
+    """The index packs an n-gram's ids into one int, 32 bits apiece (`History.BITS`): ids at the
+    field's edges (0, its top bit, its largest) never make two n-grams one key, or an n-gram of
+    zeros of a short history one of a long one; the lookup equals a scan of the history."""
+    d = NgramDrafter(max_n=max_n, block_size=8)
+    for i in range(len(tokens)):  # a token at a time: every length of the history looked up
+        d.commit([0], [tokens[i:i + 1]])
+        out = d.draft([0], [tokens[i]], [want])
+        expect, confs, margins = _scan_lookup(tokens[:i + 1], min(want, 7), max_n, 1, recent=32)
+        assert out.tokens.tolist() == expect
+        np.testing.assert_allclose(out.confidence, confs, rtol=1e-12)
+        np.testing.assert_allclose(out.margin, margins, rtol=1e-12)
+
+
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=12), min_size=1, max_size=6),
        st.lists(st.integers(0, 9), min_size=1, max_size=4))
