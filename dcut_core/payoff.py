@@ -34,7 +34,8 @@ machine's phase is seen; and while the most likely arm's upper bound passes the 
 is probed every `warm` steps besides (an arm that may lead is measured until it is known whether
 it does: it costs in proportion to how far behind it is, and that is little while it may lead).
 Below `least_requests` requests the gate decides alone. A band starts on the drafting arm, probing
-the others in turn every `warm` steps until each arm has `least` outcomes. Deterministic
+the others in turn every `warm` steps until plain decoding's arm has `least` outcomes and each
+kind's arm `least_kind` (one: it is then chased as an arm that may lead). Deterministic
 (counters, no random draws): an engine's and the trace simulator's choices replay exactly.
 """
 
@@ -114,7 +115,14 @@ class Band:
 @dataclass
 class PayoffCheck:
     arms: tuple[str, ...] = ("plain", "drafting")  # PLAIN and DRAFTING first (`arms_of`)
-    least: int = 3  # outcomes of each arm before their rates decide
+    least: int = 3  # outcomes of the plain and drafting arms before their rates decide
+    # ... and of each kind's arm. One: an arm of one outcome has no variance yet, so it can neither
+    # lead nor be behind — it is the likeliest to lead (an unbounded upper bound) and probed every
+    # `warm` steps until its evidence says — while the plain and drafting arms' judgement plays
+    # meanwhile. At `least` each, five arms besides drafting had taken 60 measured steps to warm up,
+    # and at 32–64 requests, where a closed loop's steps mostly feed prompts, a band seldom left its
+    # warm-up (exact replays: docs/benchmarks.md, session 40).
+    least_kind: int = 1
     warm: int = 4  # a probe every `warm` steps of a band until then, and of an arm that may lead
     probe: int = 16  # the arms not played, probed every `probe` steps of the band (`arm` says which)
     sure: int = 128  # ... every `sure` steps while the leader leads it by `margin` and the evidence
@@ -134,6 +142,7 @@ class PayoffCheck:
         self.arms = tuple(self.arms)
         if self.arms[:2] != ("plain", "drafting") or len(set(self.arms)) != len(self.arms):
             raise ValueError(f"a payoff check's arms are plain, drafting, then others, each once: {self.arms}")
+        self.least_of = tuple(self.least if a <= DRAFTING else self.least_kind for a in range(len(self.arms)))
 
     @staticmethod
     def band_of(requests: int) -> int:
@@ -166,7 +175,7 @@ class PayoffCheck:
         band.steps += 1
         judged = self._judge(band)
         if not judged:  # still learning the arms: the drafting arm, the others probed in turn
-            lacking = [a for a in range(len(self.arms)) if a != DRAFTING and len(band.outcomes[a]) < self.least]
+            lacking = [a for a in range(len(self.arms)) if a != DRAFTING and len(band.outcomes[a]) < self.least_of[a]]
             return band.probe(lacking) if lacking and band.steps % self.warm == 0 else DRAFTING
         leader, unsure, behind, promising, chasing = judged
         if chasing and band.steps % self.warm == 0:  # it may lead: measured until it is known whether it does
@@ -188,7 +197,7 @@ class PayoffCheck:
         return band.judged
 
     def _judged(self, band: Band) -> tuple | bool:
-        if any(len(o) < self.least for o in band.outcomes):
+        if any(len(o) < n for o, n in zip(band.outcomes, self.least_of, strict=True)):
             return False
         rates = [Band.rate(o) for o in band.outcomes]  # each window read once a judgement (the step loop's)
         var = [Band.variance(o) for o in band.outcomes]
@@ -210,7 +219,7 @@ class PayoffCheck:
         """One arm's rate over another's, by default the drafting arm's over plain decoding's
         (None: either has fewer than `least` outcomes)."""
         a, b = band.outcomes[arm], band.outcomes[over]
-        if len(a) < self.least or len(b) < self.least:
+        if len(a) < self.least_of[arm] or len(b) < self.least_of[over]:
             return None
         return Band.rate(a) / Band.rate(b)
 
@@ -267,8 +276,8 @@ class PayoffCheck:
     def rates(self) -> dict[int, dict[str, float | None]]:
         """Each band's rate of each arm (its lowest request count -> arm -> tokens a request per
         plain step's time; None: fewer than `least` outcomes), for the benchmarks."""
-        return {self.lowest(b): {name: Band.rate(o) if len(o) >= self.least else None
-                                 for name, o in zip(self.arms, band.outcomes, strict=True)}
+        return {self.lowest(b): {name: Band.rate(o) if len(o) >= n else None
+                                 for name, o, n in zip(self.arms, band.outcomes, self.least_of, strict=True)}
                 for b, band in sorted(self.bands.items())}
 
     def leaders(self) -> dict[int, str | None]:

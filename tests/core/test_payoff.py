@@ -201,7 +201,7 @@ def test_arms_of_an_engine_are_plain_drafting_and_each_kind_where_there_are_seve
 
 
 def test_a_fresh_band_of_several_arms_probes_each_in_turn_until_all_are_known():
-    check = PayoffCheck(arms=arms_of(("a", "b")), least_requests=1, least=2, warm=4)
+    check = PayoffCheck(arms=arms_of(("a", "b")), least_requests=1, least=2, least_kind=2, warm=4)
     played = play_arms(check, 16, [1.0, 1.2, 1.5, 0.9], steps=24)
     # every 4th step the next arm lacking outcomes (plain, kind:a, kind:b, in turn), else the gate's
     assert [(i + 1, a) for i, a in enumerate(played) if a != DRAFTING] == \
@@ -210,7 +210,8 @@ def test_a_fresh_band_of_several_arms_probes_each_in_turn_until_all_are_known():
 
 
 def test_the_best_arm_ahead_of_the_gate_is_played_and_the_others_probed_in_turn():
-    check = PayoffCheck(arms=arms_of(("a", "b")), least_requests=1, least=2, warm=1, probe=8, sure=64, margin=0.15)
+    check = PayoffCheck(arms=arms_of(("a", "b")), least_requests=1, least=2, least_kind=2, warm=1, probe=8, sure=64,
+                         margin=0.15)
     # kind:a leads the gate by 2 %, plain by less: both ahead (steady outcomes: exact evidence); kind:b
     # behind by far. With a probe every step until all are known (the gate's arm plays once no other
     # lacks), then kind:a; every 8 steps a probe: of plain (the likelier of the two to lead) every
@@ -251,7 +252,7 @@ def test_a_saved_state_of_other_kinds_restores_the_arms_both_have():
 
 
 def test_rates_are_each_arms_tokens_over_time_once_it_has_least_outcomes():
-    check = PayoffCheck(arms=arms_of(("a", "b")), least_requests=1, least=2, warm=1)
+    check = PayoffCheck(arms=arms_of(("a", "b")), least_requests=1, least=2, least_kind=2, warm=1)
     play_arms(check, 16, [1.0, 1.2, 1.5, 0.9], steps=7)  # plain, a, b twice each, then the gate's once
     assert check.rates() == {12: {"plain": 1.0, "drafting": None, "kind:a": 1.5, "kind:b": 0.9}}
 
@@ -282,3 +283,19 @@ def test_an_arm_that_may_lead_is_probed_every_warm_steps_until_it_is_known_wheth
         check.observe(16, 2, 0.9 * 16, 1.0, 1.0)
     assert not check._judge(check.bands[4])[4]
     assert [check.arm(16) for _ in range(16)].count(2) <= 1
+
+
+def test_a_kinds_arm_is_judged_from_its_first_outcome_and_chased_until_its_evidence_says():
+    """Plain decoding needs `least` (3) outcomes, a kind's arm `least_kind` (1): the warm-up probes
+    the arms lacking outcomes in turn (plain, kind:a, plain, kind:b, plain). An arm of one outcome
+    has no variance — it cannot lead — and is the likeliest to lead: chased every `warm` steps
+    (kind:a, then kind:b) until a second outcome. kind:a, steady at 1.5 against the gate's 1.0,
+    leads from its second; kind:b, at 0.5, is then behind by far (probed every `sure` steps)."""
+    check = PayoffCheck(arms=arms_of(("a", "b")), least_requests=1, least=3, least_kind=1, warm=4, probe=16,
+                        sure=64)
+    played = play_arms(check, 16, [0.8, 1.0, 1.5, 0.5], steps=40)
+    assert [(i + 1, a) for i, a in enumerate(played[:23]) if a != DRAFTING] == \
+        [(4, PLAIN), (8, 2), (12, PLAIN), (16, 3), (20, PLAIN)]
+    assert played[23:] == [2] * 4 + [3] + [2] * 12  # kind:a chased, then played; kind:b chased once
+    assert check.leaders() == {12: "kind:a"}
+    assert [len(o) for o in check.bands[4].outcomes][2:] == [17, 2]
