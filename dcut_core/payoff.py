@@ -142,6 +142,7 @@ class PayoffCheck:
         self.arms = tuple(self.arms)
         if self.arms[:2] != ("plain", "drafting") or len(set(self.arms)) != len(self.arms):
             raise ValueError(f"a payoff check's arms are plain, drafting, then others, each once: {self.arms}")
+        # outcomes each arm needs before a judgement: `least` for plain and drafting, `least_kind` for a kind's
         self.least_of = tuple(self.least if a <= DRAFTING else self.least_kind for a in range(len(self.arms)))
 
     @staticmethod
@@ -217,7 +218,7 @@ class PayoffCheck:
 
     def lead(self, band: Band, arm: int = DRAFTING, over: int = PLAIN) -> float | None:
         """One arm's rate over another's, by default the drafting arm's over plain decoding's
-        (None: either has fewer than `least` outcomes)."""
+        (None: either has fewer outcomes than its arm needs, `least_of`)."""
         a, b = band.outcomes[arm], band.outcomes[over]
         if len(a) < self.least_of[arm] or len(b) < self.least_of[over]:
             return None
@@ -275,7 +276,7 @@ class PayoffCheck:
 
     def rates(self) -> dict[int, dict[str, float | None]]:
         """Each band's rate of each arm (its lowest request count -> arm -> tokens a request per
-        plain step's time; None: fewer than `least` outcomes), for the benchmarks."""
+        plain step's time; None: fewer outcomes than the arm needs, `least_of`), for the benchmarks."""
         return {self.lowest(b): {name: Band.rate(o) if len(o) >= n else None
                                  for name, o, n in zip(self.arms, band.outcomes, self.least_of, strict=True)}
                 for b, band in sorted(self.bands.items())}
