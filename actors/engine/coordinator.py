@@ -433,7 +433,12 @@ class Engine:
         """Roll back rejected KV, learn from the outcome, commit tokens (decoded, and the first
         tokens of prompts whose prefill ended), retire finished requests, record the step."""
         batch, accepted = st.batch, st.accepted.counts
-        self.target.truncate({s.rid: c + 1 + a for s, c, a in zip(batch, st.cached, accepted, strict=True)})
+        # The forward cached each request's last token and kept drafts: only a request that kept a
+        # draft it did not accept has KV to drop (none in a plain step; a dict entry and a cache
+        # call a request had been ~1 µs each at 1,024 requests).
+        rejected = (st.pruned.kept > np.asarray(accepted, dtype=np.int64)).nonzero()[0].tolist() if batch else []
+        if rejected:
+            self.target.truncate({batch[i].rid: st.cached[i] + 1 + accepted[i] for i in rejected})
         fed = self.scheduler.advance_prefill(st, self.eos)
         predicted = predicted_s(st, self.cost)  # before the cost model learns from this step
         committed = self.scheduler.record_step(st, self.eos)

@@ -7,6 +7,7 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -72,6 +73,12 @@ class SamplingParams:
         """Temperatures below SAMPLING_EPS decode greedily: their limit is the argmax, and the
         target computes in float32, where 1e-151 is 0 — one rule for the engine and the target."""
         return self.temperature < SAMPLING_EPS
+
+    @cached_property
+    def plain_commit(self) -> bool:
+        """No stop string, stop token id or log-probabilities: committing its tokens needs only
+        its room and the EOS (`Scheduler.append`'s fast path)."""
+        return not self.stop and not self.stop_token_ids and self.logprobs is None
 
     @property
     def sampling(self) -> tuple[float, float]:
@@ -246,10 +253,22 @@ class Scheduler:
                logprob_rows: np.ndarray | None = None) -> list[int]:
         """Commit tokens to seq, applying stop conditions; returns the tokens actually kept.
         `logprob_rows[t]`: the target's log-softmax row of tokens[t] (for requests that asked)."""
-        kept: list[int] = []
         params, output = seq.params, seq.output
         room = params.max_tokens - len(output)
         eos = None if params.ignore_eos else eos
+        if params.plain_commit and seq.grammar is None:
+            # A batch's usual request (no stop strings or ids, no log-probabilities): the tokens up
+            # to its room and its first EOS, in C-level list operations — the loop below is ~1 µs a
+            # request, a millisecond a step at 1,024 requests.
+            kept = tokens[:max(room, 0)]
+            if eos is not None and eos in kept:
+                del kept[kept.index(eos) + 1:]
+                seq.finish_reason = "stop"
+            output += kept
+            if seq.finish_reason is None and len(output) >= params.max_tokens:
+                seq.finish_reason = "length"
+            return kept
+        kept: list[int] = []
         for t in tokens:
             if room <= 0:
                 break

@@ -3,6 +3,9 @@ error when it failed), claimed once."""
 
 from __future__ import annotations
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from actors.engine.errors import EngineError, ErrorKind
 from actors.engine.sequence import SamplingParams, Scheduler, Sequence, Status
 
@@ -63,3 +66,40 @@ def test_step_totals_sum_every_field_of_the_records():
     assert history.steps == 3 and len(history.recent) == 2
     for name in names:
         assert getattr(history.totals, name) == sum(getattr(r, name) for r in recs), name
+
+
+def _committed(tokens: list[int], have: int, max_tokens: int, eos: int | None) -> tuple[list[int], str | None]:
+    """What a step-by-step decoder commits: token by token while room is left, the EOS included
+    and last."""
+    kept, reason = [], None
+    for t in tokens:
+        if have + len(kept) >= max_tokens:
+            break
+        kept.append(t)
+        if t == eos:
+            reason = "stop"
+            break
+    if reason is None and have + len(kept) >= max_tokens:
+        reason = "length"
+    return kept, reason
+
+
+@given(st.lists(st.integers(0, 5), max_size=9), st.integers(0, 6), st.integers(1, 8), st.sampled_from([None, 0, 3]),
+       st.booleans())
+def test_committing_a_plain_requests_tokens_keeps_what_a_step_by_step_decoder_would(tokens, have, max_tokens, eos,
+                                                                                  ignore_eos):
+    """`Scheduler.append`'s fast path (no stop strings or ids, no log-probabilities) against the
+    token-by-token reference: the room, the first EOS (unless ignored), the finish reason."""
+    sched = Scheduler(max_running=1, detokenize=lambda ids: "")
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
+    assert params.plain_commit
+    seq = Sequence(0, [1], params, output=[4] * min(have, max_tokens - 1))
+    before = list(seq.output)
+    kept = sched.append(seq, list(tokens), eos, None)
+    want, reason = _committed(tokens, len(before), max_tokens, None if ignore_eos else eos)
+    assert kept == want and seq.output == before + want and seq.finish_reason == reason
+    # the same tokens through the general path (a stop token id nobody emits) agree
+    other = Sequence(0, [1], SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, stop_token_ids=(99,)),
+                     output=list(before))
+    assert not other.params.plain_commit
+    assert sched.append(other, list(tokens), eos, None) == kept and other.finish_reason == reason
