@@ -204,8 +204,9 @@ class Sequence:
     def remaining(self) -> int:
         return self.params.max_tokens - len(self.output)
 
-    @property
+    @cached_property
     def greedy(self) -> bool:
+        """Its parameters' (fixed for its life): read for every request of every step."""
         return self.params.greedy
 
 
