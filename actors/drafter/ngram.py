@@ -67,16 +67,28 @@ class NgramDrafter:
             if new:
                 history.extend(new)
 
+    def ingest(self, rid: int, start: int, tokens: list[int], prompt_len: int) -> None:
+        """Prompt tokens `start` on (of a prompt of `prompt_len`) into the request's history, if it
+        ends at `start`: a chunk fed again after a rebuild, or one `follow` has taken in already,
+        changes nothing."""
+        history = self._history.get(rid)
+        if history is None:
+            history = self._history[rid] = History(self.min_n, self.max_n)
+        if len(history.tokens) == start:
+            history.extend(tokens)
+            history.first = prompt_len  # what follows it is output (`release`)
+
     def truncate(self, lengths: dict[int, int]) -> None:
         for rid, n in lengths.items():
             self._history[rid].truncate(n)
 
     def release(self, request_ids: list[int]) -> None:
-        """Forget the requests' histories; their outputs (the history past the first thing
-        committed, the prompt, with the prompt's last n-gram) wait for `absorb`."""
+        """Forget the requests' histories; their outputs (the history past the prompt, with the
+        prompt's last n-gram; nothing for a request released before its first token) wait for
+        `absorb`."""
         for rid in request_ids:
             history = self._history.pop(rid, None)
-            if history is not None and self.corpus is not None:
+            if history is not None and self.corpus is not None and len(history.tokens) > history.first:
                 self._finished.append(history.tokens[max(0, history.first - self.max_n):])
 
     def absorb(self, keep: bool = True) -> None:

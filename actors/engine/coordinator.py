@@ -459,8 +459,10 @@ class Engine:
                                 time.perf_counter() - st.started, plain_s)
         self._unlearnt = (st, [s.rid for s in done])
         # Learnt now if there is no next forward to hide it behind, or little to learn (a plain
-        # step: handing it to the learner thread would cost more than learning it).
-        if self._learner is None or not self.pending or plain(st):
+        # step that fed no prompt chunk for the n-gram kind to index: handing it to the learner
+        # thread would cost more than learning it).
+        ingests = bool(st.feeding) and self.lookahead is not None
+        if self._learner is None or not self.pending or (plain(st) and not ingests):
             self.settle()
         if self.history.steps % SAVE_EVERY == 0 and self.policy.drafts:
             self.save_learned()
@@ -483,6 +485,7 @@ class Engine:
         for rid in done:
             self.gate.forget(rid)
         if self.lookahead is not None:
+            self.lookahead.ingest(st.feeding)
             self.lookahead.absorb(len(st.batch))
 
     def save_learned(self) -> None:

@@ -78,6 +78,30 @@ def test_prefill_rides_in_the_decode_step_and_long_prompts_span_steps(tiny_bundl
         eng.shutdown()
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_ngram_kind_indexes_a_long_prompt_as_its_chunks_are_fed(tiny_bundle, reference, tmp_path, overlap):
+    """A prompt fed over several steps is in the n-gram kind's index chunk by chunk — as each
+    step is learnt: at once, or behind the next forward (`overlap`) — so its first decode step
+    follows only its last chunk; outputs stay greedy."""
+    eng = engine(tiny_bundle, tmp_path, drafter="ngram", policy="dcut", prefill_chunk=8, prefill_budget=12,
+                 overlap=overlap)
+    try:
+        rid = eng.add(PROMPTS[7], SamplingParams(max_tokens=MAX_TOKENS))  # 54 tokens: 7 chunks
+        indexed = []
+        while not eng.scheduler.get(rid).prefilled:
+            eng.step()
+            history = eng.lookahead.drafter._history.get(rid)
+            indexed.append(len(history.tokens) if history is not None else 0)
+        fed = [min(8 * (i + 1), 54) for i in range(7)]
+        # each chunk learnt when its step is (sequential), or while the next step's forward runs
+        assert indexed == (fed if not overlap else [0, *fed[:-1]])
+        while eng.pending:
+            eng.step()
+        assert eng.scheduler.finished[rid].output == reference[7]
+    finally:
+        eng.shutdown()
+
+
 def test_a_steps_drafts_are_priced_beside_its_prefill_chunks():
     # The gate's and pruning's curve of a step that also feeds prompt chunks is the whole
     # forward's (its requests and fed tokens included); under a concave cost a draft adds less

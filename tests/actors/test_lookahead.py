@@ -57,3 +57,47 @@ def test_finished_outputs_join_the_corpus_after_a_step_of_few_requests_and_are_d
     assert la.look([seq(2, [5, 6, 7], [])], np.array([5])).tokens.tolist() == [8, 9, 10]
     la.forget_outputs()
     assert len(la.drafter.corpus) == 0
+
+
+def test_prompt_chunks_indexed_as_they_are_fed_make_the_history_one_follow_makes():
+    """`ingest` takes a prompt in chunk by chunk (as a step's prefill feeds it); what the first
+    decode step then follows — the last chunk, the first token — completes the same history a
+    whole-prompt `follow` builds: its tokens, its index (equal drafts and confidences), and which
+    part of it is output (only that joins the corpus)."""
+    from actors.engine.stages import Feed
+
+    prompt = [7, 1, 2, 3, 9, 1, 2, 3, 5, 1, 2, 3, 6, 4, 1, 2]
+    chunked, whole = NgramLookahead(kind=0, block=6, corpus_tokens=1000), NgramLookahead(kind=0, block=6)
+    s = seq(0, prompt, [])
+    for start in (0, 5, 10):  # three chunks fed, the last (10 ..) in the step whose prefill ends
+        chunked.ingest([Feed(s, start, prompt[start:start + 5])])
+        chunked.ingest([Feed(s, start, prompt[start:start + 5])])  # fed again (a rebuild): changes nothing
+    assert chunked.drafter._history[0].tokens == prompt[:15]
+    s.output = [3]
+    chunked.ingest([Feed(s, 15, prompt[15:])])  # learnt after the first decode step followed it: nothing
+    for la in (chunked, whole):
+        la.look([s], np.array([5]))
+    a, b = chunked.drafter._history[0], whole.drafter._history[0]
+    assert a.tokens == b.tokens == [*prompt, 3] and a.first == b.first == len(prompt)
+    assert a.chains == b.chains and a.last == b.last
+    plan = Plan(np.array([0]), np.array([5]), np.full(1, -1))
+    (_, x), (_, y) = chunked.draft([s], plan), whole.draft([s], plan)
+    assert x.tokens.tolist() == y.tokens.tolist() == [6, 4, 1, 2, 3]
+    assert x.confidence.tolist() == y.confidence.tolist() and x.margin.tolist() == y.margin.tolist()
+    # A resumed request's feed runs on into its output (only the prompt is ingested); a request
+    # released while its prompt was still being fed leaves nothing in the corpus; one that finished
+    # as its prompt ended (released already) is not ingested again.
+    r = seq(1, [4, 5, 6, 7], [8, 9])
+    chunked.ingest([Feed(r, 0, [4, 5, 6])])
+    chunked.ingest([Feed(r, 3, [7, 8])])
+    assert chunked.drafter._history[1].tokens == [4, 5, 6, 7]
+    chunked.release([1])
+    done = seq(2, [1, 2, 3], [4])
+    done.finish_reason = "length"
+    chunked.ingest([Feed(done, 0, [1, 2, 3])])
+    assert 2 not in chunked.drafter._history
+    chunked.release([0])
+    chunked.absorb(1)
+    assert chunked.drafter.corpus.follow([0, 1, 2], 3) == (2, [3])  # request 0's output, with its prompt's tail
+    assert chunked.drafter.corpus.follow([0, 4, 5], 3) == (0, [])  # nothing of request 1
+    assert chunked.held() == 0
