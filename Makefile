@@ -61,6 +61,7 @@ bench: setup
 	$(BIN)/python benchmarks/trace_experiments.py --train runs/train.trace \
 		--heldout runs/trace-validate/heldout.trace --out runs/trace-experiments
 	$(BIN)/python benchmarks/coordinator.py --out runs/coordinator
+	$(BIN)/python benchmarks/long_prompts.py --rounds 4 --out runs/long-prompts
 	$(BIN)/python benchmarks/gate_time.py
 	$(BIN)/dcut bench --ep 2 --concurrency 1,4,16,64 --policies $(E2E_POLICIES) --num-prompts 24 \
 		--max-tokens 48 --repeats 3 --out runs/bench_e2e
