@@ -400,19 +400,32 @@ class Engine:
         return Pruned(kept, p, db.survival, time.perf_counter() - t0 - probe, probe)
 
     def verify(self, st: Step):
-        """One forward for the step (`actors/engine/verification.py`); while it runs, the
-        estimators learn from the step before on the learner thread (`settle`). The forward stays
-        on this thread: the learner's wake-up (0.5 ms on these machines) is hidden behind it, and
-        it runs while the forward waits (a GPU's kernels, the other ranks, the GIL released)."""
-        if self._unlearnt is None or self._learner is None:
+        """One forward for the step (`actors/engine/verification.py`); while it runs, on the
+        learner thread, the estimators learn from the step before (`settle`) and the n-gram kind
+        indexes the prompt chunks this step feeds (`NgramLookahead.ingest`: they are known
+        before the forward; a long prompt indexed whole at its first decode step had held up
+        every request's step, ~35 ms for 32k tokens here). Without a learner thread a prompt is
+        indexed where its look-ahead first needs it: indexed ahead on the stepping thread, with
+        nothing to hide it behind, a run of long prompts was 7–8 % slower (docs/benchmarks.md,
+        session 41). The forward stays on this thread: the learner's wake-up (0.5 ms on these
+        machines) is hidden behind it, and it runs while the forward waits (a GPU's kernels, the
+        other ranks, the GIL released)."""
+        ingests = bool(st.feeding) and self.lookahead is not None
+        if self._learner is None or (self._unlearnt is None and not ingests):
             return self._verify(st)
-        learning = self._learner.submit(self.settle, True)
+        learning = self._learner.submit(self._behind_forward, st)
         try:
             out = self._verify(st)
         finally:
             wait([learning])  # nothing of the next step runs beside it
         learning.result()
         return out
+
+    def _behind_forward(self, st: Step) -> None:
+        """The learner thread's work while step `st`'s forward runs."""
+        self.settle(late=True)
+        if st.feeding and self.lookahead is not None:
+            self.lookahead.ingest(st.feeding)
 
     def _verify(self, st: Step):
         return verify_forward(self.target, self.drafters, self.drafters.layers if self.policy.drafts else (), st)
@@ -459,10 +472,8 @@ class Engine:
                                 time.perf_counter() - st.started, plain_s)
         self._unlearnt = (st, [s.rid for s in done])
         # Learnt now if there is no next forward to hide it behind, or little to learn (a plain
-        # step that fed no prompt chunk for the n-gram kind to index: handing it to the learner
-        # thread would cost more than learning it).
-        ingests = bool(st.feeding) and self.lookahead is not None
-        if self._learner is None or not self.pending or (plain(st) and not ingests):
+        # step: handing it to the learner thread would cost more than learning it).
+        if self._learner is None or not self.pending or plain(st):
             self.settle()
         if self.history.steps % SAVE_EVERY == 0 and self.policy.drafts:
             self.save_learned()
@@ -485,7 +496,6 @@ class Engine:
         for rid in done:
             self.gate.forget(rid)
         if self.lookahead is not None:
-            self.lookahead.ingest(st.feeding)
             self.lookahead.absorb(len(st.batch))
 
     def save_learned(self) -> None:

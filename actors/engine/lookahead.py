@@ -112,11 +112,10 @@ class NgramLookahead:
                                 kinds=np.full(len(idx), self.kind), kind_s={self.kind: spent}, kind_context={})
 
     def ingest(self, feeding: list[Feed]) -> None:
-        """The prompt chunks a step fed, into their requests' histories: a long prompt is indexed
-        chunk by chunk as the target takes it in — where the engine learns a step, behind the next
-        forward on a GPU — and not whole at its first decode step, where a 32k-token prompt's
-        index (~35 ms here) had held up the step of every running request. A request's last chunk
-        is followed at its first decode step, before the chunk is learnt (`follow` then)."""
+        """The prompt chunks a step feeds, into their requests' histories: with a learner thread
+        (`Engine.verify`) a long prompt is indexed chunk by chunk during the forwards that feed
+        it, not whole at its first decode step, where a 32k-token prompt's index (~35 ms here)
+        had held up the step of every running request."""
         for f in feeding:
             if f.seq.finish_reason is not None:  # finished as its prompt ended (released already)
                 continue

@@ -80,9 +80,10 @@ def test_prefill_rides_in_the_decode_step_and_long_prompts_span_steps(tiny_bundl
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_the_ngram_kind_indexes_a_long_prompt_as_its_chunks_are_fed(tiny_bundle, reference, tmp_path, overlap):
-    """A prompt fed over several steps is in the n-gram kind's index chunk by chunk — as each
-    step is learnt: at once, or behind the next forward (`overlap`) — so its first decode step
-    follows only its last chunk; outputs stay greedy."""
+    """With a learner thread (`overlap`) a prompt fed over several steps is in the n-gram kind's
+    index chunk by chunk, each by the end of the step whose forward feeds it, so its first
+    decode step has nothing of it left to index; without one, the first decode step indexes it
+    (a request that never drafts n-gram costs nothing). Outputs stay greedy either way."""
     eng = engine(tiny_bundle, tmp_path, drafter="ngram", policy="dcut", prefill_chunk=8, prefill_budget=12,
                  overlap=overlap)
     try:
@@ -93,8 +94,9 @@ def test_the_ngram_kind_indexes_a_long_prompt_as_its_chunks_are_fed(tiny_bundle,
             history = eng.lookahead.drafter._history.get(rid)
             indexed.append(len(history.tokens) if history is not None else 0)
         fed = [min(8 * (i + 1), 54) for i in range(7)]
-        # each chunk learnt when its step is (sequential), or while the next step's forward runs
-        assert indexed == (fed if not overlap else [0, *fed[:-1]])
+        assert indexed == (fed if overlap else [0] * 7)
+        eng.step()  # its first decode step: the look-ahead follows it
+        assert len(eng.lookahead.drafter._history[rid].tokens) == 55
         while eng.pending:
             eng.step()
         assert eng.scheduler.finished[rid].output == reference[7]
