@@ -1,8 +1,8 @@
 """Steps while long prompts are fed: where the n-gram kind's index of a prompt is built (issue #26).
 
-The n-gram kind indexes a request's prompt chunk by chunk as the target takes it in, where each
-step is learnt (`NgramLookahead.ingest`: behind the next forward with `--overlap on`, as on GPU
-ranks), so a request's first decode step follows only its last chunk. This runs R requests with
+With a learner thread (`--overlap on`, as on GPU ranks) the n-gram kind indexes a request's prompt
+chunk by chunk during the forwards that feed it (`NgramLookahead.ingest`); without one, whole at
+the request's first decode step, where its look-ahead first follows it. This runs R requests with
 synthetic prompts of L tokens on the replay target (actors/engine/replay.py: every stage real, the
 forward a lookup taking `--forward` ms; each output copies a stretch of its prompt, so n-gram
 drafts are accepted) and reports the distribution of the steps' wall time — a step that indexes a
