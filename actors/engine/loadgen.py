@@ -80,7 +80,7 @@ class _Meter:
             self.engine.claim(rid)
             i, _ = self.started.pop(rid)
             self.outputs[i] = seq.output
-            self.per_request[i] = {"steps": seq.steps, "accepted": sum(seq.accepted), "kinds": seq.kinds}
+            self.per_request[i] = {"steps": seq.steps, "accepted": seq.accepted_tokens, "kinds": seq.kinds}
             if len(seq.output) > 1:
                 self.tpot.append((self.last[rid][0] - self.first[rid]) / (len(seq.output) - 1))
 

@@ -141,6 +141,9 @@ class Sequence:
     kept: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
     kinds: list[int] = field(default_factory=list)  # per step: the drafter kind (index) that drafted, -1 none
+    # sum(accepted), kept as it grows: every streamed delta reports it, and summing the list there
+    # was O(steps) a request a step (3 ms a step for 1,024 streams 500 steps long)
+    accepted_tokens: int = 0
     controls: object = None  # sampling.Controls, set at admission (None: the target's plain distribution)
     grammar: object = None  # grammar.RequestGrammar, set at admission for a constrained request
     fed: int = 0  # tokens of `feed` already in the target's KV cache (while prefilling)
@@ -313,6 +316,7 @@ class Scheduler:
             s.kinds.append(kinds[i] if drafted[i] else -1)
             s.kept.append(kept[i])
             s.accepted.append(accepted[i])
+            s.accepted_tokens += accepted[i]
             committed.append(self.append(s, emitted[i], eos, logprobs[i]))
         return committed
 

@@ -180,7 +180,7 @@ class AsyncEngine:
             p = seq.params
             self._queues[seq.rid].put_nowait(Delta(
                 text, seq.output[n_tok:], done, seq.finish_reason, len(seq.prompt), len(seq.output), seq.steps,
-                sum(seq.accepted), seq.logprobs[n_tok:] if p.logprobs is not None else None,
+                seq.accepted_tokens, seq.logprobs[n_tok:] if p.logprobs is not None else None,
                 seq.prompt_logprobs if p.prompt_logprobs is not None and n_tok == 0 else None))
             if done:
                 self.engine.claim(seq.rid)

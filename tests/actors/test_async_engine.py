@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import itertools
 import os
 import signal
 import time
@@ -74,6 +75,29 @@ def test_any_integer_seed_is_served_and_reproduces(tiny_bundle, tmp_path, refere
     assert outs[:6] == outs[6:]  # the same seed gives the same output, whatever shares the batch
     assert len({tuple(o) for o in outs[:6]}) > 1  # and seeds differ (-1 is not 1, nor 2**64 + 3)
     assert plain == reference[1]
+
+
+def test_a_streams_last_delta_counts_the_drafts_the_target_accepted(tiny_bundle, tmp_path, reference):
+    """The usage a stream reports: decode steps, and drafted tokens accepted (a running total, not
+    re-summed each step) — every token past the first that no step's own token explains."""
+    eng = async_engine(tiny_bundle, tmp_path)
+
+    async def go():
+        deltas = []
+        async for item in eng.stream(GenerateRequest(PROMPTS[0], SamplingParams(max_tokens=24, ignore_eos=True), [])):
+            deltas.append(item)
+        return deltas
+
+    try:
+        deltas = run(go())
+    finally:
+        eng.shutdown()
+    last = deltas[-1]
+    assert last.finished and last.completion_tokens == 24
+    # tokens = the prefill's first + one a decode step + the accepted drafts (the last step's may be cut)
+    assert last.accepted >= last.completion_tokens - 1 - last.steps > 0
+    assert [t for d in deltas for t in d.token_ids][:len(reference[0])] == reference[0]
+    assert all(a.accepted <= b.accepted for a, b in itertools.pairwise(deltas))
 
 
 def test_refused_requests_fail_alone(tiny_bundle, tmp_path, reference):

@@ -106,6 +106,7 @@ def test_step_log_records_every_step(tiny_bundle, reference, tmp_path):
     assert len(steps) == eng.history.steps > 0
     assert not any(s["late"] for s in steps)  # CPU ranks: each step learnt before the next (no overlap)
     assert sum(sum(s["accepted"]) for s in steps) == sum(sum(s.accepted) for s in out)
+    assert [s.accepted_tokens for s in out] == [sum(s.accepted) for s in out]  # the streamed running total
     for s in steps:
         assert all(0 <= a <= k <= d for a, k, d in zip(s["accepted"], s["kept"], s["drafted"], strict=True))
         assert len(s["survival"]) in (0, sum(s["drafted"]))
