@@ -26,6 +26,10 @@ class IncrementalText:
         self.read = 0  # tokens whose text is settled: tokens[:read] decode to `settled`
         self.settled = ""
         self.n, self.value = 0, ""  # the last answer and the tokens it was for
+        # Times the text was worked out from the start again (the output shrank, or the window
+        # decoded differently from its head): `settled` stays a prefix of every later text until
+        # this changes (what `Sequence.stop_hits` relies on).
+        self.rewrites = 0
 
     def text(self, tokens: list[int]) -> str:
         n = len(tokens)
@@ -34,6 +38,7 @@ class IncrementalText:
         if n < self.read:  # the output shrank: start over
             self.window = self.read = 0
             self.settled = ""
+            self.rewrites += 1
         head = self.detokenize(tokens[self.window:self.read]) if self.read > self.window else ""
         tail = self.detokenize(tokens[self.window:])
         if tail.startswith(head):
@@ -41,6 +46,7 @@ class IncrementalText:
         else:  # the window decodes differently from its head: decode the whole output
             value = self.detokenize(tokens)
             self.window, self.read, self.settled = 0, 0, ""
+            self.rewrites += 1
         if not value.endswith("\ufffd"):  # complete here: the next window starts at this step's tokens,
             # unless they made no text (a token the decoder skips, an unknown one): a head that
             # decodes to nothing leaves the decoder's start-of-string treatment (a SentencePiece

@@ -152,6 +152,8 @@ class Sequence:
     prompt_logprobs: list = field(default_factory=list)  # per prompt token (the first: None), with echo
     _uniforms: list[float] = field(default_factory=list, repr=False)
     _text: IncrementalText | None = field(default=None, repr=False)  # the output's text, as it grows
+    # (the text's rewrites, its settled length) at the last stop-string search (`stop_hits`)
+    _stop_seen: tuple[int, int] = field(default=(0, 0), repr=False)
 
     def __post_init__(self) -> None:
         if self.rng is None:
@@ -176,6 +178,21 @@ class Sequence:
                 return ""
             self._text = IncrementalText(self.detokenize)
         return self._text.text(self.output)
+
+    def stop_hits(self, stops: tuple[str, ...]) -> list[tuple[int, str]]:
+        """(where, which) of each of `stops` found in the output's text, at its first occurrence:
+        searched from where the last search left off, less the longest stop string (one may
+        straddle that point) — the settled text before it never changes unless the text was
+        worked out from the start again (then from the start). The whole text every step had
+        cost O(length) a request a step: 9.6 ms a step at 1,024 requests of 8,000 characters
+        with two stop strings (docs/benchmarks.md, session 41)."""
+        text, inc = self.text, self._text
+        if inc is None:
+            return []
+        rewrites, seen = self._stop_seen
+        start = max(0, seen - max(map(len, stops)) + 1) if rewrites == inc.rewrites else 0
+        self._stop_seen = (inc.rewrites, len(inc.settled))
+        return [(at, s) for s in stops if (at := text.find(s, start if s else 0)) >= 0]
 
     def end_text(self, text: str) -> None:
         """The final text, shorter than the output's decoding (cut at a stop string)."""
@@ -283,9 +300,9 @@ class Scheduler:
                 seq.finish_reason = "stop"
                 break
         least = max(1, params.min_tokens)  # no stop string before min_tokens
-        text = seq.text if params.stop and len(output) >= least else ""
-        hits = [(text.find(s), s) for s in params.stop if s in text] if text else []
+        hits = seq.stop_hits(params.stop) if params.stop and len(output) >= least else []
         if hits:
+            text = seq.text
             # Keep the shortest output whose text holds the stop string: the tokens a step-by-step
             # decoder would have produced, whatever a speculative step committed past it.
             n = next(n for n in range(least, len(seq.output) + 1) if any(s in self.detokenize(seq.output[:n]) for s in

@@ -3,7 +3,7 @@ error when it failed), claimed once."""
 
 from __future__ import annotations
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.engine.errors import EngineError, ErrorKind
@@ -103,3 +103,60 @@ def test_committing_a_plain_requests_tokens_keeps_what_a_step_by_step_decoder_wo
                      output=list(before))
     assert not other.params.plain_commit
     assert sched.append(other, list(tokens), eos, None) == kept and other.finish_reason == reason
+
+
+def _stopped(chunks: list[list[int]], stops: tuple[str, ...], max_tokens: int, min_tokens: int,
+             decode) -> tuple[list[int], str | None, str | None]:
+    """Stop strings as a decoder that searches the whole text after every step finds them: the
+    shortest output (from min_tokens on) whose text holds one, and the text before it."""
+    output: list[int] = []
+    least = max(1, min_tokens)
+    for chunk in chunks:
+        output += chunk[:max(0, max_tokens - len(output))]
+        text = decode(output) if len(output) >= least else ""
+        hits = [(text.find(s), s) for s in stops if s in text]
+        if hits:
+            n = next(n for n in range(least, len(output) + 1) if any(s in decode(output[:n]) for s in stops))
+            return output[:n], "stop", text[:min(a for a, _ in hits)]
+        if len(output) >= max_tokens:
+            return output, "length", None
+    return output, None, None
+
+
+@settings(max_examples=120, deadline=None)
+@given(data=st.data())
+def test_stop_strings_searched_from_where_the_last_search_left_off_find_what_a_whole_search_finds(data):
+    """`Sequence.stop_hits` searches only the text past the last search (less the longest stop
+    string): outputs grown a step at a time (1 to 17 tokens), with stop strings cut from their
+    own text, from other text or split multi-byte characters, stop where searching the whole
+    text every step stops them, with the same text."""
+    from tests.actors.test_detokenize import TEXT, tokenizers
+
+    tok = tokenizers()["demo"]
+    decode = tok.decode
+    ids = data.draw(st.one_of(st.just(tok.encode(data.draw(st.sampled_from(TEXT))).ids),
+                              st.lists(st.integers(0, tok.get_vocab_size() - 1), min_size=1, max_size=60)))
+    full = decode(ids)
+    cut = st.builds(lambda a, n: full[a:a + n], st.integers(0, max(0, len(full) - 1)), st.integers(1, 6))
+    stops = tuple(s for s in data.draw(st.lists(st.one_of(cut, st.sampled_from(["é", "\n", "x):", "zz"])),
+                                                min_size=1, max_size=3)) if s)
+    sizes = data.draw(st.lists(st.integers(1, 17), min_size=1, max_size=30))
+    chunks, at = [], 0
+    for k in sizes:
+        chunks.append(ids[at:at + k])
+        at += k
+    chunks = [c for c in chunks if c]
+    if not stops or not chunks:
+        return
+    max_tokens, min_tokens = data.draw(st.integers(1, 70)), data.draw(st.integers(0, 5))
+    sched = Scheduler(max_running=1, detokenize=decode)
+    seq = Sequence(0, [1], SamplingParams(max_tokens=max_tokens, stop=stops, min_tokens=min_tokens))
+    seq.detokenize = decode
+    for chunk in chunks:
+        sched.append(seq, list(chunk), None, None)
+        if seq.finish_reason is not None:
+            break
+    want_out, want_reason, want_text = _stopped(chunks, stops, max_tokens, min_tokens, decode)
+    assert (seq.output, seq.finish_reason) == (want_out, want_reason), (stops, chunks)
+    if want_reason == "stop":
+        assert seq.text == want_text
