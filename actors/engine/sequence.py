@@ -304,8 +304,12 @@ class Scheduler:
         if hits:
             text = seq.text
             # Keep the shortest output whose text holds the stop string: the tokens a step-by-step
-            # decoder would have produced, whatever a speculative step committed past it.
-            n = next(n for n in range(least, len(seq.output) + 1) if any(s in self.detokenize(seq.output[:n]) for s in
+            # decoder would have produced, whatever a speculative step committed past it. The
+            # output before this call's tokens held none (its text was searched, or it was shorter
+            # than min_tokens), so only this call's tokens are tried — every prefix from the
+            # start had been ~190 ms at 2,000 tokens, on the step where the request stopped.
+            first = max(least, len(seq.output) - len(kept) + 1)
+            n = next(n for n in range(first, len(seq.output) + 1) if any(s in self.detokenize(seq.output[:n]) for s in
                                                                           seq.params.stop))
             kept = kept[: max(0, len(kept) - (len(seq.output) - n))]
             del seq.output[n:]

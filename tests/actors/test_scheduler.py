@@ -107,16 +107,19 @@ def test_committing_a_plain_requests_tokens_keeps_what_a_step_by_step_decoder_wo
 
 def _stopped(chunks: list[list[int]], stops: tuple[str, ...], max_tokens: int, min_tokens: int,
              decode) -> tuple[list[int], str | None, str | None]:
-    """Stop strings as a decoder that searches the whole text after every step finds them: the
-    shortest output (from min_tokens on) whose text holds one, and the text before it."""
+    """Stop strings as a decoder that searches the whole text after every step finds them: at the
+    first step whose text holds one, the shortest output (from min_tokens on) past the previous
+    step's whose text holds one, and the text before it."""
     output: list[int] = []
     least = max(1, min_tokens)
     for chunk in chunks:
+        before = len(output)
         output += chunk[:max(0, max_tokens - len(output))]
         text = decode(output) if len(output) >= least else ""
         hits = [(text.find(s), s) for s in stops if s in text]
         if hits:
-            n = next(n for n in range(least, len(output) + 1) if any(s in decode(output[:n]) for s in stops))
+            n = next(n for n in range(max(least, before + 1), len(output) + 1)
+                     if any(s in decode(output[:n]) for s in stops))
             return output[:n], "stop", text[:min(a for a, _ in hits)]
         if len(output) >= max_tokens:
             return output, "length", None
