@@ -65,6 +65,30 @@ def test_stop_and_seed(client, reference):
     assert {a.choices[0].text, c.choices[0].text}  # a different seed still answers
 
 
+def test_odd_stop_strings_end_where_a_whole_text_search_would_and_the_server_keeps_serving(client, reference):
+    """Stop strings are searched only past where the last search left off (`Sequence.stop_hits`):
+    one spanning two tokens that speculative steps may commit together, streamed and not; two
+    never met — one with a character no token makes, one longer than any output; one met at the
+    first token but held back by `min_tokens`. Each ends where searching the whole text after every
+    step ends it, and the server serves after them."""
+    full = words(reference)
+    stop = words(reference[4:6])
+    want = full[:full.find(stop)].strip()
+    out = client.completions.create(model="dcut-demo", prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop])
+    assert (out.choices[0].text.strip(), out.choices[0].finish_reason) == (want, "stop")
+    chunks = list(client.completions.create(model="dcut-demo", prompt=PROMPT, max_tokens=12, temperature=0,
+                                            stop=[stop], stream=True))
+    assert "".join(c.choices[0].text for c in chunks).strip() == want
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "stop"
+    never = ["w5 ☕", "w1 " * 400]
+    out = client.completions.create(model="dcut-demo", prompt=PROMPT, max_tokens=12, temperature=0, stop=never)
+    assert (out.choices[0].text.strip(), out.choices[0].finish_reason) == (full, "length")
+    out = client.completions.create(model="dcut-demo", prompt=PROMPT, max_tokens=12, temperature=0,
+                                    stop=[words(reference[:1])], extra_body={"min_tokens": 3})
+    assert (out.choices[0].finish_reason, out.usage.completion_tokens) == ("stop", 3)
+    assert_still_serving(client)
+
+
 def test_sse_framing(server):
     body = {"model": "dcut-demo", "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{BASE}/v1/completions", json=body, timeout=60) as r:
