@@ -33,10 +33,21 @@ leads by `margin` and by the evidence only every `sure` steps — so a change of
 machine's phase is seen; and while the most likely arm's upper bound passes the leader's rate, it
 is probed every `warm` steps besides (an arm that may lead is measured until it is known whether
 it does: it costs in proportion to how far behind it is, and that is little while it may lead).
-Below `least_requests` requests the gate decides alone. A band starts on the drafting arm, probing
-the others in turn every `warm` steps until plain decoding's arm has `least` outcomes and each
-kind's arm `least_kind` (one: it is then chased as an arm that may lead). Deterministic
+Below `least_requests` requests the gate decides alone; below `plain_requests` the arms are the
+gate's and each kind's, not plain decoding's (`Band.plain`). A band starts on the drafting arm,
+probing the others in turn every `warm` steps until plain decoding's arm has `least` outcomes and
+each kind's arm `least_kind` (one: it is then chased as an arm that may lead). Deterministic
 (counters, no random draws): an engine's and the trace simulator's choices replay exactly.
+
+Between the gate over every kind and one kind's arm the tie goes to the one kind
+(`kind_confidence` below 0): its steps run no chooser and pass no other kind (~0.2 ms a step
+less of own time at 16 requests, session 39), and in hindsight the gate's per-request choice
+among this model's kinds is worth nothing over the n-gram kind's own depth from 4 requests on
+(session 41). In exact replays of two training traces (384 requests, 5 orders, C = 1–64) the
+kinds' arms from 3 requests and the tie to the single kind took `auto` 1.184 → 1.200 × plain
+decoding (geometric mean; n-gram alone 1.223), most at C = 4 (1.306 → 1.386 and 1.233 → 1.273
+on the two traces) and C = 8–32 (+1–2 %); kinds' arms at 1–2 requests lost 0–4 %
+(docs/benchmarks.md, session 42).
 """
 
 from __future__ import annotations
@@ -81,6 +92,7 @@ class Band:
     step's predicted), and its counters."""
 
     outcomes: list[deque]  # per arm
+    plain: bool = True  # the plain arm is in play (the band's requests reach `plain_requests`)
     steps: int = 0  # measured steps of this band so far
     probes: int = 0  # probes so far (whose turn is next among the arms due)
     # (leader, unsure, behind, the most promising, whether it may lead) as the outcomes are; None: not worked out yet
@@ -88,8 +100,8 @@ class Band:
     judged: tuple | bool | None = None
 
     @classmethod
-    def of(cls, arms: int) -> Band:
-        return cls([deque() for _ in range(arms)])
+    def of(cls, arms: int, plain: bool = True) -> Band:
+        return cls([deque() for _ in range(arms)], plain)
 
     def probe(self, arms: list[int]) -> int:
         """The next of `arms` in turn."""
@@ -127,7 +139,8 @@ class PayoffCheck:
     probe: int = 16  # the arms not played, probed every `probe` steps of the band (`arm` says which)
     sure: int = 128  # ... every `sure` steps while the leader leads it by `margin` and the evidence
     margin: float = 0.15
-    confidence: float = 1.0  # standard errors by which an arm must lead the drafting arm to be played
+    confidence: float = 1.0  # standard errors by which plain decoding must lead the drafting arm to be played
+    kind_confidence: float = -0.5  # ... and a kind's arm (below 0: played unless it trails by more)
     window: int = 32  # recent outcomes kept per arm and band
     # Fewer requests than this: the gate alone. One request's text moves between stretches that
     # repeat (drafting 2-4 x plain decoding) and stretches that do not (the gate's own time makes
@@ -135,7 +148,11 @@ class PayoffCheck:
     # now, the check only what the last dozens of steps were — on the replay target it decoded
     # plainly in a third of a one-request run's steps and cost 4-9 % (docs/benchmarks.md,
     # session 38). A batch's steps mix many requests' stretches.
-    least_requests: int = 6
+    # ... and of plain decoding's arm. The kinds' arms start lower: between kinds the choice is which
+    # drafts to verify, not whether to, and a batch of three to five requests already shows which
+    # kind's steps deliver more (exact replays at C = 4: +3–6 %; at 1–2 requests −0–4 %).
+    least_requests: int = 3
+    plain_requests: int = 6
     bands: dict[int, Band] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -164,7 +181,7 @@ class PayoffCheck:
         `measured` step (one whose outcome `observe` will be told) counts in its band and may be
         a probe: call once a step. One that is not — a step that also feeds prompt chunks — plays
         the band's leader and changes nothing."""
-        if requests < self.least_requests:
+        if not self.measures(requests):
             return DRAFTING
         key = self.band_of(requests)
         band = self.bands.get(key)
@@ -172,11 +189,11 @@ class PayoffCheck:
             judged = False if band is None else self._judge(band)
             return judged[0] if judged else DRAFTING
         if band is None:
-            band = self.bands[key] = Band.of(len(self.arms))
+            band = self.bands[key] = self._band(key)
         band.steps += 1
         judged = self._judge(band)
         if not judged:  # still learning the arms: the drafting arm, the others probed in turn
-            lacking = [a for a in range(len(self.arms)) if a != DRAFTING and len(band.outcomes[a]) < self.least_of[a]]
+            lacking = [a for a in self._arms(band) if a != DRAFTING and len(band.outcomes[a]) < self.least_of[a]]
             return band.probe(lacking) if lacking and band.steps % self.warm == 0 else DRAFTING
         leader, unsure, behind, promising, chasing = judged
         if chasing and band.steps % self.warm == 0:  # it may lead: measured until it is known whether it does
@@ -189,6 +206,19 @@ class PayoffCheck:
             return promising if (band.steps // self.probe) % 2 else band.probe(unsure)
         return leader
 
+    def measures(self, requests: int) -> bool:
+        """Whether a step of `requests` decoding requests has arms to choose between (from
+        `least_requests` with several kinds, from `plain_requests` with one)."""
+        least = self.least_requests if len(self.arms) > 2 else max(self.least_requests, self.plain_requests)
+        return requests >= max(1, least)
+
+    def _band(self, key: int) -> Band:
+        return Band.of(len(self.arms), plain=self.lowest(key) >= self.plain_requests)
+
+    def _arms(self, band: Band) -> range | list[int]:
+        """The arms in play in a band."""
+        return range(len(self.arms)) if band.plain else range(DRAFTING, len(self.arms))
+
     def _judge(self, band: Band) -> tuple | bool:
         """(leader, arms unsure, arms behind, the unsure arm of the highest upper bound, whether
         that bound passes the leader's rate) of a band, or False while an arm has fewer than
@@ -198,17 +228,23 @@ class PayoffCheck:
         return band.judged
 
     def _judged(self, band: Band) -> tuple | bool:
-        if any(len(o) < n for o, n in zip(band.outcomes, self.least_of, strict=True)):
+        arms = self._arms(band)
+        if any(len(band.outcomes[a]) < self.least_of[a] for a in arms):
             return False
-        rates = [Band.rate(o) for o in band.outcomes]  # each window read once a judgement (the step loop's)
+        # each window read once a judgement (the step loop's); an arm out of play never leads
+        rates = [Band.rate(o) if len(o) else 0.0 for o in band.outcomes]
         var = [Band.variance(o) for o in band.outcomes]
 
         def z(a: int, b: int) -> float:
             return _z(rates[a], var[a], rates[b], var[b])
 
-        ahead = [a for a in range(len(self.arms)) if a != DRAFTING and z(a, DRAFTING) > self.confidence]
+        # An arm of one outcome has no variance yet (`_z` 0: no evidence either way): a kind's leads
+        # if that outcome is no worse than the gate's rate (played, it soon has a second), and
+        # plain decoding needs `least` outcomes anyway.
+        ahead = [a for a in arms if a != DRAFTING and (math.isfinite(var[a]) or rates[a] >= rates[DRAFTING])
+                 and z(a, DRAFTING) > (self.confidence if a == PLAIN else self.kind_confidence)]
         leader = max(ahead, key=rates.__getitem__) if ahead else DRAFTING
-        others = [a for a in range(len(self.arms)) if a != leader]
+        others = [a for a in arms if a != leader]
         behind = [a for a in others if rates[leader] >= (1 + self.margin) * rates[a]
                   and z(leader, a) >= self.confidence]
         unsure = [a for a in others if a not in behind]
@@ -236,9 +272,10 @@ class PayoffCheck:
         """One step's outcome: `tokens` emitted by its `requests` decoding requests in `seconds` of
         wall time, on `arm`; `plain_s` what the cost model predicts a plain step of its shape
         takes (the scale that makes a band's steps comparable)."""
-        if requests < max(1, self.least_requests) or seconds <= 0 or plain_s <= 0:
+        if not self.measures(requests) or seconds <= 0 or plain_s <= 0:
             return
-        band = self.bands.setdefault(self.band_of(requests), Band.of(len(self.arms)))
+        key = self.band_of(requests)
+        band = self.bands.get(key) or self.bands.setdefault(key, self._band(key))
         kept = band.outcomes[arm]
         band.judged = None
         kept.append((tokens / requests, seconds / plain_s))
@@ -258,7 +295,7 @@ class PayoffCheck:
         of other kinds) are left out, and an arm not saved starts empty."""
         bands = {}
         for b, arms in d.items():
-            band = bands[int(b)] = Band.of(len(self.arms))
+            band = bands[int(b)] = self._band(int(b))
             if not {"drafting", "plain"} <= set(arms):
                 raise ValueError(f"a saved payoff band has the drafting and plain arms: {sorted(arms)}")
             for name, outcomes in arms.items():

@@ -272,7 +272,7 @@ def test_a_payoff_arm_of_one_kind_drafts_with_that_kind_alone_and_outputs_stay_g
     try:
         assert eng.payoff.arms == arms_of(kinds) == ("plain", "drafting", "kind:mtp", "kind:ngram")
         want = eng.payoff.arms.index(f"kind:{only}")
-        eng.payoff = check = PayoffCheck(eng.payoff.arms, least_requests=1)
+        eng.payoff = check = PayoffCheck(eng.payoff.arms, least_requests=1, plain_requests=1)
         check.arm = lambda r, measured=True: want  # every step on the one kind's arm
         plans, looks, plan = [], [], eng.plan
         eng.plan = lambda st: plans.append(plan(st)) or (looks.append(st.lookahead), plans[-1])[1]
