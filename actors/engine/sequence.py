@@ -137,10 +137,11 @@ class Sequence:
     detokenize: Callable[[list[int]], str] | None = field(default=None, repr=False)  # token ids -> text
     rng: np.random.Generator = field(default=None, repr=False)
     steps: int = 0
-    drafted: list[int] = field(default_factory=list)
-    kept: list[int] = field(default_factory=list)
-    accepted: list[int] = field(default_factory=list)
-    kinds: list[int] = field(default_factory=list)  # per step: the drafter kind (index) that drafted, -1 none
+    # (step, kind, drafted, kept, accepted) of each step that drafted for it; its per-step lists
+    # (`drafted`, `kept`, `accepted`, `kinds`) are built from these when read. Four appends a
+    # request every step had been a quarter of the commit's per-request Python at 1,024 requests,
+    # and a plain step's records are all zero (docs/benchmarks.md, session 42).
+    drafting_steps: list[tuple[int, int, int, int, int]] = field(default_factory=list, repr=False)
     # sum(accepted), kept as it grows: every streamed delta reports it, and summing the list there
     # was O(steps) a request a step (3 ms a step for 1,024 streams 500 steps long)
     accepted_tokens: int = 0
@@ -160,6 +161,32 @@ class Sequence:
             self.rng = np.random.default_rng(seed_sequence(self.params.seed))
         if self.params.logprobs is not None and self.output and not self.logprobs:
             self.logprobs = [None] * len(self.output)  # resumed: those tokens' entries went out before
+
+    @property
+    def drafted(self) -> list[int]:
+        """Per step: the drafts made for it (0: none)."""
+        return self._per_step(2, 0)
+
+    @property
+    def kept(self) -> list[int]:
+        """Per step: the drafts verified (kept by pruning)."""
+        return self._per_step(3, 0)
+
+    @property
+    def accepted(self) -> list[int]:
+        """Per step: the drafts accepted."""
+        return self._per_step(4, 0)
+
+    @property
+    def kinds(self) -> list[int]:
+        """Per step: the drafter kind (index) that drafted for it, -1 none."""
+        return self._per_step(1, -1)
+
+    def _per_step(self, column: int, none: int) -> list[int]:
+        out = [none] * self.steps
+        for row in self.drafting_steps:
+            out[row[0]] = row[column]
+        return out
 
     def uniforms(self, start: int, n: int) -> np.ndarray:
         """The sampling uniforms of output positions start .. start+n-1: drawn once per position,
@@ -230,6 +257,21 @@ class Sequence:
         return self.params.greedy
 
 
+def _commit_plain(seq: Sequence, params: SamplingParams, tokens: list[int], eos: int | None) -> list[int]:
+    """A batch's usual request (no stop strings or ids, no log-probabilities, no grammar): the
+    tokens up to its room and its first EOS, in C-level list operations — token by token was ~1
+    µs a request, a millisecond a step at 1,024 requests."""
+    output = seq.output
+    kept = tokens[:max(params.max_tokens - len(output), 0)]
+    if not params.ignore_eos and eos is not None and eos in kept:
+        del kept[kept.index(eos) + 1:]
+        seq.finish_reason = "stop"
+    output += kept
+    if seq.finish_reason is None and len(output) >= params.max_tokens:
+        seq.finish_reason = "length"
+    return kept
+
+
 class Scheduler:
     """Admits waiting requests up to `max_running`; the one place sequences change state."""
 
@@ -275,20 +317,10 @@ class Scheduler:
         """Commit tokens to seq, applying stop conditions; returns the tokens actually kept.
         `logprob_rows[t]`: the target's log-softmax row of tokens[t] (for requests that asked)."""
         params, output = seq.params, seq.output
+        if params.plain_commit and seq.grammar is None:
+            return _commit_plain(seq, params, tokens, eos)
         room = params.max_tokens - len(output)
         eos = None if params.ignore_eos else eos
-        if params.plain_commit and seq.grammar is None:
-            # A batch's usual request (no stop strings or ids, no log-probabilities): the tokens up
-            # to its room and its first EOS, in C-level list operations — the loop below is ~1 µs a
-            # request, a millisecond a step at 1,024 requests.
-            kept = tokens[:max(room, 0)]
-            if eos is not None and eos in kept:
-                del kept[kept.index(eos) + 1:]
-                seq.finish_reason = "stop"
-            output += kept
-            if seq.finish_reason is None and len(output) >= params.max_tokens:
-                seq.finish_reason = "length"
-            return kept
         kept: list[int] = []
         for t in tokens:
             if room <= 0:
@@ -329,16 +361,21 @@ class Scheduler:
         log-probabilities, grammar). Returns the tokens each request kept."""
         drafted, kept, kinds = st.drafts.counts.tolist(), st.pruned.kept.tolist(), st.drafts.kinds.tolist()
         accepted, emitted = st.accepted.counts, st.accepted.emitted
-        logprobs = st.out.logprobs or [None] * len(st.batch)
-        committed = []
-        for i, s in enumerate(st.batch):
+        n = len(st.batch)
+        logprobs = st.out.logprobs[:n] if st.out.logprobs else [None] * n  # its rows: the batch's, then the feeds'
+        committed: list[list[int]] = []
+        committed_append, append = committed.append, self.append
+        # One pass, the usual request's commit called directly (`append`'s call and arguments had
+        # been ~0.2 µs a request of this loop's ~0.6 at 1,024 requests).
+        for s, d, k, kind, a, tokens, rows in zip(st.batch, drafted, kept, kinds, accepted, emitted, logprobs,
+                                                  strict=True):
+            if d:  # accepted <= kept <= drafted: a step that drafted nothing for it leaves zeros
+                s.drafting_steps.append((s.steps, kind, d, k, a))
+                s.accepted_tokens += a
             s.steps += 1
-            s.drafted.append(drafted[i])
-            s.kinds.append(kinds[i] if drafted[i] else -1)
-            s.kept.append(kept[i])
-            s.accepted.append(accepted[i])
-            s.accepted_tokens += accepted[i]
-            committed.append(self.append(s, emitted[i], eos, logprobs[i]))
+            params = s.params
+            committed_append(_commit_plain(s, params, tokens, eos) if params.plain_commit and s.grammar is None
+                             else append(s, tokens, eos, rows))
         return committed
 
     def advance_prefill(self, st: Step, eos: int | None) -> list[tuple[Sequence, list[int], int]]:

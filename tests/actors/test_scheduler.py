@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from actors.engine.errors import EngineError, ErrorKind
 from actors.engine.sequence import SamplingParams, Scheduler, Sequence, Status
+from tests.actors.test_detokenize import TEXT, tokenizers  # at import: not inside a running @given
 
 
 def scheduler(n: int, running: int) -> tuple[Scheduler, list[Sequence]]:
@@ -133,8 +134,6 @@ def test_stop_strings_searched_from_where_the_last_search_left_off_find_what_a_w
     string): outputs grown a step at a time (1 to 17 tokens), with stop strings cut from their
     own text, from other text or split multi-byte characters, stop where searching the whole
     text every step stops them, with the same text."""
-    from tests.actors.test_detokenize import TEXT, tokenizers
-
     tok = tokenizers()["demo"]
     decode = tok.decode
     ids = data.draw(st.one_of(st.just(tok.encode(data.draw(st.sampled_from(TEXT))).ids),
@@ -163,3 +162,38 @@ def test_stop_strings_searched_from_where_the_last_search_left_off_find_what_a_w
     assert (seq.output, seq.finish_reason) == (want_out, want_reason), (stops, chunks)
     if want_reason == "stop":
         assert seq.text == want_text
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 4), st.integers(0, 4), st.integers(0, 4)),
+                         min_size=3, max_size=3), min_size=1, max_size=12))
+def test_a_requests_per_step_record_is_what_each_step_recorded(steps):
+    """`record_step` keeps only the steps that drafted for a request; its per-step lists (drafts,
+    kind, kept, accepted) read back as if every step had appended to each."""
+    import types
+
+    import numpy as np
+
+    sched = Scheduler(max_running=3, detokenize=lambda ids: "")
+    seqs = [Sequence(rid, [1], SamplingParams(max_tokens=1000)) for rid in range(3)]
+    want = {name: [[] for _ in seqs] for name in ("drafted", "kinds", "kept", "accepted")}
+    for rows in steps:
+        drafted = [d for _, d, _, _ in rows]
+        kept = [min(k, d) for _, d, k, _ in rows]
+        accepted = [min(a, k) for a, k in zip((a for *_, a in rows), kept, strict=True)]
+        kinds = [kind for kind, *_ in rows]
+        st_ = types.SimpleNamespace(
+            batch=seqs, drafts=types.SimpleNamespace(counts=np.array(drafted), kinds=np.array(kinds)),
+            pruned=types.SimpleNamespace(kept=np.array(kept)), out=types.SimpleNamespace(logprobs=None),
+            accepted=types.SimpleNamespace(counts=accepted, emitted=[[7] * (a + 1) for a in accepted]))
+        sched.record_step(st_, None)
+        for i in range(3):
+            for name, value in (("drafted", drafted[i]), ("kinds", kinds[i] if drafted[i] else -1),
+                                ("kept", kept[i]), ("accepted", accepted[i])):
+                want[name][i].append(value)
+    for i, s in enumerate(seqs):
+        assert s.steps == len(steps)
+        assert (s.drafted, s.kinds, s.kept, s.accepted) == tuple(want[n][i] for n in ("drafted", "kinds", "kept",
+                                                                                         "accepted"))
+        assert s.accepted_tokens == sum(want["accepted"][i])
+        assert s.output == [7] * (len(steps) + sum(want["accepted"][i]))
