@@ -23,11 +23,18 @@ def learn_kind_costs(learner: DraftCostLearner, outs: dict, drafts: Drafts) -> N
 
 
 def count_kinds(counters: dict[str, dict[str, int]], kinds: tuple[str, ...], st: Step) -> None:
-    """Per drafter kind: request-steps it drafted for, drafts made, kept and accepted."""
-    drafted, kept, accepted = st.drafts.counts, st.pruned.kept, st.accepted.counts
-    for i in drafted.nonzero()[0].tolist():
-        c = counters[kinds[st.drafts.kinds[i]]]
-        c["chosen"] += 1
-        c["drafted"] += int(drafted[i])
-        c["kept"] += int(kept[i])
-        c["accepted"] += int(accepted[i])
+    """Per drafter kind: request-steps it drafted for, drafts made, kept and accepted (one
+    bincount each: a dict update a request had been 0.2 ms a step at 1,024 requests)."""
+    drafted = st.drafts.counts
+    idx = drafted.nonzero()[0]
+    if not len(idx):
+        return
+    which = st.drafts.kinds[idx]
+    k = len(kinds)
+    sums = {"chosen": np.bincount(which, minlength=k), "drafted": np.bincount(which, drafted[idx], k),
+            "kept": np.bincount(which, np.asarray(st.pruned.kept)[idx], k),
+            "accepted": np.bincount(which, np.asarray(st.accepted.counts)[idx], k)}
+    for j in np.unique(which).tolist():
+        c = counters[kinds[j]]
+        for name, total in sums.items():
+            c[name] += int(total[j])
