@@ -44,9 +44,9 @@ Between the gate over every kind and one kind's arm the tie goes to the one kind
 less of own time at 16 requests, session 39), and in hindsight the gate's per-request choice
 among this model's kinds is worth nothing over the n-gram kind's own depth from 4 requests on
 (session 41). In exact replays of two training traces (384 requests, 5 orders, C = 1–64) the
-kinds' arms from 3 requests and the tie to the single kind took `auto` 1.184 → 1.200 × plain
-decoding (geometric mean; n-gram alone 1.223), most at C = 4 (1.306 → 1.386 and 1.233 → 1.273
-on the two traces) and C = 8–32 (+1–2 %); kinds' arms at 1–2 requests lost 0–4 %
+kinds' arms from 3 requests and the tie to the single kind took `auto` 1.184 → 1.199 × plain
+decoding (geometric mean; n-gram alone 1.223), most at C = 4 (1.306 → 1.388 and 1.233 → 1.261
+on the two traces) and C = 8–32 (+1–2 %); kinds' arms at 1–2 requests lost up to 4 %
 (docs/benchmarks.md, session 42).
 """
 
@@ -150,7 +150,7 @@ class PayoffCheck:
     # session 38). A batch's steps mix many requests' stretches.
     # ... and of plain decoding's arm. The kinds' arms start lower: between kinds the choice is which
     # drafts to verify, not whether to, and a batch of three to five requests already shows which
-    # kind's steps deliver more (exact replays at C = 4: +3–6 %; at 1–2 requests −0–4 %).
+    # kind's steps deliver more (exact replays at C = 4: +2–6 %; at 1–2 requests up to −4 %).
     least_requests: int = 3
     plain_requests: int = 6
     bands: dict[int, Band] = field(default_factory=dict)
