@@ -142,15 +142,15 @@ class PayoffCheck:
     confidence: float = 1.0  # standard errors by which plain decoding must lead the drafting arm to be played
     kind_confidence: float = -0.5  # ... and a kind's arm (below 0: played unless it trails by more)
     window: int = 32  # recent outcomes kept per arm and band
-    # Fewer requests than this: the gate alone. One request's text moves between stretches that
-    # repeat (drafting 2-4 x plain decoding) and stretches that do not (the gate's own time makes
-    # its steps ~10 % slower than plain ones): the look-ahead tells the gate which stretch it is in
-    # now, the check only what the last dozens of steps were — on the replay target it decoded
-    # plainly in a third of a one-request run's steps and cost 4-9 % (docs/benchmarks.md,
-    # session 38). A batch's steps mix many requests' stretches.
-    # ... and of plain decoding's arm. The kinds' arms start lower: between kinds the choice is which
-    # drafts to verify, not whether to, and a batch of three to five requests already shows which
-    # kind's steps deliver more (exact replays at C = 4: +2–6 %; at 1–2 requests up to −4 %).
+    # Fewer requests than `plain_requests`: plain decoding is not weighed. One request's text moves
+    # between stretches that repeat (drafting 2-4 x plain decoding) and stretches that do not (the
+    # gate's own time makes its steps ~10 % slower than plain ones): the look-ahead tells the gate
+    # which stretch it is in now, the check only what the last dozens of steps were — on the
+    # replay target it decoded plainly in a third of a one-request run's steps and cost 4-9 %
+    # (docs/benchmarks.md, session 38). A batch's steps mix many requests' stretches.
+    # Fewer than `least_requests`: the gate alone. Between kinds the choice is which drafts to
+    # verify, not whether to, and three to five requests already show which kind's steps deliver
+    # more (exact replays at C = 4: +2–6 %; kinds' arms at 1–2 requests: up to −4 %).
     least_requests: int = 3
     plain_requests: int = 6
     bands: dict[int, Band] = field(default_factory=dict)
