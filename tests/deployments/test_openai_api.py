@@ -9,6 +9,7 @@ import re
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 import ray
@@ -504,4 +505,34 @@ def test_a_streamed_request_of_several_choices_that_fails_at_the_first_token_is_
     with httpx.stream("POST", f"{BASE}/v1/chat/completions", json=body, timeout=60) as r:
         raw = r.read().decode()
     assert r.status_code == 400 and "structured output" in raw, raw[:300]
+    assert_still_serving(client)
+
+
+def test_a_batch_of_mixed_request_shapes_commits_each_as_it_would_alone_and_the_server_keeps_serving(client):
+    """One batch whose requests take both commit paths (`Scheduler.record_step`: the usual
+    request's tokens by list operations, the others token by token — log-probabilities, stop ids,
+    a stop string, one token, no EOS), with a prompt fed beside them and four to five decoding at
+    once (the payoff check's band of 3–5 in this app of four kinds): each answer equals the same
+    request sent alone, and the server serves after them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    shapes = [{}, {"logprobs": 2}, {"extra_body": {"stop_token_ids": [17], "ignore_eos": True}},
+              {"stop": [" w3"]}, {"max_tokens": 1}, {"extra_body": {"ignore_eos": True}}]
+
+    def complete(i: int):
+        time.sleep(0.03 * (i % 2))  # a prompt fed while the others decode
+        kw = {"max_tokens": 24, **shapes[i]}
+        out = client.completions.create(model="dcut-demo", prompt=PROMPT_IDS * (1 + i % 3), temperature=0,
+                                        timeout=60, **kw)
+        c = out.choices[0]
+        return c.text, c.finish_reason, None if c.logprobs is None else c.logprobs.token_logprobs
+
+    alone = [complete(i) for i in range(len(shapes))]
+    with ThreadPoolExecutor(len(shapes)) as pool:
+        together = list(pool.map(complete, range(len(shapes))))
+    for a, b in zip(alone, together, strict=True):
+        assert (a[0], a[1]) == (b[0], b[1])
+        if a[2] is not None:
+            assert b[2] is not None and np.allclose(a[2], b[2], atol=1e-4)
+    assert alone[4][1] == "length" and alone[1][2] is not None
     assert_still_serving(client)
