@@ -23,6 +23,7 @@ from functools import cached_property
 
 import numpy as np
 
+from dcut_core import ragged
 from dcut_core.pruning import StepCost
 
 
@@ -357,6 +358,27 @@ class Verified:
         return Verified(self.rids[idx], self.kinds[idx], self.kept[idx], self.accepted[idx], flat, cu)
 
 
+# A batch of entries × block positions at least this large is learnt with whole-array operations
+# (`AcceptanceTracker._counts_whole`), a smaller one entry by entry: the two cost the same near
+# here (docs/benchmarks.md, session 43).
+WHOLE_BATCH_CELLS = 512
+
+
+def _factor(a: float, e: float, n: int, shrink: float) -> float:
+    """A request's own factor from its decayed sums (accepted a, expected e, verifications n):
+    accepted over expected, each with c tokens more at the global rate, c = 0.5 + shrink / (1 +
+    verifications seen): a factor learnt from a verification or two stays near 1, and one learnt
+    from many is the request's own. The chooser picks a request's kind by the largest estimate,
+    so a kind's lucky first steps would otherwise win it steps its acceptance does not earn: on
+    the training traces, with c = 0.5 throughout, the block drafter's predictions ran 0.3–0.7
+    tokens above what it then accepted wherever it was chosen (docs/benchmarks.md). (A c that
+    does not fade would hold every factor near 1 for good: the sums forget at 0.7 a
+    verification, so they never hold more than ~3 of them.)"""
+    c = 0.5 + shrink / (1.0 + n)
+    r = (a + c) / (e + c)
+    return 3.0 if r > 3.0 else 0.05 if r < 0.05 else r  # (min and max: a third of the learn loop at 1,024)
+
+
 @dataclass
 class AcceptanceTracker:
     """Predicts a request's conditional acceptance by draft position from past verifications.
@@ -428,11 +450,37 @@ class AcceptanceTracker:
         (reached with the product of the estimates before them, accepted with that times their
         own), so the rates describe all drafts. An entry whose drafts were all pruned still
         teaches. Then each request's factor: its accepted drafts against what the step's updated
-        rates expected of its kept ones (`_set_factor`).
+        rates expected of its kept ones (`_factor`).
 
-        Plain Python on lists of at most `block` floats: a step of 64 requests touches a few
-        hundred positions, and numpy's per-call cost on arrays this small is what the sequential
-        per-request slices paid (1.7 ms a step at 64 requests; measured in docs/benchmarks.md)."""
+        The counts are added entry by entry in plain Python for a batch of a few requests and as
+        whole-array operations for a large one (`WHOLE_BATCH_CELLS`; the same sums, to rounding):
+        the loop had cost ~1 ms a step at 1,024 requests × 15 drafts (docs/benchmarks.md, session 43)."""
+        counts = self._counts_whole if len(v) * self.block >= WHOLE_BATCH_CELLS else self._counts_in_turn
+        acc, jud, seen = counts(v)
+        if not seen:
+            return
+        self.observations += seen
+        self.accepted, self.judged = np.asarray(acc, dtype=np.float64), np.asarray(jud, dtype=np.float64)
+        # What the rates now expect of each entry's kept drafts; decayed sums, then their ratio
+        # (an average of per-step ratios would be pulled to 1 by the smoothing every step needs).
+        cum, survive, total = [0.0], 1.0, 0.0
+        for x, y in zip(self.accepted.tolist(), self.judged.tolist(), strict=True):
+            survive *= x / y
+            total += survive
+            cum.append(total)
+        sums, factor, shrink, get, new = self._sums, self.factor, self.shrink, self._sums.get, (0.0, 0.0, 0)
+        for rid, k, a in zip(v.rids.tolist(), v.kept.tolist(), v.accepted.tolist(), strict=True):
+            if k > 0:
+                s_a, s_e, n = get(rid, new)
+                s_a, s_e, n = 0.7 * s_a + a, 0.7 * s_e + cum[k], n + 1
+                sums[rid] = (s_a, s_e, n)
+                factor[rid] = _factor(s_a, s_e, n, shrink)
+
+    def _counts_in_turn(self, v: Verified) -> tuple[list[float], list[float], int]:
+        """(accepted, judged, entries that taught) after `v`, entry after entry: plain Python on
+        lists of at most `block` floats, for a batch of a few requests (numpy's per-call cost on
+        arrays this small had been what the sequential per-request slices paid: 1.7 ms a step at
+        64 requests; docs/benchmarks.md)."""
         d, block = self._decay, self.block
         acc, jud = self.accepted.tolist(), self.judged.tolist()
         kept, accepted = v.kept.tolist(), v.accepted.tolist()
@@ -453,23 +501,40 @@ class AcceptanceTracker:
                     reach *= x
                     touched = True
             seen += touched
-        if not seen:
-            return
-        self.observations += seen
-        self.accepted, self.judged = np.array(acc), np.array(jud)
-        # What the rates now expect of each entry's kept drafts; decayed sums, then their ratio
-        # (an average of per-step ratios would be pulled to 1 by the smoothing every step needs).
-        cum, survive, total = [0.0], 1.0, 0.0
-        for x, y in zip(acc, jud, strict=True):
-            survive *= x / y
-            total += survive
-            cum.append(total)
-        sums = self._sums
-        for rid, k, a in zip(v.rids.tolist(), kept, accepted, strict=True):
-            if k > 0:
-                s_a, s_e, n = sums.get(rid, (0.0, 0.0, 0))
-                sums[rid] = (0.7 * s_a + a, 0.7 * s_e + cum[k], n + 1)
-                self._set_factor(rid)
+        return acc, jud, seen
+
+    def _counts_whole(self, v: Verified) -> tuple[np.ndarray, np.ndarray, int]:
+        """`_counts_in_turn` as whole-array operations on [entries, block], for a large batch.
+        An entry touches each position at most once, so position p's count after the batch is
+        its count before times d^(touches of p) plus each touch's amount times d^(touches of p
+        by the entries after it)."""
+        n, block = len(v), self.block
+        cols = np.arange(block)
+        kept, accepted = v.kept, v.accepted
+        touched = cols < np.minimum(accepted + 1, kept)[:, None]  # judged: up to the first rejection
+        add_acc = ((cols < accepted[:, None]) & touched).astype(np.float64)
+        add_jud = touched.astype(np.float64)
+        if v.beyond is not None:  # past every kept draft that passed: reached softly (see `learn`)
+            cu = v.beyond_cu
+            soft = np.where((accepted >= kept) & (kept < block), np.minimum(ragged.lengths(cu), block - kept), 0)
+            if soft.any():
+                rows = np.repeat(np.arange(n), soft)
+                q = ragged.positions(ragged.offsets_from_lengths(soft))
+                cells = (rows, kept[rows] + q)
+                x = np.ones((n, block))
+                x[cells] = v.beyond[cu[rows] + q]
+                reach = np.ones((n, block))  # the product of the estimates before each position
+                np.cumprod(x[:, :-1], axis=1, out=reach[:, 1:])
+                add_acc[cells] = reach[cells] * x[cells]
+                add_jud[cells] = reach[cells]
+                touched[cells] = True
+        after = np.cumsum(touched[::-1], axis=0)[::-1]  # touches by this entry and the ones after it
+        total = touched.sum(axis=0)
+        after -= touched
+        power = self._decay ** np.arange(n + 1)
+        weight = power[after]
+        return (power[total] * self.accepted + (add_acc * weight).sum(axis=0),
+                power[total] * self.judged + (add_jud * weight).sum(axis=0), int(touched.any(axis=1).sum()))
 
     def skipped(self, rids, halflife_steps: float = 4.0) -> None:
         """These requests drafted nothing this step: each one's factor drifts back toward 1
@@ -481,21 +546,9 @@ class AcceptanceTracker:
         for rid in rids:
             if rid in sums:
                 a, e, n = sums[rid]
-                sums[rid] = (e + (a - e) * keep, e, n)
-                self._set_factor(rid)
-
-    def _set_factor(self, rid: int) -> None:
-        """Accepted over expected, each with c tokens more at the global rate, c = 0.5 +
-        shrink / (1 + verifications seen): a factor learnt from a verification or two stays near
-        1, and one learnt from many is the request's own. The chooser picks a request's kind by
-        the largest estimate, so a kind's lucky first steps would otherwise win it steps its
-        acceptance does not earn: on the training traces, with c = 0.5 throughout, the block
-        drafter's predictions ran 0.3–0.7 tokens above what it then accepted wherever it was
-        chosen (docs/benchmarks.md). (A c that does not fade would hold every factor near 1 for
-        good: the sums forget at 0.7 a verification, so they never hold more than ~3 of them.)"""
-        a, e, n = self._sums[rid]
-        c = 0.5 + self.shrink / (1.0 + n)
-        self.factor[rid] = min(3.0, max(0.05, (a + c) / (e + c)))
+                a = e + (a - e) * keep
+                sums[rid] = (a, e, n)
+                self.factor[rid] = _factor(a, e, n, self.shrink)
 
     def verifications(self, rid: int) -> int:
         """Verifications request rid's own factor rests on (decayed sums' count)."""

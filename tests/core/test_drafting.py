@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import itertools
+from unittest import mock
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dcut_core import drafting
 from dcut_core.drafting import (
     AcceptanceTracker,
     DraftCost,
@@ -390,19 +392,22 @@ def sequential_learn(t: AcceptanceTracker, entries) -> tuple[np.ndarray, np.ndar
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.integers(2, 9), st.integers(0, 2**31 - 1), st.booleans())
-def test_a_batch_of_verifications_is_learnt_as_its_entries_one_by_one(block, seed, estimates):
+@given(st.integers(2, 9), st.integers(0, 2**31 - 1), st.booleans(), st.booleans())
+def test_a_batch_of_verifications_is_learnt_as_its_entries_one_by_one(block, seed, estimates, whole):
+    """Both ways of adding the counts (entry by entry, and whole-array for a large batch:
+    `WHOLE_BATCH_CELLS` moved so that every batch here takes the one under test)."""
     rng = np.random.default_rng(seed)
     t = AcceptanceTracker(block=block)
     for _ in range(2):  # a history first, then the batch under test
         entries = []
-        for _ in range(int(rng.integers(0, 12))):
+        for _ in range(int(rng.integers(0, 40 if rng.random() < 0.3 else 12))):
             k = int(rng.integers(0, block + 1))
             b = rng.uniform(0, 1, int(rng.integers(0, block + 1))) if estimates else None
             entries.append((int(rng.integers(0, 5)), k, int(rng.integers(0, k + 1)), b))
         want = sequential_learn(t, entries)
-        t.learn(Verified.of([e[0] for e in entries], np.zeros(len(entries)), [e[1] for e in entries],
-                            [e[2] for e in entries], [e[3] for e in entries] if estimates else None))
+        with mock.patch.object(drafting, "WHOLE_BATCH_CELLS", 0 if whole else 1 << 60):
+            t.learn(Verified.of([e[0] for e in entries], np.zeros(len(entries)), [e[1] for e in entries],
+                                [e[2] for e in entries], [e[3] for e in entries] if estimates else None))
         assert np.allclose(t.accepted, want[0], rtol=1e-12) and np.allclose(t.judged, want[1], rtol=1e-12)
         assert t._sums.keys() == want[2].keys() and t.observations == want[3]
         assert all(np.allclose(t._sums[r], want[2][r], rtol=1e-12) for r in want[2])
