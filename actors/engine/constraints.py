@@ -7,14 +7,16 @@ from __future__ import annotations
 import numpy as np
 
 from actors.engine.sequence import Sequence
-from actors.engine.stages import Drafts, Feed
+from actors.engine.stages import Feed, Step
 from actors.target.sampling import NEUTRAL, RequestControls
 from dcut_core import ragged
 
 
-def grammar_allowed(batch: list[Sequence], drafts: Drafts) -> np.ndarray | None:
-    """Per request, how many of its drafts its grammar allows (None: no request has one)."""
-    if not any([s.grammar is not None for s in batch]):
+def grammar_allowed(st: Step) -> np.ndarray | None:
+    """Per request of step `st`, how many of its drafts its grammar allows (None: no request has
+    one)."""
+    batch, drafts = st.batch, st.drafts
+    if not st.census.controls or not any([s.grammar is not None for s in batch]):
         return None
     n = ragged.lengths(drafts.cu)
     return np.array([n[i] if s.grammar is None else s.grammar.valid_prefix(drafts.tokens[drafts.cu[i]:

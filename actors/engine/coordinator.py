@@ -77,7 +77,7 @@ class Engine:
         self.rebuilding_since: float | None = None  # monotonic time the rebuild under way began
         self.eos = cfg.eos_token_id
         self.text_of = cfg.detokenizer()
-        self.scheduler = Scheduler(cfg.max_running, self.text_of)
+        self.scheduler = Scheduler(cfg.max_running, self.text_of, self.eos)
         self.kinds = cfg.kinds  # the drafter kinds every replica hosts; each request drafts with one a step
         self.calibrators = [Calibrator(block=cfg.block) for _ in self.kinds]  # per kind: confidences differ
         # With one kind, a request it drafts nothing for (an n-gram drafter without a match) just
@@ -246,8 +246,8 @@ class Engine:
             caps = self._caps(batch, remaining) if drafting else None
             if caps is not None:  # every count the gate and pruning ask about, computed once
                 curve = curve.tabulated(len(batch), len(batch) + int(caps.sum()))
-            st = Step(batch, feeding, time.perf_counter(), context, curve, caps, cached=cached, remaining=remaining,
-                      arm=arm, only=only)
+            st = Step(batch, feeding, time.perf_counter(), self.scheduler.census, context, curve, caps, cached=cached,
+                      remaining=remaining, arm=arm, only=only)
             st.lookahead = self.look(st)
             st.plan = self.plan(st)
             st.drafts = self.propose(st)
@@ -308,13 +308,10 @@ class Engine:
         # Ranks fill unevenly (placement is by request count): keep a quarter of the KV in reserve.
         for s in self.scheduler.admit(int(0.75 * self.target.kv_tokens * self.cfg.ep), self.cfg.block):
             self.drafters.admit(s.rid)
-            s.controls = s.params.controls(self.eos)
             if s.params.constraint is not None and s.grammar is None:
                 s.grammar = self.grammars().matcher(*s.params.constraint, committed=s.output)
-        running = self.scheduler.running
-        feeding = feed_chunks([s for s in running if not s.prefilled], self.cfg.prefill_chunk,
-                              self.cfg.prefill_budget)
-        return [s for s in running if s.prefilled], feeding
+        decoding, unfed = self.scheduler.decoding()
+        return decoding, feed_chunks(unfed, self.cfg.prefill_chunk, self.cfg.prefill_budget) if unfed else []
 
     def look(self, st: Step) -> Lookahead | None:
         """The n-gram kind's drafts for every request that may use it, up to its cap (None: the
@@ -324,6 +321,8 @@ class Engine:
             return None
         if st.only is not None and st.only != self.lookahead.kind:  # the step drafts another kind alone
             return None
+        if not st.census.drafters:  # every request may draft with any kind
+            return self.lookahead.look(st.batch, st.caps)
         mine = [not s.params.drafters or LOCAL_KIND in s.params.drafters for s in st.batch]
         return self.lookahead.look(st.batch, np.where(mine, st.caps, 0))
 
@@ -335,12 +334,12 @@ class Engine:
         if st.caps is None:
             return Plan.plain(len(batch))
         allowed = None
-        if any([s.params.drafters for s in batch]):
+        if st.census.drafters and any([s.params.drafters for s in batch]):
             allowed = np.array([[k in (s.params.drafters or self.kinds) for k in self.kinds] for s in batch])
         available = st.lookahead.available(len(self.kinds)) if st.lookahead is not None else None
         costs = DraftingCosts(self.draft_cost.costs, self.overhead.extra, self.draft_cost.shared, self.remote)
-        reach = KindReach(self.drafters.lag(batch, st.cached), allowed, available, st.only)
-        g = GateInput.capture([s.rid for s in batch], st.caps, st.remaining, reach, st.verify_cost, costs)
+        reach = KindReach(self.drafters.lag(st.rids, st.cached), allowed, available, st.only)
+        g = GateInput.capture(st.rids.tolist(), st.caps, st.remaining, reach, st.verify_cost, costs)
         gated = self.policy.gated and self.cfg.drafting_gate
         return self.gate.decide(g) if gated else self.gate.choose(g)
 
@@ -386,7 +385,7 @@ class Engine:
         p = np.empty(len(pos))
         for k, mine in ragged.groups(np.repeat(drafts.kinds, counts)):
             p[mine] = self.calibrators[k].estimate(drafts.confidence[mine], drafts.margin[mine], pos[mine])
-        allowed = grammar_allowed(batch, drafts)
+        allowed = grammar_allowed(st)
         if allowed is not None:  # a draft the grammar forbids (and all after it) can never be accepted
             p = np.where(pos < np.repeat(allowed, counts), p, 0.0)
         accepted_len, probe = None, 0.0

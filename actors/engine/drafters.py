@@ -83,13 +83,13 @@ class DrafterPool:
         if self.hosted:
             self.replicas = self._hosted()
 
-    def lag(self, batch: list[Sequence], cached: list[int]) -> np.ndarray:
-        """[R, kinds]: context tokens of each request that each kind has not seen (what it would
-        catch up on before drafting; 0 for the kind the coordinator drafts). cached[i]: batch[i]'s
-        KV length."""
+    def lag(self, rids: np.ndarray, cached: list[int]) -> np.ndarray:
+        """[R, kinds]: context tokens of each request (`rids`, the batch's) that each kind has not
+        seen (what it would catch up on before drafting; 0 for the kind the coordinator drafts).
+        cached[i]: request i's KV length."""
         if not self.replicas:  # every kind is drafted in the coordinator (n-gram alone): no context to send
-            return np.zeros((len(batch), len(self.kinds)))
-        return self.ledger.lag([s.rid for s in batch], cached)
+            return np.zeros((len(rids), len(self.kinds)))
+        return self.ledger.lag(rids.tolist(), cached)
 
     def drafting(self, rid: int) -> bool:
         """Whether request rid has a drafter (not orphaned)."""

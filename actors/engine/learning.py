@@ -45,7 +45,8 @@ def learn(st: Step, calibrators: list[Calibrator], gate: DraftingGate, cost, log
     # nothing teaches nothing), then the look-ahead judged in hindsight, then the kinds asked
     # that drafted nothing (failed tries: the gate decides whether they teach).
     verified = drafted(st).then(hindsight(st))
-    empty = [(st.batch[i].rid, int(kinds[i])) for i in ((st.plan.lengths > 0) & (counts == 0)).nonzero()[0].tolist()]
+    tried = ((st.plan.lengths > 0) & (counts == 0)).nonzero()[0]
+    empty = list(zip(st.rids[tried].tolist(), kinds[tried].tolist(), strict=True))
     gate.learn(verified, empty)
     observed_now = {**verified.as_dict(), "empty": empty} if log else None  # for `dcut_core.gate.replay`
     return _learn_cost(st, cost, observed_now)
@@ -72,7 +73,7 @@ def drafted(st: Step) -> Verified:
     of their drafts past the kept ones (when pruning made them)."""
     drafts, kept = st.drafts, st.pruned.kept
     idx = drafts.counts.nonzero()[0]
-    rids = np.fromiter((st.batch[i].rid for i in idx.tolist()), dtype=np.int64, count=len(idx))
+    rids = st.rids[idx]
     accepted = np.asarray(st.accepted.counts, dtype=np.int64)[idx]
     estimate = st.pruned.estimate
     if estimate is None:
@@ -91,8 +92,7 @@ def hindsight(st: Step) -> Verified:
     if la is None:
         return Verified.of([], [], [], [])
     idx, judged, accepted = la.hindsight(st.drafts.counts, st.drafts.kinds, st.accepted.emitted)
-    rids = [st.batch[i].rid for i in idx.tolist()]
-    return Verified.of(rids, np.full(len(rids), la.kind), judged, accepted)
+    return Verified.of(st.rids[idx], np.full(len(idx), la.kind), judged, accepted)
 
 
 def shape(st: Step) -> StepShape:

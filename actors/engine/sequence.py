@@ -272,15 +272,40 @@ def _commit_plain(seq: Sequence, params: SamplingParams, tokens: list[int], eos:
     return kept
 
 
+@dataclass
+class Census:
+    """How many running requests have each need a step looks for, counted as requests enter and
+    leave the running set (and as their prefill ends): where a count is 0 a step skips a pass
+    over its batch that would find nothing (each pass had been 40–60 µs at 1,024 requests;
+    docs/benchmarks.md, session 43). Above 0 the step looks at each request as before: a
+    request counted need not be in this step's forward."""
+
+    unfed: int = 0  # not prefilled yet (exact)
+    sampling: int = 0  # temperature above SAMPLING_EPS
+    logprobs: int = 0  # log-probabilities of its output or of its prompt
+    controls: int = 0  # sampling controls (`Sequence.controls`) or a grammar
+    drafters: int = 0  # names the drafter kinds it may use
+
+    def count(self, seq: Sequence, sign: int) -> None:
+        p = seq.params
+        self.unfed += sign * (not seq.prefilled)
+        self.sampling += sign * (not seq.greedy)
+        self.logprobs += sign * (p.logprobs is not None or p.prompt_logprobs is not None)
+        self.controls += sign * (seq.controls is not None or p.constraint is not None)
+        self.drafters += sign * bool(p.drafters)
+
+
 class Scheduler:
     """Admits waiting requests up to `max_running`; the one place sequences change state."""
 
-    def __init__(self, max_running: int, detokenize: Callable[[list[int]], str]) -> None:
+    def __init__(self, max_running: int, detokenize: Callable[[list[int]], str], eos: int | None = None) -> None:
         self.max_running = max_running
         self.detokenize = detokenize  # token ids -> text: each admitted request's, and the stop-string search's
+        self.eos = eos  # the model's end-of-sequence token: what a request's sampling controls ban before min_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.finished: dict[int, Sequence] = {}
+        self.census = Census()  # of `running`
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -304,7 +329,9 @@ class Scheduler:
             used += need
             seq = self.waiting.popleft()
             seq.status, seq.detokenize = Status.RUNNING, self.detokenize  # its text is decoded when read
+            seq.controls = seq.params.controls(self.eos)
             self.running.append(seq)
+            self.census.count(seq, +1)
             new.append(seq)
         return new
 
@@ -393,6 +420,7 @@ class Scheduler:
             s.fed += len(tokens)
             if s.fed == s.feed_len:
                 s.prefilled = True
+                self.census.unfed -= 1
                 if s.output:  # resumed: its newest token is appended by its first decode step
                     tokens.append(s.output[-1])
                 else:
@@ -409,12 +437,22 @@ class Scheduler:
         """Every running request is fed to the target again (a new EP group holds no KV)."""
         for s in self.running:
             s.fed, s.prefilled = 0, False
+        self.census.unfed = len(self.running)
+
+    def decoding(self) -> tuple[list[Sequence], list[Sequence]]:
+        """(decoding, not prefilled yet): the running requests split by their prefill, in order."""
+        if not self.census.unfed:
+            return list(self.running), []
+        return [s for s in self.running if s.prefilled], [s for s in self.running if not s.prefilled]
 
     def finish_done(self) -> list[Sequence]:
         done = [s for s in self.running if s.finish_reason is not None]
+        if not done:
+            return done
         for s in done:
             s.status = Status.FINISHED
             self.finished[s.rid] = s
+            self.census.count(s, -1)
         self.running = [s for s in self.running if s.finish_reason is None]
         return done
 
@@ -443,6 +481,7 @@ class Scheduler:
         """Out of the waiting or running set (by identity: a sequence's fields are no key)."""
         if seq.status is Status.RUNNING:
             self.running = [s for s in self.running if s is not seq]
+            self.census.count(seq, -1)
         elif seq.status is Status.WAITING:
             self.waiting = deque(s for s in self.waiting if s is not seq)
 

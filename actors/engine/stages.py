@@ -9,7 +9,7 @@ import numpy as np
 
 from actors.drafter.base import DraftOutput, merge_outputs
 from actors.engine.lookahead import Lookahead
-from actors.engine.sequence import Sequence
+from actors.engine.sequence import Census, Sequence
 from actors.target.group import TargetOutput
 from dcut_core import ragged, rules
 from dcut_core.gate import Plan
@@ -62,6 +62,7 @@ class Step:
     batch: list[Sequence]  # decoding requests
     feeding: list[Feed]  # this step's prefill chunks
     started: float  # perf_counter at plan
+    census: Census  # the running set's counts (`Scheduler.census`): what its stages need not look for
     context: int = 0  # tokens in the decoding requests' KV caches when the step began
     verify_cost: StepCost | None = None  # the target's verify time by token count for this batch and context
     caps: np.ndarray | None = None  # [R] the most drafts each request may verify (None: the step drafts nothing)
@@ -75,6 +76,11 @@ class Step:
     remaining: np.ndarray | None = None  # [R] tokens each may still make (computed where the step may draft)
     arm: int | None = None  # the payoff check's measured arm (an index of its `arms`); None: not measured
     only: int | None = None  # the one kind the gate may choose this step (the check's kind arm); None: any
+
+    @cached_property
+    def rids(self) -> np.ndarray:
+        """[R] the decoding requests' ids, in batch order: read by several stages, made once."""
+        return np.fromiter([s.rid for s in self.batch], dtype=np.int64, count=len(self.batch))
 
     @property
     def verify_tokens(self) -> int:

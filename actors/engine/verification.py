@@ -21,13 +21,15 @@ def verify_forward(target, pool, capture: tuple[int, ...], st: Step):
     fresh prompt ends). `capture`: the target layers whose outputs the drafters read (none under
     `ar`); the features come back for requests that drafted this step when drafters are actors
     (`keep_features`)."""
-    return target.run(verify_batch(pool, capture, st.batch, st.drafts, st.pruned.kept, st.feeding))
+    return target.run(verify_batch(pool, capture, st))
 
 
-def verify_batch(pool, capture: tuple[int, ...], batch: list[Sequence], drafts: Drafts, kept: np.ndarray,
-                 feeding: list[Feed] = ()) -> VerifyBatch:
-    """The step's `VerifyBatch`, its decoding part built with whole-array operations."""
-    r, kept = len(batch), np.asarray(kept, dtype=np.int64)
+def verify_batch(pool, capture: tuple[int, ...], st: Step) -> VerifyBatch:
+    """Step `st`'s `VerifyBatch`, its decoding part built with whole-array operations; a
+    per-request fact the running set's census (`Scheduler.census`) says nobody has is not
+    looked for."""
+    batch, drafts, feeding, census = st.batch, st.drafts, st.feeding, st.census
+    r, kept = len(batch), np.asarray(st.pruned.kept, dtype=np.int64)
     counts = 1 + kept  # the last token, then the kept drafts
     cu = np.zeros(r + 1 + len(feeding), dtype=np.int64)
     counts.cumsum(out=cu[1:r + 1])
@@ -46,19 +48,24 @@ def verify_batch(pool, capture: tuple[int, ...], batch: list[Sequence], drafts: 
             tokens[cu[r + j]:cu[r + j + 1]] = f.tokens
         rows = np.concatenate([rows, *(cu[r + j] + np.asarray(c, dtype=np.int64) for j, c in enumerate(chunks))])
         rows_cu = np.concatenate([cu[:r + 1], cu[r] + np.cumsum([len(c) for c in chunks], dtype=np.int64)])
-    seqs = [*batch, *(f.seq for f in feeding)]
+    seqs = [*batch, *(f.seq for f in feeding)] if feeding else batch
+    # (lists, not generators, inside any and all: a call fewer a request)
     sampling = per_row_sampling(sampling_rows(batch, counts.tolist(), feeding), ragged.lengths(rows_cu)) \
-        if not all([s.greedy for s in seqs]) else {}  # (lists, not generators: a call fewer a request)
-    logprobs = [s.params.logprobs is not None for s in batch] + [f.wants_logprobs for f in feeding]
+        if census.sampling and not all([s.greedy for s in seqs]) else {}
+    logprobs = None
+    if census.logprobs:
+        wants = [s.params.logprobs is not None for s in batch] + [f.wants_logprobs for f in feeding]
+        logprobs = np.array(wants) if any(wants) else None
     controls = None
-    if any([s.controls is not None or s.grammar is not None for s in seqs]):
+    if census.controls and any([s.controls is not None or s.grammar is not None for s in seqs]):
         drafted = tokens.tolist()
         controls = tuple([request_controls(s, drafts=drafted[cu[i] + 1:cu[i + 1]]) for i, s in enumerate(batch)]
                          + [request_controls(f.seq, feed=f) for f in feeding])
     keep = np.asarray(keep_features(pool, batch, drafts, feeding), dtype=bool) if capture else None
-    return VerifyBatch([s.rid for s in seqs], tokens, cu, rows, rows_cu, False, tuple(capture),
-                       **sampling, keep_features=keep, logprobs=np.array(logprobs) if any(logprobs) else None,
-                       controls=None if controls is None or all(c is None for c in controls) else controls)
+    rids = st.rids.tolist() + [f.seq.rid for f in feeding] if feeding else st.rids.tolist()
+    return VerifyBatch(rids, tokens, cu, rows, rows_cu, False, tuple(capture), **sampling, keep_features=keep,
+                       logprobs=logprobs, controls=None if controls is None or all(c is None for c in controls)
+                       else controls)
 
 
 def sampling_rows(batch: list[Sequence], rows: list[int], feeding: list[Feed]) -> list[tuple]:
@@ -93,7 +100,7 @@ def oracle_lengths(verify, target, st: Step) -> np.ndarray:
     measured time)."""
     batch, drafts = st.batch, st.drafts
     all_kept = ragged.lengths(drafts.cu)
-    allowed = grammar_allowed(batch, drafts)
+    allowed = grammar_allowed(st)
     all_kept = all_kept if allowed is None else allowed
     out = verify(dataclasses.replace(st, feeding=[], pruned=Pruned(np.asarray(all_kept, dtype=np.int64))))
     accepted = accept_tokens(batch, drafts, all_kept, out).counts

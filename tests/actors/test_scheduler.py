@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.engine.errors import EngineError, ErrorKind
-from actors.engine.sequence import SamplingParams, Scheduler, Sequence, Status
+from actors.engine.sequence import Census, SamplingParams, Scheduler, Sequence, Status
 from tests.actors.test_detokenize import TEXT, tokenizers  # at import: not inside a running @given
 
 
@@ -197,3 +197,59 @@ def test_a_requests_per_step_record_is_what_each_step_recorded(steps):
                                                                                          "accepted"))
         assert s.accepted_tokens == sum(want["accepted"][i])
         assert s.output == [7] * (len(steps) + sum(want["accepted"][i]))
+
+
+def _recount(sched: Scheduler) -> Census:
+    """The census from scratch: every running request looked at."""
+    run = sched.running
+    return Census(unfed=sum(not s.prefilled for s in run), sampling=sum(s.params.temperature > 0 for s in run),
+                  logprobs=sum(s.params.logprobs is not None or s.params.prompt_logprobs is not None for s in run),
+                  controls=sum(s.controls is not None or s.params.constraint is not None for s in run),
+                  drafters=sum(s.params.drafters is not None for s in run))
+
+
+PARAMS = st.builds(SamplingParams, max_tokens=st.integers(1, 6), temperature=st.sampled_from([0.0, 0.7]),
+                   logprobs=st.sampled_from([None, 2]), prompt_logprobs=st.sampled_from([None, 0]),
+                   presence_penalty=st.sampled_from([0.0, 0.5]), min_tokens=st.sampled_from([0, 2]),
+                   constraint=st.sampled_from([None, ("regex", "a+")]), drafters=st.sampled_from([None, ("ngram",)]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(PARAMS, min_size=1, max_size=8), st.lists(st.tuples(st.sampled_from(
+    ["admit", "prefill", "finish", "abort", "fail", "refeed"]), st.integers(0, 7)), max_size=30),
+    st.sampled_from([None, 0]))
+def test_the_census_of_the_running_set_is_what_a_recount_finds_after_every_change(params, ops, eos):
+    """Admission, the end of a prefill, finishing, aborting, failing and feeding everything again
+    keep `Scheduler.census` equal to a count over the running requests, and `decoding` splits
+    them as a look at each would."""
+    from types import SimpleNamespace
+
+    from actors.engine.stages import Feed
+
+    sched = Scheduler(max_running=4, detokenize=lambda ids: "", eos=eos)
+    seqs = [Sequence(rid, [1, 2, 3], p) for rid, p in enumerate(params)]
+    for s in seqs:
+        sched.add(s)
+    for op, i in ops:
+        run = sched.running
+        s = run[i % len(run)] if run else None
+        if op == "admit":
+            sched.admit()
+        elif op == "prefill" and s is not None and not s.prefilled and s.params.prompt_logprobs is None:
+            # its whole feed in one chunk (the prompt's log-probabilities would need the target's rows)
+            out = SimpleNamespace(logprobs=None, tokens=lambda row: [5])
+            sched.advance_prefill(SimpleNamespace(batch=[], feeding=[Feed(s, s.fed, s.feed[s.fed:])], out=out), eos)
+        elif op == "finish" and s is not None:
+            s.finish_reason = "length"
+            assert s in sched.finish_done()
+        elif op == "abort" and s is not None:
+            sched.abort(s.rid)
+        elif op == "fail" and s is not None:
+            sched.fail([s], EngineError(ErrorKind.UNAVAILABLE, "retry"))
+        elif op == "refeed":
+            sched.refeed()
+        assert sched.census == _recount(sched)
+        assert all(s.controls == s.params.controls(eos) for s in sched.running)
+        decoding, unfed = sched.decoding()
+        assert decoding == [s for s in sched.running if s.prefilled] and unfed == [s for s in sched.running
+                                                                                     if not s.prefilled]
