@@ -204,7 +204,9 @@ class DraftingGate:
                 return Plan(kinds, mine * probe, fallback, g)
         idle = lengths == 0
         for k, tracker in enumerate(self.trackers):
-            tracker.skipped([rid for rid, i in zip(rids, idle & (kinds == k), strict=True) if i])
+            mine = idle & (kinds == k)
+            if mine.any():
+                tracker.skipped([rid for rid, i in zip(rids, mine, strict=True) if i])
         return Plan(kinds, lengths, fallback, g)
 
     def kinds(self, g: GateInput, predicted: Predicted) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -240,6 +242,8 @@ class DraftingGate:
         rates = np.zeros((len(g.rids), len(self.trackers), width))
         if width:  # each row `AcceptanceTracker.predict`'s
             for k, t in enumerate(self.trackers):
+                if not room[:, k].any():  # a kind no request may draft with this step (another's arm): zeros
+                    continue
                 rates[:, k] = t.rates(width)
                 rates[:, k, 0] = np.minimum(0.99, rates[:, k, 0] * t.factors(g.rids))
             rates[np.arange(width) >= room[:, :, None]] = 0.0
