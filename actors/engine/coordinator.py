@@ -321,10 +321,10 @@ class Engine:
             return None
         if st.only is not None and st.only != self.lookahead.kind:  # the step drafts another kind alone
             return None
-        if not st.census.drafters:  # every request may draft with any kind
-            return self.lookahead.look(st.batch, st.caps)
-        mine = [not s.params.drafters or LOCAL_KIND in s.params.drafters for s in st.batch]
-        return self.lookahead.look(st.batch, np.where(mine, st.caps, 0))
+        caps = st.caps
+        if st.census.drafters:  # a request naming its kinds may leave this one out
+            caps = np.where([not s.params.drafters or LOCAL_KIND in s.params.drafters for s in st.batch], caps, 0)
+        return self.lookahead.look(st.batch, caps)
 
     def plan(self, st: Step) -> Plan:
         """Which drafter kind drafts for each request and how far: the gate decides (`dcut`),

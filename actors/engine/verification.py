@@ -62,7 +62,7 @@ def verify_batch(pool, capture: tuple[int, ...], st: Step) -> VerifyBatch:
         controls = tuple([request_controls(s, drafts=drafted[cu[i] + 1:cu[i + 1]]) for i, s in enumerate(batch)]
                          + [request_controls(f.seq, feed=f) for f in feeding])
     keep = np.asarray(keep_features(pool, batch, drafts, feeding), dtype=bool) if capture else None
-    rids = st.rids.tolist() + [f.seq.rid for f in feeding] if feeding else st.rids.tolist()
+    rids = st.rids.tolist() + [f.seq.rid for f in feeding]
     return VerifyBatch(rids, tokens, cu, rows, rows_cu, False, tuple(capture), **sampling, keep_features=keep,
                        logprobs=logprobs, controls=None if controls is None or all(c is None for c in controls)
                        else controls)

@@ -536,3 +536,41 @@ def test_a_batch_of_mixed_request_shapes_commits_each_as_it_would_alone_and_the_
             assert b[2] is not None and np.allclose(a[2], b[2], atol=1e-4)
     assert alone[4][1] == "length" and alone[1][2] is not None
     assert_still_serving(client)
+
+
+def test_a_batch_mixing_what_the_census_counts_answers_each_as_alone_and_the_counts_come_back(client):
+    """The scheduler's census (`Census`: sampling, log-probabilities, controls or a grammar, named
+    drafters, prefill) decides which passes a step makes over its batch. One batch of greedy
+    requests beside a seeded sampling one, sampling controls, min_tokens, a request naming its
+    drafter and one asking for log-probabilities: each answer equals the same
+    request sent alone; then a greedy batch of the plain shape alone (every count back to 0 but
+    prefill's) answers as before it, and the server serves. (A grammar is counted with the
+    controls; this app has no tokenizer to build one: tests/actors/test_structured_output.py.)"""
+    from concurrent.futures import ThreadPoolExecutor
+
+    shapes = [{}, {"temperature": 0.8, "seed": 7}, {"presence_penalty": 0.8},
+              {"extra_body": {"min_tokens": 6, "ignore_eos": False}},
+              {"extra_body": {"drafter": "ngram"}}, {"logprobs": 1}, {}]
+
+    def complete(i: int, shape: dict | None = None):
+        time.sleep(0.02 * (i % 3))  # prompts fed while others decode
+        kw = {"max_tokens": 16, "temperature": 0, **(shapes[i] if shape is None else shape)}
+        out = client.completions.create(model="dcut-demo", prompt=PROMPT_IDS * (1 + i % 2), timeout=60, **kw)
+        c = out.choices[0]
+        return c.text, c.finish_reason, None if c.logprobs is None else c.logprobs.token_logprobs
+
+    alone = [complete(i) for i in range(len(shapes))]
+    plain_before = [complete(i, {}) for i in range(4)]
+    with ThreadPoolExecutor(len(shapes)) as pool:
+        together = list(pool.map(complete, range(len(shapes))))
+    for a, b in zip(alone, together, strict=True):
+        assert (a[0], a[1]) == (b[0], b[1])
+        if a[2] is not None:
+            assert b[2] is not None and np.allclose(a[2], b[2], atol=1e-4)
+    # Each need was acted on (a count stuck at 0 would have skipped it): log-probabilities came
+    # back, and the draw and the penalty changed the output from the same prompt's greedy one.
+    assert alone[5][2] is not None and alone[1][0] != plain_before[1][0] and alone[2][0] != plain_before[2][0]
+    with ThreadPoolExecutor(4) as pool:
+        plain_after = list(pool.map(lambda i: complete(i, {}), range(4)))
+    assert plain_after == plain_before
+    assert_still_serving(client)
