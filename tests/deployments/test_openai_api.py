@@ -508,6 +508,15 @@ def test_a_streamed_request_of_several_choices_that_fails_at_the_first_token_is_
     assert_still_serving(client)
 
 
+def assert_same_answers(alone: list[tuple], together: list[tuple]) -> None:
+    """(text, finish reason, log-probabilities or None) of each request sent alone equal those of
+    the same requests sent together (log-probabilities to 1e-4)."""
+    for a, b in zip(alone, together, strict=True):
+        assert (a[0], a[1]) == (b[0], b[1])
+        if a[2] is not None:
+            assert b[2] is not None and np.allclose(a[2], b[2], atol=1e-4)
+
+
 def test_a_batch_of_mixed_request_shapes_commits_each_as_it_would_alone_and_the_server_keeps_serving(client):
     """One batch whose requests take both commit paths (`Scheduler.record_step`: the usual
     request's tokens by list operations, the others token by token — log-probabilities, stop ids,
@@ -530,10 +539,7 @@ def test_a_batch_of_mixed_request_shapes_commits_each_as_it_would_alone_and_the_
     alone = [complete(i) for i in range(len(shapes))]
     with ThreadPoolExecutor(len(shapes)) as pool:
         together = list(pool.map(complete, range(len(shapes))))
-    for a, b in zip(alone, together, strict=True):
-        assert (a[0], a[1]) == (b[0], b[1])
-        if a[2] is not None:
-            assert b[2] is not None and np.allclose(a[2], b[2], atol=1e-4)
+    assert_same_answers(alone, together)
     assert alone[4][1] == "length" and alone[1][2] is not None
     assert_still_serving(client)
 
@@ -563,10 +569,7 @@ def test_a_batch_mixing_what_the_census_counts_answers_each_as_alone_and_the_cou
     plain_before = [complete(i, {}) for i in range(4)]
     with ThreadPoolExecutor(len(shapes)) as pool:
         together = list(pool.map(complete, range(len(shapes))))
-    for a, b in zip(alone, together, strict=True):
-        assert (a[0], a[1]) == (b[0], b[1])
-        if a[2] is not None:
-            assert b[2] is not None and np.allclose(a[2], b[2], atol=1e-4)
+    assert_same_answers(alone, together)
     # Each need was acted on (a count stuck at 0 would have skipped it): log-probabilities came
     # back, and the draw and the penalty changed the output from the same prompt's greedy one.
     assert alone[5][2] is not None and alone[1][0] != plain_before[1][0] and alone[2][0] != plain_before[2][0]
