@@ -76,23 +76,22 @@ class KindChooser:
 
     def _values(self, ch: Choice, rate: float | None,
                 sharing: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
-        """`values` at rate ρ for one choice's fixed terms (`Choice`, built once for its rounds)."""
-        table, c = ch.table, ch.costs
+        """`values` at rate ρ for one choice's fixed terms (`Choice`, built once for its rounds:
+        a round adds only what the rate and the chains' sharing change)."""
+        table = ch.table
         r = table.gain.shape[0]
-        if not table.width.any():  # nobody may draft: nothing to tell apart
+        if not ch.drafts.any():  # nobody may draft: nothing to tell apart
             zero = np.zeros((r, self.kinds))
             return zero, zero, zero, 0.0
         rate = r / ch.base if rate is None else rate
-        per_pass = c[4] / (1.0 if sharing is None else np.maximum(1.0, np.asarray(sharing, dtype=np.float64)))
-        seconds = c[1][None, :, None] + table.n[None, None, :] * (c[2] + per_pass + ch.tau)[None, :, None]
-        if ch.switching is not None:
-            seconds = seconds + ch.switching
-        net = np.where(table.valid[None], table.gain - rate * seconds, -np.inf)
+        net = ch.masked - rate * ch.seconds(sharing)
         best = net.argmax(axis=2)  # [R, K]: the first best length of each kind
-        rows, kinds = table.grid
-        drafts = table.width > 0
-        v = np.where(drafts, net[rows, kinds, best], 0.0)
-        return v, np.where(drafts, table.gain[rows, kinds, best], 0.0), np.where(drafts, best + 1.0, 0.0), rate
+        at = (*table.grid, best)
+        v, gain, n = net[at], table.gain[at], best + 1.0
+        if ch.every_kind_drafts:
+            return v, gain, n, rate
+        drafts = ch.drafts
+        return np.where(drafts, v, 0.0), np.where(drafts, gain, 0.0), np.where(drafts, n, 0.0), rate
 
     def choose(self, q: KindQuestion) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(kind [R], exploring [R], fallback [R]): the kind (index) each request drafts with this
@@ -122,23 +121,25 @@ class KindChooser:
         fixed_s, call, calls = ch.costs[0], q.costs.call, q.costs.calling
         rate, sharing = None, np.full(self.kinds, r)  # first as if every request drafted with each kind
         rows = np.arange(r)
+        barred = None if q.allowed is None else np.where(q.allowed, 0.0, -np.inf)  # added: −inf where not allowed
         best = None  # (predicted rate, kind, use, value, score, rate charged) of the best round so far
         for _ in range(self.refine):
             value, gain, n, rate = self._values(ch, rate, sharing)
             value = np.where(value > 0, value - doubt, value)
+            if barred is not None:
+                value = value + barred
             score = value + bonus
-            if q.allowed is not None:
-                value, score = np.where(q.allowed, value, -np.inf), np.where(q.allowed, score, -np.inf)
             kind, use = self._assign(score, rate * fixed_s, rate * call, calls)
             drafts = value[rows, kind] > 0  # the requests whose drafts are predicted to pay
+            paying = bool(drafts.any())
             achieved = r / ch.base if ch.base > 0 else 0.0  # plain decoding's, when nobody's drafts pay
-            if rate > 0.0 and drafts.any():  # the next round charges each kind its share of a chain
+            if rate > 0.0 and paying:  # the next round charges each kind its share of a chain
                 achieved, sharing = ch.predicted_rate(kind, drafts, gain[rows, kind], n[rows, kind])
             # A round at a higher rate may pick, by the bonus, a kind whose drafts do not pay where
             # an earlier round's did: the best round's choice stands, not the last one's.
             if best is None or achieved > best[0] * (1 + 1e-6):
                 best = (achieved, kind, use, value, score, rate)
-            if not drafts.any() or achieved <= rate * (1 + 1e-6):
+            if not paying or achieved <= rate * (1 + 1e-6):
                 break
             rate = achieved
         _, kind, use, value, score, rate = best
@@ -164,19 +165,20 @@ class KindChooser:
         their passes' costs and, if it holds a kind of `calls`, the replicas' `call` (tokens)
         sum highest; each request's best kind within it. Every set is scored in one array
         operation ([sets, R, K])."""
-        sets = kind_sets(self.kinds)
-        top = np.where(sets[:, None, :], score[None, :, :], -np.inf).max(axis=2)  # [sets, R]
-        paid = np.where(sets, fixed[None, :], 0.0).sum(axis=1)
+        sets, outside = kind_sets(self.kinds), set_masks(self.kinds)
+        top = (score[None, :, :] + outside[:, None, :]).max(axis=2)  # [sets, R]: each request's best in each set
+        totals = np.maximum(top, 0.0).sum(axis=1) - set_weights(self.kinds) @ fixed
         if call and calls is not None:
-            paid = paid + call * calling_sets(tuple(calls.tolist()))
-        totals = (np.maximum(top, 0.0).sum(axis=1) - paid).tolist()
-        best_total, use = -np.inf, sets[-1]
-        for inside, total in zip(sets, totals, strict=True):
+            totals = totals - call * calling_sets(tuple(calls.tolist()))
+        best_total, best = -np.inf, len(sets) - 1
+        for i, total in enumerate(totals.tolist()):
             if total > best_total + 1e-12:  # ties: the set met first (fewer, lower kinds)
-                best_total, use = total, inside
-        within = np.where(use, score, -np.inf)
-        kind = np.where(np.isfinite(within.max(axis=1)), within.argmax(axis=1), score.argmax(axis=1))
-        return kind.astype(np.int64), use
+                best_total, best = total, i
+        kind = (score + outside[best]).argmax(axis=1)
+        none = top[best] == -np.inf  # a request allowed no kind of the set: its best of all
+        if none.any():
+            kind = np.where(none, score.argmax(axis=1), kind)
+        return kind, sets[best]
 
 
 class StickyChoice:
@@ -286,7 +288,9 @@ class GainTable:
 class Choice:
     """What one choice's rounds share: the gains, the verify time of the step's R tokens (`base`)
     and of one more (τ), each kind's costs [5, K], and the seconds a request's catch-up charges
-    each of its lengths under each kind ([R, K, n]; None: no switch charge)."""
+    each of its lengths under each kind ([R, K, n]; None: no switch charge) — and, made once for
+    every round, the gains with −inf past each kind's longest row (`masked`) and each length's
+    seconds but for its chain's passes (`unshared`: the one term a round's sharing changes)."""
 
     table: GainTable
     base: float
@@ -295,23 +299,41 @@ class Choice:
     switching: np.ndarray | None
     verify: StepCost
     drafting: DraftingCosts
+    masked: np.ndarray | None = None  # [R, K, n]
+    unshared: np.ndarray | None = None  # [R or 1, K, n]
+    drafts: np.ndarray | None = None  # [K] the kinds some request may draft with (a prediction longer than 0)
+    every_kind_drafts: bool = False
+    chained: bool = False  # some kind runs a chain of passes (its per-pass cost above 0)
 
     @classmethod
     def of(cls, table: GainTable, verify: StepCost, costs: DraftingCosts, held: np.ndarray | None,
            remaining: np.ndarray | None) -> Choice:
         """held [R, K]: context each kind has not seen of each request, charged d_context,k a
         token in the share of its `remaining` output the step may make."""
-        c = costs.table.T
-        if not table.width.any():  # nobody may draft (a captured verify table may hold R alone)
-            return cls(table, 0.0, 0.0, c, None, verify, costs)
+        c, drafts = costs.table.T, table.width > 0
+        if not drafts.any():  # nobody may draft (a captured verify table may hold R alone)
+            return cls(table, 0.0, 0.0, c, None, verify, costs, drafts=drafts)
         r = table.gain.shape[0]
         base, more = verify.seconds(np.array([r, r + 1])).tolist()
+        tau = more - base
+        unshared = c[1][None, :, None] + table.n[None, None, :] * (c[2] + tau)[None, :, None]
         switching = None
         if held is not None:
             left = np.maximum(1.0, np.asarray(remaining, dtype=np.float64))[:, None, None]
             switching = c[3][None, :, None] * np.asarray(held, dtype=np.float64)[:, :, None] * np.minimum(
                 1.0, (1.0 + table.gain) / left)
-        return cls(table, base, more - base, c, switching, verify, costs)
+            unshared = unshared + switching
+        masked = np.where(table.valid[None], table.gain, -np.inf)
+        return cls(table, base, tau, c, switching, verify, costs, masked, unshared, drafts, bool(drafts.all()),
+                   bool(c[4].any()))
+
+    def seconds(self, sharing: np.ndarray | None) -> np.ndarray:
+        """[R or 1, K, n]: what drafting n with kind k costs request i, its chain's passes shared
+        by `sharing[k]` requests (None: by one)."""
+        if not self.chained:
+            return self.unshared
+        per_pass = self.costs[4] / (1.0 if sharing is None else np.maximum(1.0, np.asarray(sharing, dtype=np.float64)))
+        return self.unshared + self.table.n[None, None, :] * per_pass[None, :, None]
 
     def predicted_rate(self, kind: np.ndarray, drafts: np.ndarray, gain: np.ndarray,
                        n: np.ndarray) -> tuple[float, np.ndarray]:
@@ -323,12 +345,15 @@ class Choice:
         r, c, d = len(kind), self.costs, self.drafting
         k, m = kind[drafts], n[drafts]
         sharing = np.bincount(k, minlength=c.shape[1])
-        longest = np.where(k[None, :] == np.arange(c.shape[1])[:, None], m[None, :], 0.0).max(axis=1)
-        seconds = (float(self.verify.seconds(np.array([r + int(m.sum())]))[0])
-                   + float(((c[0] + c[4] * longest) * (sharing > 0)).sum())
-                   + float((c[1][k] + c[2][k] * m).sum())
-                   + d.shared_fixed + d.call * bool((d.calling & (sharing > 0)).any()))
-        return (r + gain[drafts].sum()) / seconds, sharing
+        used = sharing > 0
+        per_kind = c[0] * used + c[1] * sharing + c[2] * np.bincount(k, weights=m, minlength=c.shape[1])
+        if self.chained:
+            longest = np.zeros(c.shape[1])
+            np.maximum.at(longest, k, m)
+            per_kind += c[4] * longest
+        seconds = (float(self.verify.seconds(np.array([r + int(m.sum())]))[0]) + float(per_kind.sum())
+                   + d.shared_fixed + (d.call if d.call and (d.calling & used).any() else 0.0))
+        return (r + float(gain[drafts].sum())) / seconds, sharing
 
 
 @cache
@@ -337,6 +362,23 @@ def kind_sets(k: int) -> np.ndarray:
     sets = (np.arange(1, 2 ** k)[:, None] >> np.arange(k)) & 1 == 1
     sets.setflags(write=False)
     return sets
+
+
+@cache
+def set_masks(k: int) -> np.ndarray:
+    """[2^k − 1, k]: 0 for the kinds in each set of `kind_sets`, −inf for the others (added to
+    scores, it leaves a set's kinds to choose from)."""
+    masks = np.where(kind_sets(k), 0.0, -np.inf)
+    masks.setflags(write=False)
+    return masks
+
+
+@cache
+def set_weights(k: int) -> np.ndarray:
+    """[2^k − 1, k]: `kind_sets` as 1.0 and 0.0 (a product with each kind's cost sums each set's)."""
+    weights = kind_sets(k).astype(np.float64)
+    weights.setflags(write=False)
+    return weights
 
 
 @cache
