@@ -210,12 +210,12 @@ class DraftingGate:
         return Plan(kinds, lengths, fallback, g)
 
     def kinds(self, g: GateInput, predicted: Predicted) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(kind, exploring, fallback) [R]: the one kind of the step if it has one (`only`), the
-        kinds kept from an earlier decision (`sticky`) if every request of the batch has one, else
-        the chooser's for the whole batch."""
+        """(kind, exploring, fallback) [R]: the one kind of the step if it has one (`only`, or the
+        unit hosts one), the kinds kept from an earlier decision (`sticky`) if every request of
+        the batch has one, else the chooser's for the whole batch."""
         r = len(g.rids)
-        if g.only is not None:  # a choice made for the step, outside what `sticky` keeps
-            return np.full(r, g.only, dtype=np.int64), np.zeros(r, dtype=bool), np.full(r, -1, dtype=np.int64)
+        if g.only is not None or len(self.trackers) == 1:  # the step's one kind: nothing to choose or keep
+            return np.full(r, g.only or 0, dtype=np.int64), np.zeros(r, dtype=bool), np.full(r, -1, dtype=np.int64)
         usable = g.usable()
         kept = self.sticky.recall(g.rids, usable)
         if kept is not None:
