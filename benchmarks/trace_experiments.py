@@ -16,7 +16,9 @@ training trace only; the held-out trace is reported, never tuned on.
    charges nothing for the per-pass confidences the cut reads (session 24: off by default, since
    end to end they cost more than the cut saves).
 4. **The step's own time**: the same settings with the drafting policy's own time per step (the
-   gate, the chooser, learning, bookkeeping; `TraceCosts.own_policy`, `own_drafting`) at zero.
+   gate, the chooser, learning, bookkeeping; `TraceCosts.own_policy`, `own_drafting`) at zero;
+   and every kind charged what an engine of one kind spends (`own_one`, measured beside it: the
+   chooser and the other kinds' bookkeeping free) — how much of `auto`'s deficit is its own time.
 5. **Whose prediction is the loss**: the engine's gate (every kind) told in hindsight how many
    drafts of one kind would pass, the other kinds predicted as the engine does.
 
@@ -174,7 +176,7 @@ def ratios(trace, run, kinds) -> list[float]:
 
 def experiments(train, trace, prior=None) -> dict:
     table = fit_signal_table(train)
-    out: dict = {"oracle": {}, "signal": {}, "early_stop": {}, "own_time_zero": {}, "told": {},
+    out: dict = {"oracle": {}, "signal": {}, "early_stop": {}, "own_time_zero": {}, "own_time_one": {}, "told": {},
                  "audit": choice_audit(trace, prior)}
     for kinds in (("ngram",), ("mtp",), ("block",), ("mtp", "ngram"), ("block", "mtp", "ngram")):
         out["oracle"]["+".join(kinds)] = ratios(trace, lambda c, k=kinds: oracle_run(trace, k, c, 8), kinds)
@@ -191,6 +193,11 @@ def experiments(train, trace, prior=None) -> dict:
         out["early_stop"][name] = ratios(trace, lambda c, s=cut: simulate_trace(trace, s, c), kinds)
         out["own_time_zero"][name] = ratios(quiet, lambda c, s=s: simulate_trace(quiet, s, c), kinds)
     every = KIND_SETS[-1]
+    if trace.costs.own_one is not None:  # every kind hosted, each step charged one kind's own time
+        one = dataclasses.replace(trace, costs=dataclasses.replace(
+            trace.costs, own_policy=trace.costs.own_one[0], own_drafting=trace.costs.own_one[1]))
+        s = SimSettings(kinds=every, block=8)
+        out["own_time_one"]["+".join(every)] = ratios(one, lambda c: simulate_trace(one, s, c), every)
     for told in (("ngram",), ("mtp",), ("block",), every):
         out["told"]["+".join(told)] = ratios(trace, lambda c, t=told: ToldRun(trace, SimSettings(kinds=every, block=8),
                                                                               c, t).run(), every)
@@ -209,6 +216,8 @@ def render(name: str, res: dict) -> str:
         lines.append(f"| chains cut (`chain_stop`) | {kinds} | " + " | ".join(f"{x:.2f}" for x in row) + " |")
     for kinds, row in res["own_time_zero"].items():
         lines.append(f"| policy's own time at 0 | {kinds} | " + " | ".join(f"{x:.2f}" for x in row) + " |")
+    for kinds, row in res.get("own_time_one", {}).items():
+        lines.append(f"| one kind's own time | {kinds} | " + " | ".join(f"{x:.2f}" for x in row) + " |")
     for told, row in res["told"].items():
         lines.append(f"| gate told {told}'s accepted lengths | block+mtp+ngram | " +
                      " | ".join(f"{x:.2f}" for x in row) + " |")
