@@ -378,6 +378,28 @@ def test_the_chooser_array_code_equals_a_request_by_request_reference(r, k, seed
     assert use[kind].all() or not np.isfinite(np.where(use, score, -np.inf).max(axis=1)).all()
 
 
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 8), st.integers(1, 3), st.integers(0, 2**31 - 1))
+def test_a_choices_predicted_rate_adds_up_what_its_step_would_cost(r, k, seed):
+    """`Choice.predicted_rate` of an assignment against the step's time written out
+    (`explicit_seconds`), the replicas' call paid once where a kind drafted there is in use."""
+    rng = np.random.default_rng(seed)
+    costs = [DraftCost(*(rng.uniform(0, [2e-3, 5e-4, 5e-4, 1e-5, 2e-3]) * (rng.random(5) < 0.7))) for _ in range(k)]
+    shared, call, remote = float(rng.uniform(0, 1e-3)), float(rng.uniform(0, 1e-3)), rng.random(k) < 0.5
+    verify = linear(0.01, float(rng.uniform(0, 1e-3)))
+    question = KindQuestion(Predicted.of([[rng.random(6) for _ in range(r)] for _ in range(k)]), verify,
+                            DraftingCosts(costs, shared, call, remote))
+    kind, n = rng.integers(0, k, r), rng.integers(1, 7, r).astype(np.float64)
+    drafts = rng.random(r) < 0.7
+    drafts[0] = True  # the chooser asks only of an assignment where some request drafts
+    gain = rng.uniform(0, n)
+    rate, sharing = KindChooser(k)._choice(question).predicted_rate(kind, drafts, gain, n)
+    seconds = explicit_seconds(np.where(drafts, n, 0).astype(np.int64), kind, verify, costs, np.zeros(r), shared)
+    seconds += call if remote[kind[drafts]].any() else 0.0
+    assert rate == pytest.approx((r + gain[drafts].sum()) / seconds, rel=1e-12)
+    assert sharing.tolist() == np.bincount(kind[drafts], minlength=k).tolist()
+
+
 def test_the_replicas_call_is_priced_once_and_only_for_the_kinds_drafted_there():
     """Two kinds of equal acceptance and cost, kind 1 drafted on the replicas: a call dear
     enough moves every request to kind 0 (drafted in the coordinator), and the planner charges
