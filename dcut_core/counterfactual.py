@@ -80,13 +80,25 @@ class TraceCosts:
     # The same two for an engine hosting one kind, measured beside a unit of several (its gate
     # chooses no kind, and it keeps one kind's trackers): None when not measured (a one-kind trace).
     own_one: tuple[tuple[float, float], tuple[float, float]] | None = None
+    # A run of the kind chooser, a + b·R seconds, measured apart and left out of `own_policy` and
+    # `own_drafting`: charged where it runs, so a replay weighs how often it does (`stick`). None:
+    # not measured apart (a one-kind trace, or one recorded before; its lines hold the chooser's share).
+    choose: tuple[float, float] | None = None
 
     def for_kinds(self, hosted: int) -> TraceCosts:
         """The costs an engine hosting `hosted` kinds pays: its own time per step is the
-        one-kind engine's when it hosts one and the trace measured that."""
-        if hosted != 1 or self.own_one is None:
+        one-kind engine's when it hosts one and the trace measured that; one kind runs no chooser."""
+        if hosted != 1:
             return self
-        return replace(self, own_policy=self.own_one[0], own_drafting=self.own_one[1], own_one=None)
+        if self.own_one is None:
+            return replace(self, choose=None)
+        return replace(self, own_policy=self.own_one[0], own_drafting=self.own_one[1], own_one=None, choose=None)
+
+    def choose_seconds(self, requests: int) -> float:
+        """A run of the kind chooser for `requests` requests (0 where not measured apart)."""
+        if self.choose is None:
+            return 0.0
+        return max(0.0, self.choose[0] + self.choose[1] * requests)
 
     def forward_seconds(self, shape: StepShape) -> float:
         return self.verify_scale * self.verify.predict(shape)
@@ -107,15 +119,17 @@ class TraceCosts:
                 "draft": [[d.fixed, d.per_request, d.per_position, d.per_context, d.per_pass] for d in self.draft],
                 "shared": self.shared, "own": list(self.own), "own_policy": list(self.own_policy),
                 "own_drafting": list(self.own_drafting)} | (
-                    {} if self.own_one is None else {"own_one": [list(x) for x in self.own_one]})
+                    {} if self.own_one is None else {"own_one": [list(x) for x in self.own_one]}) | (
+                    {} if self.choose is None else {"choose": list(self.choose)})
 
     @classmethod
     def from_dict(cls, d: dict) -> TraceCosts:
-        one = d.get("own_one")  # absent in traces recorded before it was measured
+        one, choose = d.get("own_one"), d.get("choose")  # absent in traces recorded before they were measured
         return cls(CostModel.from_json(d["verify"]), float(d["verify_scale"]),
                    tuple(DraftCost(*map(float, x)) for x in d["draft"]), float(d["shared"]),
                    *(tuple(map(float, d[k])) for k in ("own", "own_policy", "own_drafting")),
-                   None if one is None else (tuple(map(float, one[0])), tuple(map(float, one[1]))))
+                   None if one is None else (tuple(map(float, one[0])), tuple(map(float, one[1]))),
+                   None if choose is None else (float(choose[0]), float(choose[1])))
 
 
 @dataclass(frozen=True)

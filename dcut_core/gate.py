@@ -141,12 +141,13 @@ class GateInput:
 class Plan:
     """The gate's answer for one step: the drafter kind of each request, how many drafts it is
     asked for (0: none; all 0: a plain decoding step), the kind to draft with instead if its own
-    makes none (-1: none), and the input it was decided from."""
+    makes none (-1: none), the input it was decided from, and whether the kind chooser ran."""
 
     kinds: np.ndarray  # [R]
     lengths: np.ndarray  # [R]
     fallback: np.ndarray  # [R]
     seen: GateInput | None = None
+    chosen: bool = False  # the kind chooser ran for it (not one kind, nor kinds kept from before)
 
     @classmethod
     def plain(cls, r: int) -> Plan:
@@ -191,7 +192,7 @@ class DraftingGate:
         found nothing is worth nothing to that request this step."""
         rids, verify, costs = g.rids, g.verify(), g.costs
         predicted = self.predict(g)
-        kinds, exploring, fallback = self.kinds(g, predicted)
+        kinds, exploring, fallback, chosen = self.kinds(g, predicted)
         survival = predicted.survival(kinds)
         mine = survival.lengths
         charge = self.catch_up_charge(survival, g.lag[np.arange(len(rids)), kinds], g.remaining)
@@ -201,29 +202,30 @@ class DraftingGate:
             warming = sum(t.observations for t in self.trackers) < self.exploration.warmup
             probe = self.exploration.probe(len(rids), warming)
             if probe is not None:
-                return Plan(kinds, mine * probe, fallback, g)
+                return Plan(kinds, mine * probe, fallback, g, chosen)
         idle = lengths == 0
         for k, tracker in enumerate(self.trackers):
             mine = idle & (kinds == k)
             if mine.any():
                 tracker.skipped([rid for rid, i in zip(rids, mine, strict=True) if i])
-        return Plan(kinds, lengths, fallback, g)
+        return Plan(kinds, lengths, fallback, g, chosen)
 
-    def kinds(self, g: GateInput, predicted: Predicted) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(kind, exploring, fallback) [R]: the one kind of the step if it has one (`only`, or the
-        unit hosts one), the kinds kept from an earlier decision (`sticky`) if every request of
-        the batch has one, else the chooser's for the whole batch."""
+    def kinds(self, g: GateInput, predicted: Predicted) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
+        """(kind, exploring, fallback) [R] and whether the chooser ran: the one kind of the step if
+        it has one (`only`, or the unit hosts one), the kinds kept from an earlier decision
+        (`sticky`) if every request of the batch has one, else the chooser's for the whole batch."""
         r = len(g.rids)
         if g.only is not None or len(self.trackers) == 1:  # the step's one kind: nothing to choose or keep
-            return np.full(r, g.only or 0, dtype=np.int64), np.zeros(r, dtype=bool), np.full(r, -1, dtype=np.int64)
+            return (np.full(r, g.only or 0, dtype=np.int64), np.zeros(r, dtype=bool), np.full(r, -1, dtype=np.int64),
+                    False)
         usable = g.usable()
         kept = self.sticky.recall(g.rids, usable)
         if kept is not None:
-            return kept[0], np.zeros(len(g.rids), dtype=bool), kept[1]
+            return kept[0], np.zeros(len(g.rids), dtype=bool), kept[1], False
         kinds, exploring, fallback = self.chooser.choose(KindQuestion(
             predicted, g.verify(), g.costs, usable, g.lag, g.remaining, self.support(g.rids)))
         self.sticky.keep(g.rids, kinds, fallback)
-        return kinds, exploring, fallback
+        return kinds, exploring, fallback, True
 
     def choose(self, g: GateInput) -> Plan:
         """The kinds `decide` would choose, every request drafting to its cap: for a policy that
@@ -231,7 +233,7 @@ class DraftingGate:
         predicted = self.predict(g)
         kinds, _, fallback = self.chooser.choose(KindQuestion(predicted, g.verify(), g.costs, g.usable(),
                                                               support=Support(self.observed())))
-        return Plan(kinds, predicted.lengths[np.arange(len(g.rids)), kinds], fallback, g)
+        return Plan(kinds, predicted.lengths[np.arange(len(g.rids)), kinds], fallback, g, len(self.trackers) > 1)
 
     def predict(self, g: GateInput) -> Predicted:
         """Each kind's predictions for each request, as far as the kind may draft for it

@@ -86,6 +86,7 @@ class SimResult:
     draft_seconds: float = 0.0
     forward_seconds: float = 0.0
     chosen: dict[str, int] = field(default_factory=dict)  # request-steps drafted by each kind
+    choices: int = 0  # steps where the kind chooser ran
 
     @property
     def tok_s(self) -> float:
@@ -102,7 +103,8 @@ class SimResult:
     def record(self) -> dict:
         return {"policy": self.policy, "kinds": list(self.kinds), "concurrency": self.concurrency,
                 "tok_s": self.tok_s, "mat": self.mat, "drafting_share": self.drafting_share, "steps": self.steps,
-                "keep_ratio": self.kept / self.drafted if self.drafted else 0.0, "chosen": self.chosen}
+                "keep_ratio": self.kept / self.drafted if self.drafted else 0.0, "chosen": self.chosen,
+                "choices": self.choices}
 
 
 @dataclass
@@ -175,6 +177,7 @@ class _Run:
         self.payoff = PayoffCheck(arms_of(s.kinds, s.payoff_kind_arms)) if gated and s.payoff_check else None
         self._arm: int | None = None  # this step's measured arm of the payoff check (None: not measured)
         self._checked_plain = False  # the check made this step plain (measured or not)
+        self._chose = False  # the kind chooser ran for this step's plan
         self._only: int | None = None  # the check made this step draft with one kind (its arm)
         self._unlearnt: tuple | None = None  # the last step's learning, and the requests that finished in it
         self.queue: deque[int] = deque(range(len(trace.requests)))
@@ -257,7 +260,7 @@ class _Run:
     def _plan(self, batch: list[_Live]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(drafts [R], hosted kind [R], fallback [R]), as `Engine.plan`."""
         r = len(batch)
-        self._arm, self._checked_plain, self._only = None, False, None
+        self._arm, self._checked_plain, self._only, self._chose = None, False, None, False
         if not r or not self.policy.drafts:
             plain = Plan.plain(r)
             return plain.lengths, plain.kinds, plain.fallback
@@ -291,6 +294,7 @@ class _Run:
                               self._curve(batch), DraftingCosts(self.draft, extra, costs.shared, self.remote))
         gated = self.policy.gated and self.s.drafting_gate
         plan = self.gate.decide(g) if gated else self.gate.choose(g)
+        self._chose = plan.chosen
         return plan.lengths, plan.kinds, plan.fallback
 
     def _propose(self, batch, lengths, kinds, fallback) -> tuple[dict, np.ndarray]:
@@ -413,6 +417,9 @@ class _Run:
         checks = self.policy.drafts and not self._checked_plain  # a plain arm's step costs plain decoding's own time
         own = costs if self._only is None else self.one_kind
         o.seconds += forward + draft + own.own_seconds(len(batch) + len(feeding), checks, bool(counts.sum()))
+        if self._chose:  # the kind chooser's run, where the trace prices it apart
+            o.choices += 1
+            o.seconds += own.choose_seconds(len(batch))
         o.drafted += int(counts.sum())
         o.kept += int(kept.sum())
         for j in used[counts > 0]:

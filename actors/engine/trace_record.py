@@ -128,7 +128,9 @@ def measure_costs(cfg: EngineConfig, prompts: list[list[int]], max_tokens: int, 
     (not the start-up profile times one running correction), what a drafting call adds, and the
     step's own time outside the passes — the time between steps included, since a closed loop's
     wall clock counts it — fitted as a + b·R for plain steps, for `dcut` steps that draft
-    nothing, and for drafting steps.
+    nothing, and for drafting steps; in a unit of several kinds the kind chooser's runs are
+    timed apart (`ChooserClock`), left out of those lines and fitted as a + b·R a run, so a
+    replay charges them where they run.
 
     Each kind's drafting rates come from an engine hosting that kind alone (`_alone`): in a unit
     of several, a kind the chooser seldom picks is timed a few dozen times, and one recording
@@ -142,13 +144,15 @@ def measure_costs(cfg: EngineConfig, prompts: list[list[int]], max_tokens: int, 
 
     engine = Engine(cfg)
     engine.warm_start.path = None  # it serves the trace's prompts to measure, not to learn for later engines
+    clock = ChooserClock(engine) if len(cfg.kinds) > 1 else None
     try:
-        own = _own_times(engine, prompts, max_tokens, rounds, ("dcut", "ar"))
+        own = _own_times(engine, prompts, max_tokens, rounds, ("dcut", "ar"), clock)
         engine.cost.refit()
         learner = engine.draft_cost
         plain, gated, drafting = (_line(own[k]) for k in ("ar", "dcut", "drafting"))
         costs = TraceCosts(engine.cost.model, engine.cost.scale, tuple(DraftCost(*_fields(d)) for d in learner.costs),
-                           float(learner.shared), plain, _minus(gated, plain), _minus(drafting, gated))
+                           float(learner.shared), plain, _minus(gated, plain), _minus(drafting, gated),
+                           choose=None if clock is None or not clock.runs else _line(clock.runs))
     finally:
         engine.shutdown()
     if len(cfg.kinds) == 1:
@@ -181,13 +185,46 @@ def _alone(cfg: EngineConfig, kind: str, prompts: list[list[int]], max_tokens: i
         one.shutdown()
 
 
-def _own_times(engine, prompts: list[list[int]], max_tokens: int, rounds: int,
-               policies: tuple[str, ...]) -> dict[str, list[tuple[int, float]]]:
+class ChooserClock:
+    """Times the kind chooser inside an engine's steps: each run's (requests, seconds), and the
+    seconds a step spent choosing (`spent`, by its record), so the step's own time can leave
+    them out. Installed on the engine's gate for as long as the engine measures."""
+
+    def __init__(self, engine) -> None:
+        self.runs: list[tuple[int, float]] = []
+        self.spent: dict[int, float] = {}  # id(step record) -> seconds its plan spent choosing
+        self._now = 0.0
+        chooser, step = engine.gate.chooser, engine.step
+        choose = chooser.choose
+
+        def timed_choose(q):
+            t0 = time.perf_counter()
+            try:
+                return choose(q)
+            finally:
+                seconds = time.perf_counter() - t0
+                self.runs.append((len(q.predicted.rates), seconds))
+                self._now += seconds
+
+        def timed_step():
+            self._now = 0.0
+            rec = step()
+            if rec is not None:
+                self.spent[id(rec)] = self._now
+            return rec
+
+        chooser.choose, engine.step = timed_choose, timed_step
+
+
+def _own_times(engine, prompts: list[list[int]], max_tokens: int, rounds: int, policies: tuple[str, ...],
+               clock: ChooserClock | None = None) -> dict[str, list[tuple[int, float]]]:
     """(requests, seconds) of every decode step's own time, by plain (`ar`), `dcut` drafting
-    nothing (`dcut`) and drafting (`drafting`), over closed loops at 1, 4 and 16 requests."""
+    nothing (`dcut`) and drafting (`drafting`), over closed loops at 1, 4 and 16 requests; less
+    the kind chooser's runs where a `clock` times them."""
     from actors.engine.loadgen import closed_loop
 
     own: dict[str, list[tuple[int, float]]] = {"ar": [], "dcut": [], "drafting": []}
+    spent = clock.spent if clock is not None else {}
     for _ in range(rounds):
         for c in sorted({1, min(4, len(prompts)), min(16, len(prompts))}):
             for policy in policies:
@@ -197,7 +234,9 @@ def _own_times(engine, prompts: list[list[int]], max_tokens: int, rounds: int,
                 for r in res.records:
                     if not r.prefill_tokens:  # prefill's own bookkeeping would blur it
                         key = policy if policy == "ar" or not r.drafted else "drafting"
-                        own[key].append((r.requests, r.step_s - r.target_compute_s - r.draft_s + between))
+                        own[key].append((r.requests, r.step_s - r.target_compute_s - r.draft_s + between
+                                         - spent.get(id(r), 0.0)))
+                spent.clear()
     return own
 
 

@@ -226,6 +226,30 @@ def test_a_one_kind_setting_pays_the_one_kind_engines_own_time():
     assert again.own_one == cheap.own_one and type(trace.costs).from_dict(dear.as_dict()).own_one is None
 
 
+def test_a_trace_that_prices_the_chooser_apart_charges_each_of_its_runs():
+    """A trace of several kinds may price a run of the kind chooser apart (`TraceCosts.choose`,
+    a + b·R seconds a run; the unit's own-time lines then leave it out): a setting of several
+    kinds pays it at each step where the chooser ran (`SimResult.choices`) — so a replay weighs
+    how often it runs — and a one-kind setting never. Older traces (None) charge nothing apart."""
+    import dataclasses
+
+    reqs = tuple(request(6, [[2, 1, 3, 0, 2, 1, 2, 0, 1], [0, 3, 1, 2, 0, 1, 3, 2, 0]], 5) for _ in range(4))
+    trace = Trace(("block", "ngram"), 5, 10, reqs, costs(kinds=2))
+    runs = {}
+    for name, choose in (("none", None), ("free", (0.0, 0.0)), ("dear", (1e-3, 0.0))):
+        priced = dataclasses.replace(trace, costs=dataclasses.replace(trace.costs, choose=choose))
+        runs[name] = [simulate_trace(priced, SimSettings(kinds=kinds), 2) for kinds in (trace.kinds, trace.kinds[:1])]
+    several, one = runs["dear"]
+    assert several.choices > 0 and one.choices == 0
+    assert [r.seconds for r in runs["none"]] == [r.seconds for r in runs["free"]]
+    assert several.choices == runs["free"][0].choices and several.tokens == runs["free"][0].tokens
+    assert several.seconds == pytest.approx(runs["free"][0].seconds + 1e-3 * several.choices, rel=1e-9)
+    assert one.seconds == runs["free"][1].seconds
+    dear = dataclasses.replace(trace.costs, choose=(1e-3, 2e-4))
+    assert type(trace.costs).from_dict(msgpack.unpackb(msgpack.packb(dear.as_dict()))).choose == dear.choose
+    assert type(trace.costs).from_dict(trace.costs.as_dict()).choose is None and dear.for_kinds(1).choose is None
+
+
 @pytest.mark.parametrize("ngram_better", [True, False])
 def test_the_ngram_look_ahead_is_asked_only_where_it_drafts_and_teaches_every_step(ngram_better):
     """Two kinds: block, and n-gram, which finds a match only at every third position. With the
