@@ -60,7 +60,7 @@ def test_outputs_are_the_targets_greedy_ones_and_the_file_round_trips(trace, tin
         assert d.fixed + d.per_request + 7 * d.per_position < 1e-3 if name == "ngram" else \
             d.per_position + d.per_pass > 0 or d.fixed > 0
     assert c.own_one is not None and again.costs.own_one == c.own_one  # a one-kind engine measured beside the unit
-    assert c.choose is not None and c.choose_seconds(1) > 0 and again.costs.choose == c.choose  # the chooser's runs, apart
+    assert c.choose is not None and c.choose_seconds(1) > 0 and again.costs.choose == c.choose  # priced apart
     one = c.for_kinds(1)
     assert (one.own_policy, one.own_drafting) == c.own_one and one.own == c.own and c.for_kinds(len(KINDS)) is c
 
