@@ -18,7 +18,9 @@ training trace only; the held-out trace is reported, never tuned on.
 4. **The step's own time**: the same settings with the drafting policy's own time per step (the
    gate, the chooser, learning, bookkeeping; `TraceCosts.own_policy`, `own_drafting`) at zero;
    and every kind charged what an engine of one kind spends (`own_one`, measured beside it: the
-   chooser and the other kinds' bookkeeping free) — how much of `auto`'s deficit is its own time.
+   chooser and the other kinds' bookkeeping free) — how much of `auto`'s deficit is its own time;
+   and, where the trace prices the kind chooser's runs apart (`TraceCosts.choose`), every kind
+   with the chooser free.
 5. **Whose prediction is the loss**: the engine's gate (every kind) told in hindsight how many
    drafts of one kind would pass, the other kinds predicted as the engine does.
 
@@ -195,9 +197,13 @@ def experiments(train, trace, prior=None) -> dict:
     every = KIND_SETS[-1]
     if trace.costs.own_one is not None:  # every kind hosted, each step charged one kind's own time
         one = dataclasses.replace(trace, costs=dataclasses.replace(
-            trace.costs, own_policy=trace.costs.own_one[0], own_drafting=trace.costs.own_one[1]))
+            trace.costs, own_policy=trace.costs.own_one[0], own_drafting=trace.costs.own_one[1], choose=None))
         s = SimSettings(kinds=every, block=8)
         out["own_time_one"]["+".join(every)] = ratios(one, lambda c: simulate_trace(one, s, c), every)
+    if trace.costs.choose is not None:  # every kind hosted, the chooser's runs free
+        free = dataclasses.replace(trace, costs=dataclasses.replace(trace.costs, choose=(0.0, 0.0)))
+        s = SimSettings(kinds=every, block=8)
+        out["chooser_free"] = {"+".join(every): ratios(free, lambda c: simulate_trace(free, s, c), every)}
     for told in (("ngram",), ("mtp",), ("block",), every):
         out["told"]["+".join(told)] = ratios(trace, lambda c, t=told: ToldRun(trace, SimSettings(kinds=every, block=8),
                                                                               c, t).run(), every)
@@ -218,6 +224,8 @@ def render(name: str, res: dict) -> str:
         lines.append(f"| policy's own time at 0 | {kinds} | " + " | ".join(f"{x:.2f}" for x in row) + " |")
     for kinds, row in res.get("own_time_one", {}).items():
         lines.append(f"| one kind's own time | {kinds} | " + " | ".join(f"{x:.2f}" for x in row) + " |")
+    for kinds, row in res.get("chooser_free", {}).items():
+        lines.append(f"| the kind chooser free | {kinds} | " + " | ".join(f"{x:.2f}" for x in row) + " |")
     for told, row in res["told"].items():
         lines.append(f"| gate told {told}'s accepted lengths | block+mtp+ngram | " +
                      " | ".join(f"{x:.2f}" for x in row) + " |")
