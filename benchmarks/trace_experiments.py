@@ -195,14 +195,13 @@ def experiments(train, trace, prior=None) -> dict:
         out["early_stop"][name] = ratios(trace, lambda c, s=cut: simulate_trace(trace, s, c), kinds)
         out["own_time_zero"][name] = ratios(quiet, lambda c, s=s: simulate_trace(quiet, s, c), kinds)
     every = KIND_SETS[-1]
+    s = SimSettings(kinds=every, block=8)
     if trace.costs.own_one is not None:  # every kind hosted, each step charged one kind's own time
         one = dataclasses.replace(trace, costs=dataclasses.replace(
             trace.costs, own_policy=trace.costs.own_one[0], own_drafting=trace.costs.own_one[1], choose=None))
-        s = SimSettings(kinds=every, block=8)
         out["own_time_one"]["+".join(every)] = ratios(one, lambda c: simulate_trace(one, s, c), every)
     if trace.costs.choose is not None:  # every kind hosted, the chooser's runs free
         free = dataclasses.replace(trace, costs=dataclasses.replace(trace.costs, choose=(0.0, 0.0)))
-        s = SimSettings(kinds=every, block=8)
         out["chooser_free"] = {"+".join(every): ratios(free, lambda c: simulate_trace(free, s, c), every)}
     for told in (("ngram",), ("mtp",), ("block",), every):
         out["told"]["+".join(told)] = ratios(trace, lambda c, t=told: ToldRun(trace, SimSettings(kinds=every, block=8),

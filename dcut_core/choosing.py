@@ -287,16 +287,15 @@ class GainTable:
 @dataclass(frozen=True)
 class Choice:
     """What one choice's rounds share: the gains, the verify time of the step's R tokens (`base`)
-    and of one more (τ), each kind's costs [5, K], and the seconds a request's catch-up charges
-    each of its lengths under each kind ([R, K, n]; None: no switch charge) — and, made once for
-    every round, the gains with −inf past each kind's longest row (`masked`) and each length's
-    seconds but for its chain's passes (`unshared`: the one term a round's sharing changes)."""
+    and of one more (τ), each kind's costs [5, K], and, made once for every round, the gains with
+    −inf past each kind's longest row (`masked`) and each length's seconds but for its chain's
+    passes (`unshared`: a request's own and its positions', and what its catch-up charges each
+    of its lengths under each kind; the one term a round's sharing changes is left out)."""
 
     table: GainTable
     base: float
     tau: float
     costs: np.ndarray
-    switching: np.ndarray | None
     verify: StepCost
     drafting: DraftingCosts
     masked: np.ndarray | None = None  # [R, K, n]
@@ -312,20 +311,17 @@ class Choice:
         token in the share of its `remaining` output the step may make."""
         c, drafts = costs.table.T, table.width > 0
         if not drafts.any():  # nobody may draft (a captured verify table may hold R alone)
-            return cls(table, 0.0, 0.0, c, None, verify, costs, drafts=drafts)
+            return cls(table, 0.0, 0.0, c, verify, costs, drafts=drafts)
         r = table.gain.shape[0]
         base, more = verify.seconds(np.array([r, r + 1])).tolist()
         tau = more - base
         unshared = c[1][None, :, None] + table.n[None, None, :] * (c[2] + tau)[None, :, None]
-        switching = None
-        if held is not None:
+        if held is not None:  # the switch charge
             left = np.maximum(1.0, np.asarray(remaining, dtype=np.float64))[:, None, None]
-            switching = c[3][None, :, None] * np.asarray(held, dtype=np.float64)[:, :, None] * np.minimum(
+            unshared = unshared + c[3][None, :, None] * np.asarray(held, dtype=np.float64)[:, :, None] * np.minimum(
                 1.0, (1.0 + table.gain) / left)
-            unshared = unshared + switching
         masked = np.where(table.valid[None], table.gain, -np.inf)
-        return cls(table, base, tau, c, switching, verify, costs, masked, unshared, drafts, bool(drafts.all()),
-                   bool(c[4].any()))
+        return cls(table, base, tau, c, verify, costs, masked, unshared, drafts, bool(drafts.all()), bool(c[4].any()))
 
     def seconds(self, sharing: np.ndarray | None) -> np.ndarray:
         """[R or 1, K, n]: what drafting n with kind k costs request i, its chain's passes shared
