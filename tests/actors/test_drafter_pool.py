@@ -102,6 +102,37 @@ def test_a_request_drafts_only_with_the_kinds_it_names(tiny_bundle, reference, t
         eng.shutdown()
 
 
+def test_requests_naming_different_kinds_in_one_gated_batch_are_served_and_the_engine_serves_on(
+        tiny_bundle, reference, tmp_path):
+    """Under the gate (`dcut`), one batch mixing requests that name one kind, two kinds and none:
+    the kind chooser weighs each request's allowed kinds (its −inf bars); every output is the
+    target's, no request drafts with a kind it did not name, and afterwards a plain request
+    completes and nothing is held."""
+    eng = engine(tiny_bundle, tmp_path)
+    named = [("ngram",), ("block", "mtp"), None, ("mtp",)] * 4
+    try:
+        plans = []
+        decide = eng.gate.decide
+
+        def recorded(g):
+            plan = decide(g)
+            plans.append(plan)
+            return plan
+
+        eng.gate.decide = recorded
+        out = eng.generate(PROMPTS[:16], [SamplingParams(max_tokens=MAX_TOKENS, drafters=d) for d in named])
+        assert [s.output for s in out] == reference[:16]
+        kinds, by_rid = eng.kinds, {s.rid: named[i] for i, s in enumerate(out)}
+        drafted = [(by_rid[rid], kinds[k]) for p in plans for rid, k, n in zip(p.seen.rids, p.kinds, p.lengths,
+                                                                               strict=True) if n]
+        assert drafted and all(want is None or kind in want for want, kind in drafted)
+        assert any(p.chosen for p in plans)  # the chooser ran, not only kinds kept from before
+        assert eng.generate(PROMPTS[16:17], [SamplingParams(max_tokens=MAX_TOKENS)])[0].output == reference[16]
+        assert set(eng.held().values()) == {0}
+    finally:
+        eng.shutdown()
+
+
 def test_a_mixed_pool_step_log_replays_every_plan(tiny_bundle, tmp_path):
     log = tmp_path / "steps.msgpack"
     eng = engine(tiny_bundle, tmp_path, step_log=str(log), overlap=True)  # as on GPU ranks: learnt a step late
