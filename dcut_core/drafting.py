@@ -1,19 +1,8 @@
-"""The drafting gate: before the drafters run, how many drafts each request should get.
-
-Drafting costs time too; on CPU with a small target a drafter pass can cost as much as the
-target's step. So the plan is made before drafting, from what the previous steps taught:
-`AcceptanceTracker` predicts each request's conditional acceptance by draft position, their
-running products are predicted survivals, and the same global-sort scan as pruning picks a
-budget m — now with the drafting cost in the denominator:
-
-    (R + S_m) / (C_verify(R + m) + [m > 0] · (d_fixed + Σ_{i drafts} (d_request + d_context · b_i) + d_position · m))
-
-where the sum runs over the requests that get at least one draft, and b_i is request i's
-context its drafter has not seen yet (the engine sends it lazily, with the first draft call
-that needs it; catching up costs d_context per token). m = 0 means no drafter call at all:
-a plain decoding step. Unlike the pruning scan this is a heuristic (the per-request term makes
-the best plan of budget m not always the global top-m), which is fine: its inputs are
-predictions, and pruning makes the exact decision once real confidences exist.
+"""What the drafting gate reads and learns: drafting costs (`DraftCost`, `DraftingCosts`), each
+request's predicted acceptance under each kind (`Predicted`) and its survival (`Survival`), the
+acceptance trackers that make the predictions (`AcceptanceTracker`) from verifications
+(`Verified`), and exploration's schedule (`Exploration`). The plan made from them — how many
+drafts each request gets — is dcut_core/planning.py's.
 """
 
 from __future__ import annotations
@@ -24,7 +13,6 @@ from functools import cached_property
 import numpy as np
 
 from dcut_core import ragged
-from dcut_core.pruning import StepCost
 
 
 @dataclass(frozen=True)
@@ -46,18 +34,6 @@ class DraftCost:
         c, n = np.asarray(context, dtype=np.float64), np.asarray(passes, dtype=np.float64)
         return np.where(p > 0, self.fixed + self.per_request * r + self.per_position * p + self.per_context * c
                         + self.per_pass * n, 0.0)
-
-
-@dataclass(frozen=True)
-class DraftPlan:
-    lengths: np.ndarray  # [R] drafts to ask of each request's drafter (0: none)
-    expected_tokens: float
-    predicted_seconds: float
-    ar_seconds: float  # predicted time of a plain decoding step instead
-
-    @property
-    def drafting(self) -> bool:
-        return bool(self.lengths.sum())
 
 
 @dataclass(frozen=True)
@@ -139,152 +115,6 @@ class Predicted:
         """The survival of each request's drafts under its kind (`kinds` [R])."""
         rows = np.arange(len(kinds))
         return Survival(np.cumprod(self.rates[rows, kinds], axis=1), self.lengths[rows, kinds])
-
-
-@dataclass(frozen=True)
-class DraftPlanner:
-    """How far each request drafts this step (`plan`), and how the plan is widened past what
-    the predictions alone pay for.
-
-    slack: extra positions drafted past the plan for each request that drafts at all (at most
-    its row). The plan is made from predictions; pruning decides again from the drafts' own
-    confidences, and can only keep what was drafted — without slack the two cuts compound.
-    extend: also draft, for each request that drafts at all, every further position whose
-    predicted survival pays for drafting it alone (survival ≥ plan rate × per-position cost).
-    The plan's verify budget is a guess from predictions; what is verified is pruning's call,
-    and drafting a position costs far less than verifying it (one more row of the same pass).
-    Neither widens a chained kind (`per_pass` > 0: MTP, one sequential pass per position) past
-    the deepest position the plan drafts with it: there a position deeper than the chain is one
-    more pass for every request on it, which the plan did not price. Before this cap, MTP steps
-    at 16 requests on a training trace were planned at 59 ms and paid 86 (docs/benchmarks.md,
-    session 19).
-    max_budget: the most drafts the scan considers in all (None: every row in full)."""
-
-    max_budget: int | None = None
-    slack: int = 0
-    extend: bool = False
-
-    def plan(self, survival: Survival, verify: StepCost, costs: DraftingCosts, kinds: np.ndarray | None = None,
-             catchup: np.ndarray | None = None) -> DraftPlan:
-        """Drafts per request from its predicted `survival`, kinds[i] the kind drafting request i
-        (None: every request kind 0): each kind's pass is charged once if any request drafts with
-        it (its `fixed`, and `per_pass` for each position of its chain's longest request), each
-        request and position at its own kind's rates, `shared_fixed` once for any drafting at
-        all, and the replicas' `call` once if any kind that drafts there drafts.
-
-        catchup[i]: context tokens request i's drafter must catch up on if it drafts this step.
-        A request whose whole expected gain cannot pay for its own catch-up and drafting at the
-        plain-decoding rate is left out before the scan (the scan orders by survival alone).
-
-        Runs every step before drafting, so it is array code on the [R, w] survival matrix with
-        one call of the verify curve (measured in benchmarks/coordinator.py)."""
-        surv, lens = survival.matrix.copy(), survival.lengths
-        r, width = surv.shape
-        valid = np.arange(width) < lens[:, None]
-        n_flat = int(lens.sum())
-        seconds_at = verify.seconds(r + np.arange(n_flat + 1))  # the verify curve at every budget the scan can reach
-        rates = _RequestRates.of(costs, r, kinds, catchup)
-        if catchup is not None and r:
-            _leave_out_hopeless(surv, lens, rates, seconds_at)
-        flat = surv[valid]  # [N] request by request, position order within each
-        row_of, pos_of = np.nonzero(valid)
-        # Positions by survival per second of their own cost, high to low (by survival where every
-        # kind's position costs the same), position order on ties: prefix-closed within a request.
-        tau = float(seconds_at[1] - seconds_at[0]) if n_flat else 0.0
-        pp = rates.per_position[row_of]
-        density = flat / np.maximum(tau + pp, 1e-12)
-        m_max = n_flat if self.max_budget is None else min(n_flat, self.max_budget)
-        order = np.argsort(-density, kind="stable")[:m_max]  # [m_max]
-        tokens = np.empty(m_max + 1)
-        tokens[0] = r
-        flat[order].cumsum(out=tokens[1:])
-        tokens[1:] += r
-        row = row_of[order]  # the request of each position in order
-        seconds = seconds_at[:m_max + 1].copy()
-        seconds[1:] += costs.shared_fixed + _added_seconds(row, pos_of[order], rates, costs).cumsum()
-        best = int(np.argmax(tokens / seconds))
-        planned = np.bincount(row[:best], minlength=r).astype(np.int64)
-        lengths = planned
-        if self.slack:
-            lengths = np.where(lengths > 0, np.minimum(lengths + self.slack, lens), 0)
-        if self.extend and best > 0:
-            worth = np.zeros_like(valid)
-            worth[valid] = flat >= tokens[best] / seconds[best] * pp
-            pays = np.cumprod(worth, axis=1).sum(axis=1)
-            lengths = np.where(lengths > 0, np.maximum(lengths, pays), 0)
-        if best > 0:
-            lengths = _chains_capped(lengths, planned, rates.kind, costs.table[:, 4])
-        return DraftPlan(lengths, float(tokens[best]), float(seconds[best]), float(seconds[0]))
-
-
-@dataclass(frozen=True)
-class _RequestRates:
-    """Each request's drafting rates, at the costs of the kind drafting it ([R] each), and the
-    context it would catch up on."""
-
-    kind: np.ndarray
-    per_request: np.ndarray
-    per_position: np.ndarray
-    per_context: np.ndarray
-    backlog: np.ndarray
-
-    @classmethod
-    def of(cls, costs: DraftingCosts, r: int, kinds: np.ndarray | None, catchup: np.ndarray | None) -> _RequestRates:
-        kind = np.zeros(r, dtype=np.int64) if kinds is None else np.asarray(kinds, dtype=np.int64)
-        table = costs.table
-        backlog = np.zeros(r) if catchup is None else np.asarray(catchup, dtype=np.float64)
-        return cls(kind, table[kind, 1], table[kind, 2], table[kind, 3], backlog)
-
-    def start(self, rows: np.ndarray) -> np.ndarray:
-        """Seconds for these requests to start drafting: the request, and its catch-up."""
-        return self.per_request[rows] + self.per_context[rows] * self.backlog[rows]
-
-
-def _leave_out_hopeless(surv: np.ndarray, lens: np.ndarray, rates: _RequestRates, seconds_at: np.ndarray) -> None:
-    """Zero the survival of each request whose whole expected gain cannot pay, at the plain-
-    decoding rate, for its own catch-up and drafting (the scan orders by survival alone)."""
-    r, n_flat = len(lens), len(seconds_at) - 1
-    ar_rate = r / float(seconds_at[0])
-    cost = rates.per_request + rates.per_context * rates.backlog + rates.per_position * lens
-    cost = cost + (seconds_at[n_flat] - seconds_at[0]) * lens / max(1, n_flat)
-    hopeless = surv.sum(axis=1) < ar_rate * cost
-    if hopeless.any():
-        surv[hopeless] = 0.0
-
-
-def _added_seconds(row: np.ndarray, pos: np.ndarray, rates: _RequestRates, costs: DraftingCosts) -> np.ndarray:
-    """Drafting seconds each position of the scan's order adds (request row[j], position pos[j]):
-    its own; a request's first starts it; a kind's first runs its pass; a position deeper than
-    any of its chained kind's so far, one more pass; the first on the replicas, their call."""
-    added = rates.per_position[row]
-    first = pos == 0  # a request's first position: it starts drafting
-    added[first] += rates.start(row[first])
-    fixed, per_pass = costs.table[:, 0], costs.table[:, 4]  # [kinds]
-    if len(row) and (fixed.any() or per_pass.any()):
-        kind_at = rates.kind[row]
-        if fixed.any():  # a kind's first position in the order: its pass runs
-            present = np.flatnonzero(np.bincount(kind_at, minlength=len(fixed)))
-            added[np.argmax(kind_at[None, :] == present[:, None], axis=1)] += fixed[present]
-        depth = pos + 1
-        for k in per_pass.nonzero()[0]:  # a position deeper than any of its kind's so far: one more pass
-            deeper = np.maximum.accumulate(np.where(kind_at == k, depth, 0))
-            deeper[1:] -= deeper[:-1].copy()  # how much deeper than its kind's deepest so far
-            added += per_pass[k] * deeper
-    if len(row) and costs.call:
-        calling = costs.calling[rates.kind[row]].nonzero()[0]
-        if len(calling):
-            added[calling[0]] += costs.call  # the first position drafted on the replicas: the call
-    return added
-
-
-def _chains_capped(lengths: np.ndarray, planned: np.ndarray, kind: np.ndarray, per_pass: np.ndarray) -> np.ndarray:
-    """Slack and extension never add a pass to a chained kind's chain: no request of a chained
-    kind drafts deeper than the plan's deepest with that kind."""
-    if not per_pass.any():
-        return lengths
-    depth = np.zeros(len(per_pass), dtype=np.int64)
-    np.maximum.at(depth, kind, planned)
-    return np.where(per_pass[kind] > 0, np.minimum(lengths, depth[kind]), lengths)
 
 
 @dataclass(frozen=True)

@@ -15,12 +15,12 @@ from dcut_core.drafting import (
     AcceptanceTracker,
     DraftCost,
     DraftingCosts,
-    DraftPlanner,
     Exploration,
     Predicted,
     Survival,
     Verified,
 )
+from dcut_core.planning import DraftPlanner
 from dcut_core.pruning import StepCost
 
 # The engine looks the n-gram kind up ahead of the gate (actors/engine/lookahead.py) for batches

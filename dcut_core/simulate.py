@@ -24,7 +24,8 @@ import numpy as np
 
 from dcut_core import ragged
 from dcut_core.acceptance import Calibrator, survival, verify_outcomes
-from dcut_core.drafting import AcceptanceTracker, DraftCost, DraftingCosts, DraftPlanner, Survival
+from dcut_core.drafting import AcceptanceTracker, DraftCost, DraftingCosts, Survival
+from dcut_core.planning import DraftPlanner
 from dcut_core.pruning import DraftBatch, Policy, StepCost
 from dcut_core.traces import RecordedTrace, SyntheticTrace
 

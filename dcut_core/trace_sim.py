@@ -28,10 +28,11 @@ from dcut_core.acceptance import Calibrator, survival, verify_outcomes
 from dcut_core.chains import ChainStop, cut_lengths
 from dcut_core.cost_model import StepShape
 from dcut_core.counterfactual import Trace
-from dcut_core.drafting import AcceptanceTracker, DraftCost, DraftPlanner, Exploration, Predicted, Verified
+from dcut_core.drafting import AcceptanceTracker, DraftCost, Exploration, Predicted, Verified
 from dcut_core.gate import LOOKAHEAD_REQUESTS, DraftingCosts, DraftingGate, GateInput, KindReach, Plan
 from dcut_core.learned import KindState, LearnedState
 from dcut_core.payoff import PLAIN, PayoffCheck, arms_of, kind_of
+from dcut_core.planning import DraftPlanner
 from dcut_core.pruning import DraftBatch, policy_from_name
 
 

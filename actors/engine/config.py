@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from actors.engine.placement import COORDINATOR_CPUS, UnitLayout
 from actors.engine.replica import DrafterSpec
 from actors.target.group import EPConfig
-from dcut_core.drafting import DraftPlanner
+from dcut_core.planning import DraftPlanner
 
 
 @dataclass(frozen=True)

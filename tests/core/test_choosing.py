@@ -9,8 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dcut_core.choosing import KindChooser, KindQuestion, Support
-from dcut_core.drafting import AcceptanceTracker, DraftCost, DraftPlanner, Exploration, Predicted, Survival, Verified
+from dcut_core.drafting import AcceptanceTracker, DraftCost, Exploration, Predicted, Survival, Verified
 from dcut_core.gate import DraftingCosts, DraftingGate, GateInput, KindReach, replay
+from dcut_core.planning import DraftPlanner
 from dcut_core.pruning import StepCost
 
 

@@ -15,12 +15,12 @@ from dcut_core.drafting import (
     AcceptanceTracker,
     DraftCost,
     DraftingCosts,
-    DraftPlanner,
     Exploration,
     Survival,
     Verified,
 )
 from dcut_core.gate import DraftingGate, GateInput, KindReach, replay
+from dcut_core.planning import DraftPlanner
 from dcut_core.pruning import StepCost
 
 
