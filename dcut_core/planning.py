@@ -32,6 +32,9 @@ import numpy as np
 from dcut_core.drafting import DraftingCosts, Survival
 from dcut_core.pruning import StepCost
 
+# At most this many positions in all (Σ lengths) are planned in plain Python (`DraftPlanner._plan_in_turn`).
+IN_TURN_CELLS = 48
+
 
 @dataclass(frozen=True)
 class DraftPlan:
@@ -81,13 +84,24 @@ class DraftPlanner:
         A request whose whole expected gain cannot pay for its own catch-up and drafting at the
         plain-decoding rate is left out before the scan (the scan orders by survival alone).
 
-        Runs every step before drafting, so it is array code on the [R, w] survival matrix with
-        one call of the verify curve (measured in benchmarks/coordinator.py)."""
+        Runs every step before drafting: array code on the [R, w] survival matrix with one call
+        of the verify curve, or for a few positions in all the same scan in plain Python
+        (`_plan_in_turn`: the same plan to the last bit)."""
+        lens = survival.lengths
+        n_flat = int(lens.sum())
+        r = len(lens)
+        seconds_at = verify.seconds(r + np.arange(n_flat + 1))  # the verify curve at every budget the scan can reach
+        if n_flat <= IN_TURN_CELLS:
+            return self._plan_in_turn(survival, seconds_at, costs, kinds, catchup)
+        return self._plan_whole(survival, seconds_at, costs, kinds, catchup)
+
+    def _plan_whole(self, survival: Survival, seconds_at: np.ndarray, costs: DraftingCosts,
+                    kinds: np.ndarray | None, catchup: np.ndarray | None) -> DraftPlan:
+        """`plan` as array code (seconds_at: the verify curve at R + 0 .. R + Σ lengths tokens)."""
         surv, lens = survival.matrix.copy(), survival.lengths
         r, width = surv.shape
         valid = np.arange(width) < lens[:, None]
-        n_flat = int(lens.sum())
-        seconds_at = verify.seconds(r + np.arange(n_flat + 1))  # the verify curve at every budget the scan can reach
+        n_flat = len(seconds_at) - 1
         rates = _RequestRates.of(costs, r, kinds, catchup)
         if catchup is not None and r:
             _leave_out_hopeless(surv, lens, rates, seconds_at)
@@ -120,6 +134,82 @@ class DraftPlanner:
         if best > 0:
             lengths = _chains_capped(lengths, planned, rates.kind, costs.table[:, 4])
         return DraftPlan(lengths, float(tokens[best]), float(seconds[best]), float(seconds[0]))
+
+
+    def _plan_in_turn(self, survival: Survival, seconds_at: np.ndarray, costs: DraftingCosts,
+                      kinds: np.ndarray | None, catchup: np.ndarray | None) -> DraftPlan:
+        """`_plan_whole` in plain Python, for a few positions: every sum made in the order the
+        array code makes it (a request's row sums, pairwise in numpy, are taken from numpy), the
+        positions in the same stable order, the first best budget."""
+        lens, at = survival.lengths.tolist(), seconds_at.tolist()
+        r, n_flat = len(lens), len(at) - 1
+        table = costs.table.tolist()
+        kind = [0] * r if kinds is None else np.asarray(kinds, dtype=np.int64).tolist()
+        pr, pp, pc = ([table[k][c] for k in kind] for c in (1, 2, 3))
+        backlog = [0.0] * r if catchup is None else np.asarray(catchup, dtype=np.float64).tolist()
+        rows = survival.matrix.tolist()
+        if catchup is not None and r:  # `_leave_out_hopeless`
+            ar_rate, whole = r / at[0], survival.matrix.sum(axis=1).tolist()
+            spread = at[n_flat] - at[0]
+            for i in range(r):
+                cost = pr[i] + pc[i] * backlog[i] + pp[i] * lens[i] + spread * lens[i] / max(1, n_flat)
+                if whole[i] < ar_rate * cost:
+                    rows[i] = [0.0] * len(rows[i])
+        # [N] (request, position, survival), request by request, in position order within each
+        cells = [(i, j, rows[i][j]) for i in range(r) for j in range(lens[i])]
+        tau = at[1] - at[0] if n_flat else 0.0
+        density = [s / max(tau + pp[i], 1e-12) for i, _, s in cells]
+        order = sorted(range(n_flat), key=lambda q: -density[q])
+        if self.max_budget is not None:
+            order = order[:self.max_budget]
+        fixed = [table[k][0] for k in range(len(table))]
+        per_pass = [table[k][4] for k in range(len(table))]
+        chained = [k for k, x in enumerate(per_pass) if x]
+        calling = costs.calling.tolist() if costs.call else None
+        started, deepest, called = set(), [0] * len(table), calling is None
+        tokens, seconds, got, spent = [float(r)], [at[0]], 0.0, 0.0
+        for m, q in enumerate(order, 1):  # `_added_seconds`, position by position
+            i, j, s = cells[q]
+            k = kind[i]
+            added = pp[i]
+            if j == 0:
+                added += pr[i] + pc[i] * backlog[i]
+            if fixed[k] and k not in started:
+                added += fixed[k]
+            started.add(k)
+            for c in chained:
+                deeper = j + 1 - deepest[c] if c == k and j + 1 > deepest[c] else 0
+                added += per_pass[c] * deeper
+                if deeper:
+                    deepest[c] = j + 1
+            if not called and calling[k]:
+                added += costs.call
+                called = True
+            got += s
+            spent += added
+            tokens.append(got + r)
+            seconds.append(at[m] + (costs.shared_fixed + spent))
+        ratio = [t / sec for t, sec in zip(tokens, seconds, strict=True)]
+        best = max(range(len(ratio)), key=ratio.__getitem__)
+        planned = [0] * r
+        for q in order[:best]:
+            planned[cells[q][0]] += 1
+        lengths = planned
+        if self.slack:
+            lengths = [min(n + self.slack, cap) if n > 0 else 0 for n, cap in zip(lengths, lens, strict=True)]
+        if self.extend and best > 0:
+            bar = tokens[best] / seconds[best]
+            pays = [0] * r
+            for i in range(r):
+                while pays[i] < lens[i] and rows[i][pays[i]] >= bar * pp[i]:
+                    pays[i] += 1
+            lengths = [max(n, p) if n > 0 else 0 for n, p in zip(lengths, pays, strict=True)]
+        if best > 0 and chained:  # `_chains_capped`
+            depth = [0] * len(table)
+            for k, n in zip(kind, planned, strict=True):
+                depth[k] = max(depth[k], n)
+            lengths = [min(n, depth[k]) if per_pass[k] > 0 else n for n, k in zip(lengths, kind, strict=True)]
+        return DraftPlan(np.array(lengths, dtype=np.int64), float(tokens[best]), float(seconds[best]), float(at[0]))
 
 
 @dataclass(frozen=True)
