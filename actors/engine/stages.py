@@ -15,6 +15,10 @@ from dcut_core import ragged, rules
 from dcut_core.gate import Plan
 from dcut_core.pruning import StepCost
 
+# Up to this many decoding requests a step's drafts are accepted on lists (`rules.greedy_in_turn`):
+# numpy's per-call cost had been the accept stage's whole cost at one request.
+IN_TURN_REQUESTS = 16
+
 
 @dataclass(frozen=True)
 class Drafts:
@@ -192,6 +196,10 @@ def accept_tokens(batch: list[Sequence], drafts: Drafts, kept: np.ndarray, out: 
     target = out.emitted[:int(out.rows_cu[r])]  # the decoding requests' rows come first, 1 + k[i] each
     if not k.any():  # no draft kept (a plain step): each request emits its one row, the same as below
         return Accepted([0] * r, [[t] for t in target.tolist()])
+    if r <= IN_TURN_REQUESTS:  # a few requests: the rule on lists (the same outcome, `rules.greedy_in_turn`)
+        counts, emitted = rules.greedy_in_turn(drafts.tokens.tolist(), drafts.cu[:-1].tolist(), k.tolist(),
+                                               np.asarray(target, dtype=np.int64).tolist())
+        return Accepted(counts, emitted)
     cu = np.zeros(r + 1, dtype=np.int64)
     k.cumsum(out=cu[1:])
     d = drafts.tokens[np.repeat(np.asarray(drafts.cu[:-1], dtype=np.int64) - cu[:-1], k) + np.arange(cu[-1])]

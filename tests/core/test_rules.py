@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 from dcut_core import ragged
-from dcut_core.rules import Accepted, coupled_sampling, greedy, inverse_cdf, speculative, target_offsets
+from dcut_core.rules import Accepted, coupled_sampling, greedy, greedy_in_turn, inverse_cdf, speculative, target_offsets
 
 
 def speculative_rng(draft_tokens, cu_kept, draft_probs, target_probs, rng: np.random.Generator) -> Accepted:
@@ -50,6 +52,26 @@ def test_greedy_property_random():
             assert out.accepted[i] == a
             assert out.tokens[out.cu_tokens[i]:out.cu_tokens[i + 1]].tolist() == t[: a + 1].tolist()
 
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6)), max_size=8), st.integers(0, 2 ** 31))
+def test_greedy_on_lists_accepts_and_emits_as_the_array_rule(rows, seed):
+    """Requests of `drafted` drafts, the first `kept` verified (target rows over a 3-token
+    vocabulary: matches, mismatches and late matches)."""
+    rng = np.random.default_rng(seed)
+    drafted = [d for d, _ in rows]
+    kept = [min(k, d) for d, k in rows]
+    cu_d = ragged.offsets_from_lengths(drafted)
+    tokens = rng.integers(0, 3, int(cu_d[-1]))
+    cu_k = ragged.offsets_from_lengths(kept)
+    target = rng.integers(0, 3, int(cu_k[-1]) + len(kept))
+    flat = np.concatenate([tokens[cu_d[i]:cu_d[i] + k] for i, k in enumerate(kept)]) if kept else np.zeros(0, int)
+    want = greedy(flat.astype(np.int64), cu_k, target)
+    accepted, emitted = greedy_in_turn(tokens.tolist(), cu_d[:-1].tolist(), kept, target.tolist())
+    assert accepted == want.accepted.tolist()
+    assert emitted == [want.tokens[want.cu_tokens[i]:want.cu_tokens[i + 1]].tolist() for i in range(len(kept))]
+    with pytest.raises(ValueError, match="target rows"):
+        greedy_in_turn(tokens.tolist(), cu_d[:-1].tolist(), kept, [*target.tolist(), 0])
 
 def test_leading_true_against_a_loop():
     rng = np.random.default_rng(1)
