@@ -6,11 +6,14 @@ training trace only; the held-out trace is reported, never tuned on.
 
 1. **Where the oracle's lead comes from**: the hindsight oracle with each kind alone and with
    every kind — knowing how many drafts pass (length) against knowing which kind to use.
-2. **A free signal: the n-gram match.** Before drafting, the n-gram lookup says whether the
-   context repeats here and how far (`count` of the n-gram kind at that position). Each kind's
-   conditional acceptance by position is fitted per match bucket (none, 1–2, 3–5, 6+ drafts
-   available) on the training trace; the gate's trackers predict from that table times the
-   request's own factor instead of from the global rates.
+2. **A free signal: the n-gram match.** Before drafting, the n-gram lookup knows how its draft
+   was matched: its first draft's confidence is its match's length where one occurrence matched,
+   the share of occurrences that agree where several did (`NgramDrafter`). On the training traces
+   that confidence sorts the first draft's acceptance from 0.23–0.38 to 0.97–0.99 (session 45;
+   the number of drafts available, this row's signal before, says nothing since loops are copied
+   on). The n-gram kind's conditional acceptance by position is fitted per confidence bucket on
+   the training trace, and the gate predicts the kind from that table (each request's own factor
+   left out: with it the row gained less); the other kinds as the engine predicts them.
 3. **Chains cut as they run** (dcut_core/chains.py, `EngineConfig.chain_stop`): MTP's chains cut
    pass by pass where the calibrated survival of their drafts no longer pays. The simulator
    charges nothing for the per-pass confidences the cut reads (session 24: off by default, since
@@ -49,54 +52,50 @@ from dcut_core.trace_sim import HindsightGate, SimSettings, _Run, oracle_run, si
 
 LEVELS = (1, 4, 16, 32)
 KIND_SETS = (("ngram",), ("mtp",), ("block", "mtp", "ngram"))
-BUCKETS = np.array([1, 3, 6])  # n-gram drafts available: 0 | 1–2 | 3–5 | 6+
+EDGES = np.array([0.6, 0.76, 0.84, 0.88, 0.91])  # the n-gram kind's first-draft confidence, in 6 buckets
 
 
-def bucket(count: int) -> int:
-    return int(np.digitize(count, BUCKETS))
+def bucket(confidence: float) -> int:
+    return int(np.digitize(confidence, EDGES))
 
 
 def fit_signal_table(trace) -> np.ndarray:
-    """[kinds, buckets, positions] conditional acceptance (judged drafts only, smoothed toward 0.5)."""
-    k, width = len(trace.kinds), trace.block - 1
-    ng = trace.kinds.index("ngram")
-    hits = np.full((k, len(BUCKETS) + 1, width), 0.5)
-    judged = np.ones((k, len(BUCKETS) + 1, width))
+    """[buckets, positions] the n-gram kind's conditional acceptance by its first draft's
+    confidence bucket (judged drafts only, smoothed toward 0.5)."""
+    width, ng = trace.block - 1, trace.kinds.index("ngram")
+    hits = np.full((len(EDGES) + 1, width), 0.5)
+    judged = np.ones((len(EDGES) + 1, width))
     j = np.arange(width)
     for r in trace.requests:
         for t in range(1, r.length):
-            b = bucket(r.count[ng, t])
-            for kind in range(k):
-                n, a = r.count[kind, t], r.accepted[kind, t]
+            n, a = r.count[ng, t], r.accepted[ng, t]
+            if n:
+                b = bucket(r.confidence[ng, t, 0])
                 seen = (j <= min(a, n - 1)) & (j < n)
-                hits[kind, b] += (j < a) & seen
-                judged[kind, b] += seen
+                hits[b] += (j < a) & seen
+                judged[b] += seen
     return hits / judged
 
 
 class SignalRun(_Run):
-    """The engine's decisions, its gate predicting from the n-gram-match table (times each
-    request's own factor, which its trackers still learn)."""
+    """The engine's decisions, its gate predicting the n-gram kind from the confidence-bucket
+    table (`fit_signal_table`), the other kinds as the engine does."""
 
     def __init__(self, trace, settings, concurrency, table) -> None:
         super().__init__(trace, settings, concurrency)
-        self.table, self.ng = table, trace.kinds.index("ngram")
+        self.table, self.ng, self.mine = table, trace.kinds.index("ngram"), settings.kinds.index("ngram")
         self.at: dict[int, tuple] = {}
-        self.gate.predict = self._predict  # in place of the trackers' global rates
+        self.gate.predict = self._predict  # in place of the n-gram tracker's rates
 
     def _predict(self, g: GateInput) -> Predicted:
-        room = g.room()
-        rates = np.zeros((len(g.rids), len(self.kidx), int(room.max(initial=0))))
+        own = DraftingGate.predict(self.gate, g)
+        rates = own.rates.copy()
         for i, rid in enumerate(g.rids):
-            rt, t = self.at[rid]
-            b = bucket(rt.count[self.ng, t])
-            for j, tracker in enumerate(self.gate.trackers):
-                n = int(room[i, j])
-                if n:
-                    rate = self.table[self.kidx[j], b, :n].copy()
-                    rate[0] = min(0.99, rate[0] * tracker.factor.get(rid, 1.0))
-                    rates[i, j, :len(rate)] = np.clip(rate, 0.0, 0.99)
-        return Predicted(rates, room)
+            n = int(own.lengths[i, self.mine])
+            if n:
+                rt, t = self.at[rid]
+                rates[i, self.mine, :n] = np.clip(self.table[bucket(rt.confidence[self.ng, t, 0]), :n], 0.0, 0.99)
+        return Predicted(rates, own.lengths)
 
     def _plan(self, batch):
         self.at = {x.rid: (self.trace.requests[x.q], x.t) for x in batch}
@@ -188,9 +187,10 @@ def experiments(train, trace, prior=None) -> dict:
     for kinds in KIND_SETS:
         s = SimSettings(kinds=kinds, block=8)
         name = "+".join(kinds)
-        out["signal"][name] = {"stock": ratios(trace, lambda c, s=s: simulate_trace(trace, s, c), kinds),
-                               "n-gram match table": ratios(trace, lambda c, s=s: SignalRun(trace, s, c, table).run(),
-                                                            kinds)}
+        out["signal"][name] = {"stock": ratios(trace, lambda c, s=s: simulate_trace(trace, s, c), kinds)}
+        if "ngram" in kinds:
+            out["signal"][name]["n-gram match-confidence table"] = ratios(
+                trace, lambda c, s=s: SignalRun(trace, s, c, table).run(), kinds)
         cut = dataclasses.replace(s, chain_stop=True)
         out["early_stop"][name] = ratios(trace, lambda c, s=cut: simulate_trace(trace, s, c), kinds)
         out["own_time_zero"][name] = ratios(quiet, lambda c, s=s: simulate_trace(quiet, s, c), kinds)
