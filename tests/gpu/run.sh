@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU checks for one CUDA machine, about 5 minutes (8 at most). Run from anywhere: `bash tests/gpu/run.sh`
+# GPU checks for one CUDA machine, about 5 minutes (13 at most). Run from anywhere: `bash tests/gpu/run.sh`
 # (writes to ${OUT:-runs/gpu}). Every check is named, its log kept, and the script exits non-zero
 # when any check fails, times out, is skipped on a GPU machine, or when there is no GPU at all
 # (then it says that nothing was checked). tests/gpu/README.md says what each check covers.
@@ -20,6 +20,9 @@
 #   rank-step   where one decode forward of the bundled target goes on the GPU: wall, host and
 #               device-busy ms, kernels launched and host waits per forward, and the same step
 #               captured as a CUDA graph and replayed (benchmarks/rank_step.py)
+#   mii-peer    plain decoding through DeepSpeed-MII beside the engine's `ar` and `dcut` on one
+#               Mixtral-layout checkpoint in bf16 (benchmarks/mii_peer.py): tok/s of each; NOT RUN,
+#               which does not fail the script, where deepspeed-mii (the optional `gpu` extra) is absent
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-runs/gpu}
@@ -115,6 +118,17 @@ if [ "$rc" = 124 ]; then record rank-step FAIL "timed out after 240 s; see rank_
 elif [ "$rc" != 0 ]; then record rank-step FAIL "benchmarks/rank_step.py exit $rc; see rank_step.log"
 else record rank-step PASS "wall, host and device-busy ms per forward in $out/rank_step/table.md"
 fi
+
+# mii-peer: DeepSpeed-MII's plain decoding beside the engine's on one Mixtral-layout checkpoint (issue
+# #26): where the optional `gpu` extra is not installed the check is NOT RUN, which fails nothing.
+DCUT_GPUS_PER_RANK=1 timeout 300 "$python" benchmarks/mii_peer.py --out "$out/mii_peer" > "$out/mii_peer.log" 2>&1
+rc=$?
+case $rc in
+  0) record mii-peer PASS "tok/s beside DeepSpeed-MII's in $out/mii_peer/table.md" ;;
+  3) record mii-peer "NOT RUN" "deepspeed-mii is not installed for $python (pip install '.[gpu]')" ;;
+  124) record mii-peer FAIL "timed out after 300 s; see mii_peer.log" ;;
+  *) record mii-peer FAIL "benchmarks/mii_peer.py exit $rc (1: dcut's outputs differ from ar's, or a backend failed); see mii_peer.log" ;;
+esac
 
 {
   echo "GPU checks ($(date -u +%FT%TZ)):"

@@ -27,7 +27,7 @@ def test_without_a_gpu_it_fails_and_says_nothing_was_checked(tmp_path):
 
 
 def stand_in(tmp_path, pytest_says: str, pytest_rc: int, ray: bool, bench_rc: int, coordinator_rc: int = 0,
-             rank_step_rc: int = 0) -> str:
+             rank_step_rc: int = 0, mii_rc: int = 3) -> str:
     """An interpreter that claims a GPU and answers each call of the script as told."""
     path = tmp_path / "python"
     path.write_text(f"""#!/usr/bin/env bash
@@ -38,6 +38,7 @@ case "$*" in
   *deployments.cli*) echo bench; exit {bench_rc} ;;
   *benchmarks/coordinator.py*) echo coordinator; exit {coordinator_rc} ;;
   *benchmarks/rank_step.py*) echo rank_step; exit {rank_step_rc} ;;
+  *benchmarks/mii_peer.py*) echo mii_peer; exit {mii_rc} ;;
   *"-m pytest"*) printf '%s\\n' "{pytest_says}"; exit {pytest_rc} ;;
 esac
 exit 3
@@ -67,3 +68,13 @@ def test_any_failing_check_fails_the_script_and_is_named(tmp_path, pytest_says, 
         assert rc == 0 and "FAIL" not in summary, out
     else:
         assert rc == 1 and f"{failing}: FAIL" in summary, out
+
+
+@pytest.mark.parametrize(("mii_rc", "status", "rc"),
+                         [(0, "PASS", 0), (3, "NOT RUN", 0), (1, "FAIL", 1), (124, "FAIL", 1)])
+def test_the_mii_peer_fails_the_script_only_when_it_ran_and_failed(tmp_path, mii_rc, status, rc):
+    """deepspeed-mii is the optional `gpu` extra: absent (exit 3), the check is NOT RUN and fails
+    nothing; present, a crash, an output of `dcut` unlike `ar`'s or a timeout fails the script."""
+    got, out = run(tmp_path, stand_in(tmp_path, "5 passed in 3.0s", 0, True, 0, mii_rc=mii_rc))
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert got == rc and f"mii-peer: {status}" in summary, out
