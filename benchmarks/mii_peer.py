@@ -153,10 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     out = pathlib.Path(args.out)
     levels = [int(c) for c in args.concurrency.split(",")]
-    texts = prompts(args.num_prompts)
     if args.child:
         run = {"mii": run_mii, "engine": run_engine}[args.child]
-        rows = run(str(out / "checkpoint"), texts, levels, args.max_tokens)
+        rows = run(str(out / "checkpoint"), prompts(args.num_prompts), levels, args.max_tokens)
         (out / f"{args.child}.json").write_text(json.dumps(rows))
         return 0
     backends = args.backends.split(",")

@@ -48,7 +48,6 @@ class DraftPlan:
         return bool(self.lengths.sum())
 
 
-
 @dataclass(frozen=True)
 class DraftPlanner:
     """How far each request drafts this step (`plan`), and how the plan is widened past what
@@ -135,7 +134,6 @@ class DraftPlanner:
             lengths = _chains_capped(lengths, planned, rates.kind, costs.table[:, 4])
         return DraftPlan(lengths, float(tokens[best]), float(seconds[best]), float(seconds[0]))
 
-
     def _plan_in_turn(self, survival: Survival, seconds_at: np.ndarray, costs: DraftingCosts,
                       kinds: np.ndarray | None, catchup: np.ndarray | None) -> DraftPlan:
         """`_plan_whole` in plain Python, for a few positions: every sum made in the order the
@@ -162,9 +160,7 @@ class DraftPlanner:
         order = sorted(range(n_flat), key=lambda q: -density[q])
         if self.max_budget is not None:
             order = order[:self.max_budget]
-        fixed = [table[k][0] for k in range(len(table))]
-        per_pass = [table[k][4] for k in range(len(table))]
-        chained = [k for k, x in enumerate(per_pass) if x]
+        fixed, per_pass = [row[0] for row in table], [row[4] for row in table]
         calling = costs.calling.tolist() if costs.call else None
         started, deepest, called = set(), [0] * len(table), calling is None
         tokens, seconds, got, spent = [float(r)], [at[0]], 0.0, 0.0
@@ -177,11 +173,9 @@ class DraftPlanner:
             if fixed[k] and k not in started:
                 added += fixed[k]
             started.add(k)
-            for c in chained:
-                deeper = j + 1 - deepest[c] if c == k and j + 1 > deepest[c] else 0
-                added += per_pass[c] * deeper
-                if deeper:
-                    deepest[c] = j + 1
+            if per_pass[k] and j + 1 > deepest[k]:  # deeper than its chain so far: one more pass a position
+                added += per_pass[k] * (j + 1 - deepest[k])
+                deepest[k] = j + 1
             if not called and calling[k]:
                 added += costs.call
                 called = True
@@ -204,7 +198,7 @@ class DraftPlanner:
                 while pays[i] < lens[i] and rows[i][pays[i]] >= bar * pp[i]:
                     pays[i] += 1
             lengths = [max(n, p) if n > 0 else 0 for n, p in zip(lengths, pays, strict=True)]
-        if best > 0 and chained:  # `_chains_capped`
+        if best > 0 and any(per_pass):  # `_chains_capped`
             depth = [0] * len(table)
             for k, n in zip(kind, planned, strict=True):
                 depth[k] = max(depth[k], n)

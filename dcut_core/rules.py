@@ -75,6 +75,7 @@ def greedy_in_turn(draft_tokens: list[int], starts: list[int], kept: list[int],
         row += k + 1
     return accepted, emitted
 
+
 def speculative(
     draft_tokens: np.ndarray,
     cu_kept: np.ndarray,
