@@ -35,6 +35,7 @@ D-Cut prunes every request's drafts in one decision, whatever made them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cache
 
@@ -42,6 +43,10 @@ import numpy as np
 
 from dcut_core.drafting import DraftingCosts, Predicted
 from dcut_core.pruning import StepCost
+
+# Up to this many requests the kinds are chosen in plain Python (`_InTurn`): numpy adds up to
+# seven terms in turn, so the two paths' sums agree to the last bit.
+IN_TURN_REQUESTS = 7
 
 
 @dataclass
@@ -112,12 +117,19 @@ class KindChooser:
         r = q.predicted.rates.shape[0]
         if r == 0 or self.kinds == 1:  # nothing to choose: every request drafts with the one kind
             return np.zeros(r, dtype=np.int64), np.zeros(r, dtype=bool), np.full(r, -1, dtype=np.int64)
-        support = Support() if q.support is None else q.support
-        obs = np.zeros(self.kinds) if support.unit is None else np.asarray(support.unit, dtype=np.float64)
-        bonus = self.bonus * np.sqrt(np.log(2.0 + obs.sum()) / (1.0 + obs))[None, :]  # [1, K]: the same for all
-        doubt = 0.0 if not self.caution or support.request is None else \
-            self.caution / np.sqrt(1.0 + np.asarray(support.request, dtype=np.float64))  # [R, K]
+        bonus, doubt = self._optimism(q)
+        if r <= IN_TURN_REQUESTS and self.kinds <= IN_TURN_REQUESTS and q.predicted.lengths.any() \
+                and (q.held is None or not self.switch or q.remaining is not None):
+            return _InTurn(self, q).choose(bonus, doubt)
+        return self._choose_whole(q, bonus, doubt)
+
+    def _choose_whole(self, q: KindQuestion, bonus: list[float],
+                      doubt: float | list[list[float]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`choose` as array code (bonus and doubt from `_optimism`)."""
+        r = q.predicted.rates.shape[0]
         ch = self._choice(q)  # once for every round
+        bonus = np.array(bonus)[None, :]  # [1, K]: the same for all
+        doubt = doubt if isinstance(doubt, float) else np.array(doubt)  # 0.0 or [R, K]
         fixed_s, call, calls = ch.costs[0], q.costs.call, q.costs.calling
         rate, sharing = None, np.full(self.kinds, r)  # first as if every request drafted with each kind
         rows = np.arange(r)
@@ -150,6 +162,19 @@ class KindChooser:
             return kind, exploring, np.full(r, -1, dtype=np.int64)
         return kind, exploring, self._fallback(value - np.where(use, 0.0, rate * fixed_s)[None, :], kind)
 
+    def _optimism(self, q: KindQuestion) -> tuple[list[float], float | list[list[float]]]:
+        """(bonus [K], doubt: 0.0 or [R][K]) in tokens: the unit's optimism for each kind it has
+        seldom verified, and each request's doubt of the kinds it has not (a few numbers: plain
+        Python, for both paths)."""
+        support = Support() if q.support is None else q.support
+        obs = [0.0] * self.kinds if support.unit is None else np.asarray(support.unit, dtype=np.float64).tolist()
+        log_n = math.log(2.0 + math.fsum(obs))
+        bonus = [self.bonus * math.sqrt(log_n / (1.0 + o)) for o in obs]
+        if not self.caution or support.request is None:
+            return bonus, 0.0
+        request = np.asarray(support.request, dtype=np.float64).tolist()
+        return bonus, [[self.caution / math.sqrt(1.0 + m) for m in row] for row in request]
+
     def _fallback(self, value: np.ndarray, kind: np.ndarray) -> np.ndarray:
         """Per request, the kind to draft with if its chosen kind makes no drafts this step (an
         n-gram drafter that finds no match): the best other kind whose estimate pays — its pass
@@ -179,6 +204,199 @@ class KindChooser:
         if none.any():
             kind = np.where(none, score.argmax(axis=1), kind)
         return kind, sets[best]
+
+
+class _InTurn:
+    """`KindChooser.choose` in plain Python for a few requests (`IN_TURN_REQUESTS`), where
+    numpy's cost per call had been the choice's whole cost: ~150 calls, 190–250 µs at one
+    request of a 5–6 ms step (docs/benchmarks.md, session 46). The same choice to the last bit
+    (tests/core/test_choosing.py): every sum in the order the array code makes it (numpy adds
+    up to seven terms in turn), ties to the first kind, the first best length and set; the
+    verify curve and the sets' pass costs are still read through numpy, once a round."""
+
+    def __init__(self, chooser: KindChooser, q: KindQuestion) -> None:
+        self.chooser, self.q = chooser, q
+        rates, lengths = q.predicted.rates, q.predicted.lengths
+        r, k = lengths.shape
+        self.r, self.k = r, k
+        self.width = lengths.max(axis=0).tolist()
+        n_max = max(self.width)
+        self.costs = q.costs.table.T.tolist()  # [5][K]
+        self.calling = q.costs.calling.tolist()
+        # The verify curve at every count a choice can ask about: R + up to each request's longest row.
+        self.at = q.verify.seconds(r + np.arange(int(lengths.max(axis=1).sum()) + 1)).tolist()
+        self.base, self.tau = self.at[0], self.at[1] - self.at[0]
+        c1, c2, c3 = self.costs[1], self.costs[2], self.costs[3]
+        held = q.held if chooser.switch else None
+        held = None if held is None else np.asarray(held, dtype=np.float64).tolist()
+        left = None if held is None else [max(1.0, x) for x in np.asarray(q.remaining, dtype=np.float64).tolist()]
+        # Each request's gains and seconds at 1 .. width_k drafts under each kind k (lengths past
+        # a kind's width are −inf in the array code: never a best length, left out here).
+        gain, unshared = [], []
+        for i, row in enumerate(rates[:, :, :n_max].tolist()):
+            g_i, u_i = [], []
+            for kk, conditional in enumerate(row):
+                g, survive, total = [], 1.0, 0.0
+                for j, p in enumerate(conditional[:self.width[kk]]):  # a running product, then its running sum
+                    survive = p if j == 0 else survive * p
+                    total = survive if j == 0 else total + survive
+                    g.append(total)
+                step = c2[kk] + self.tau
+                u = [c1[kk] + (j + 1.0) * step for j in range(len(g))]
+                if held is not None:  # the switch charge
+                    h = c3[kk] * held[i][kk]
+                    u = [x + h * min(1.0, (1.0 + gj) / left[i]) for x, gj in zip(u, g, strict=True)]
+                g_i.append(g)
+                u_i.append(u)
+            gain.append(g_i)
+            unshared.append(u_i)
+        self.gain, self.unshared = gain, unshared
+        self.chained = any(x != 0 for x in self.costs[4])
+        self.drafts = [w > 0 for w in self.width]
+        self._paid: dict[float, list[float]] = {}  # ρ -> each set's passes at ρ
+
+    def values(self, rate: float | None, sharing: list[int]) -> tuple[list, list, list, float]:
+        """`KindChooser._values`: (v, gain, n) [R][K] and ρ."""
+        rate = self.r / self.base if rate is None else rate
+        per_pass = [p / max(1.0, float(s)) for p, s in zip(self.costs[4], sharing, strict=True)] \
+            if self.chained else None
+        v, gain, n = [], [], []
+        for g_i, u_i in zip(self.gain, self.unshared, strict=True):
+            v_i, gain_i, n_i = [], [], []
+            for kk, (g, u) in enumerate(zip(g_i, u_i, strict=True)):
+                if not g:  # a kind nobody may draft with
+                    v_i.append(0.0)
+                    gain_i.append(0.0)
+                    n_i.append(0.0)
+                    continue
+                if per_pass is not None:
+                    pp = per_pass[kk]
+                    u = [x + (j + 1.0) * pp for j, x in enumerate(u)]
+                best, top = 0, g[0] - rate * u[0]
+                for j in range(1, len(g)):
+                    net = g[j] - rate * u[j]
+                    if net > top:
+                        best, top = j, net
+                v_i.append(top)
+                gain_i.append(g[best])
+                n_i.append(best + 1.0)
+            v.append(v_i)
+            gain.append(gain_i)
+            n.append(n_i)
+        return v, gain, n, rate
+
+    def assign(self, score: list[list[float]], rate: float) -> tuple[list[int], np.ndarray]:
+        """`KindChooser._assign` at ρ = `rate`: (kind [R], the kinds in use [K])."""
+        paid = self._paid.get(rate)
+        if paid is None:  # each set's passes, summed as the array code sums them
+            paid = self._paid[rate] = (set_weights(self.k) @ (rate * np.asarray(self.costs[0]))).tolist()
+        call = rate * self.q.costs.call
+        holds = calling_sets(tuple(self.calling)).tolist() if call else None
+        grown = set_growth(self.k)
+        tops = []  # [R][sets]: each request's best score within each set
+        for row in score:
+            top = []
+            for kk, rest in grown:
+                x = row[kk]
+                if rest >= 0:
+                    y = top[rest]
+                    x = x if x >= y else y
+                top.append(x)
+            tops.append(top)
+        best_total, best = -np.inf, len(paid) - 1
+        for s, cost in enumerate(paid):
+            total = None
+            for top in tops:
+                x = top[s]
+                x = x if x >= 0.0 else 0.0
+                total = x if total is None else total + x
+            total = total - cost
+            if holds is not None:
+                total = total - (call if holds[s] else 0.0)
+            if total > best_total + 1e-12:  # ties: the set met first (fewer, lower kinds)
+                best_total, best = total, s
+        ks = set_members(self.k)[best]
+        kind = []
+        for row, top in zip(score, tops, strict=True):
+            pick = ks if top[best] != -np.inf else range(self.k)  # allowed no kind of the set: its best of all
+            first = pick[0]
+            for kk in pick:
+                if row[kk] > row[first]:
+                    first = kk
+            kind.append(first)
+        return kind, kind_sets(self.k)[best]
+
+    def predicted_rate(self, kind: list[int], drafts: list[bool], gain: list[float],
+                       n: list[float]) -> tuple[float, list[int]]:
+        """`Choice.predicted_rate`."""
+        c, d, k = self.costs, self.q.costs, self.k
+        sharing, weight, longest = [0] * k, [0.0] * k, [0.0] * k
+        tokens, got = 0.0, None
+        for kk, yes, g, m in zip(kind, drafts, gain, n, strict=True):
+            if not yes:
+                continue
+            sharing[kk] += 1
+            weight[kk] += m
+            longest[kk] = max(longest[kk], m)
+            tokens += m
+            got = g if got is None else got + g
+        total = None
+        for kk in range(k):
+            x = c[0][kk] * (1.0 if sharing[kk] else 0.0) + c[1][kk] * float(sharing[kk]) + c[2][kk] * weight[kk]
+            if self.chained:
+                x = x + c[4][kk] * longest[kk]
+            total = x if total is None else total + x
+        called = d.call and any(s and yes for s, yes in zip(sharing, self.calling, strict=True))
+        t = int(tokens)
+        verify = self.at[t] if t < len(self.at) else float(self.q.verify.seconds(np.array([self.r + t]))[0])
+        seconds = verify + total + d.shared_fixed + (d.call if called else 0.0)
+        return (self.r + (0.0 if got is None else got)) / seconds, sharing
+
+    def choose(self, bonus: list[float], doubt: float | list[list[float]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`KindChooser.choose`'s rounds (Dinkelbach on ρ), exploration and fallback."""
+        chooser, q, r, k = self.chooser, self.q, self.r, self.k
+        barred = None if q.allowed is None else np.where(q.allowed, 0.0, -np.inf).tolist()
+        rate, sharing = None, [r] * k
+        best = None
+        for _ in range(chooser.refine):
+            v, gain, n, rate = self.values(rate, sharing)
+            value = []
+            for i in range(r):
+                row = [x - (doubt if isinstance(doubt, float) else doubt[i][kk]) if x > 0 else x
+                       for kk, x in enumerate(v[i])]
+                if barred is not None:
+                    row = [x + b for x, b in zip(row, barred[i], strict=True)]
+                value.append(row)
+            score = [[x + b for x, b in zip(row, bonus, strict=True)] for row in value]
+            kind, use = self.assign(score, rate)
+            drafts = [value[i][kind[i]] > 0 for i in range(r)]
+            paying = any(drafts)
+            achieved = r / self.base if self.base > 0 else 0.0
+            if rate > 0.0 and paying:
+                achieved, sharing = self.predicted_rate(kind, drafts, [gain[i][kind[i]] for i in range(r)],
+                                                        [n[i][kind[i]] for i in range(r)])
+            if best is None or achieved > best[0] * (1 + 1e-6):
+                best = (achieved, kind, use, value, score, rate)
+            if not paying or achieved <= rate * (1 + 1e-6):
+                break
+            rate = achieved
+        _, kind, use, value, score, rate = best
+        plain = kind if not chooser.bonus else self.assign(value, rate)[0]
+        exploring = [a != b and score[i][a] > 0 for i, (a, b) in enumerate(zip(kind, plain, strict=True))]
+        kinds = np.array(kind, dtype=np.int64)
+        if not chooser.fallback:
+            return kinds, np.array(exploring, dtype=bool), np.full(r, -1, dtype=np.int64)
+        unused = [0.0 if u else rate * f for u, f in zip(use.tolist(), self.costs[0], strict=True)]
+        fallback = []
+        for i in range(r):
+            other = [x - c for x, c in zip(value[i], unused, strict=True)]
+            other[kind[i]] = -np.inf
+            pick = 0
+            for kk in range(1, k):
+                if other[kk] > other[pick]:
+                    pick = kk
+            fallback.append(pick if other[pick] > 0 else -1)
+        return kinds, np.array(exploring, dtype=bool), np.array(fallback, dtype=np.int64)
 
 
 class StickyChoice:
@@ -358,6 +576,23 @@ def kind_sets(k: int) -> np.ndarray:
     sets = (np.arange(1, 2 ** k)[:, None] >> np.arange(k)) & 1 == 1
     sets.setflags(write=False)
     return sets
+
+
+@cache
+def set_members(k: int) -> tuple[tuple[int, ...], ...]:
+    """The kinds of each set of `kind_sets`, in ascending order."""
+    return tuple(tuple(np.flatnonzero(s).tolist()) for s in kind_sets(k))
+
+
+@cache
+def set_growth(k: int) -> tuple[tuple[int, int], ...]:
+    """Each set of `kind_sets` as its lowest kind added to a set met before it (its index; -1:
+    none): a request's best score in every set, one comparison a set."""
+    out = []
+    for pattern in range(1, 2 ** k):
+        low = pattern & -pattern
+        out.append((low.bit_length() - 1, (pattern ^ low) - 1))
+    return tuple(out)
 
 
 @cache

@@ -3,11 +3,14 @@ estimates) and the drafting plan that charges each kind its own cost."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dcut_core import choosing
 from dcut_core.choosing import KindChooser, KindQuestion, Support
 from dcut_core.drafting import AcceptanceTracker, DraftCost, Exploration, Predicted, Survival, Verified
 from dcut_core.gate import DraftingCosts, DraftingGate, GateInput, KindReach, replay
@@ -521,3 +524,62 @@ def test_a_history_learnt_a_step_late_replays_exactly():
     plans = replay(fresh(), log)
     assert len(plans) == 80 and all(np.array_equal(a, b) for a, b in plans)
     assert sum(int(p[0][1].sum()) for p in plans) > 0
+
+
+def random_question(rng: np.random.Generator, r: int, k: int) -> KindQuestion:
+    """A kind question as the gate asks it, or odder: ragged rows (a kind may have none), rates
+    of ties (0, ½, 1) or any, allowed kinds (a request may be allowed none), switch charges,
+    chains, the replicas' call, the unit's and each request's support, a captured verify table
+    or a smooth curve."""
+    lengths = rng.integers(0, 8, (r, k)) * (rng.random((r, k)) < 0.8)
+    lengths[rng.integers(r), rng.integers(k)] = int(rng.integers(1, 8))  # some kind can draft
+    width = int(lengths.max())
+    rates = rng.choice([0.0, 0.5, 1.0], (r, k, width)) if rng.random() < 0.3 else rng.uniform(0, 1, (r, k, width))
+    rates[np.arange(width) >= lengths[:, :, None]] = 0.0
+    scale = rng.uniform(0, [2e-3, 5e-4, 5e-4, 1e-5, 2e-3]) * (rng.random((k, 5)) < 0.7)
+    if rng.random() < 0.3:  # every kind priced alike: ties between kinds
+        scale[:] = scale[0]
+    costs = DraftingCosts([DraftCost(*row) for row in scale], float(rng.uniform(0, 5e-4)),
+                          float(rng.uniform(0, 1e-3)) if rng.random() < 0.5 else 0.0, rng.random(k) < 0.5)
+    if rng.random() < 0.2:  # a flat curve (no cost model): ties between lengths
+        verify = StepCost(lambda n: np.full(np.shape(n), 5e-3), 0.0)
+    else:
+        verify = StepCost(lambda n: 4e-3 + 3e-4 * np.sqrt(np.asarray(n, dtype=np.float64)), 0.0)
+    if rng.random() < 0.5:  # as the gate captures it: the counts R .. R + Σ caps
+        caps = lengths.max(axis=1)
+        verify = GateInput.capture(list(range(r)), caps, np.full(r, 50), KindReach(np.zeros((r, k))), verify,
+                                   costs).verify()
+    allowed = rng.random((r, k)) < 0.8 if rng.random() < 0.4 else None
+    held = rng.integers(0, 300, (r, k)).astype(np.float64) if rng.random() < 0.6 else None
+    support = Support(rng.integers(0, 500, k).astype(np.float64) if rng.random() < 0.8 else None,
+                      rng.integers(0, 6, (r, k)).astype(np.float64) if rng.random() < 0.7 else None)
+    return KindQuestion(Predicted(rates, lengths), verify, costs, allowed, held, rng.integers(1, 60, r), support)
+
+
+@settings(max_examples=600, deadline=None)
+@given(st.integers(1, choosing.IN_TURN_REQUESTS), st.integers(2, 4), st.integers(0, 2**31 - 1))
+def test_a_few_requests_kinds_chosen_in_plain_python_equal_the_array_codes_to_the_last_bit(r, k, seed):
+    """`_InTurn` (plain Python, up to IN_TURN_REQUESTS requests) against the array code, on
+    random questions and every chooser setting: the same kinds, exploration and fallbacks."""
+    rng = np.random.default_rng(seed)
+    q = random_question(rng, r, k)
+    ch = KindChooser(k, bonus=float(rng.choice([0.0, 1.0, 2.5])), refine=int(rng.integers(1, 4)),
+                     switch=bool(rng.random() < 0.7), fallback=bool(rng.random() < 0.8),
+                     caution=float(rng.choice([0.0, 1.0])))
+    bonus, doubt = ch._optimism(q)
+    whole = ch._choose_whole(q, bonus, doubt)
+    in_turn = choosing._InTurn(ch, q).choose(bonus, doubt)
+    for a, b in zip(in_turn, whole, strict=True):
+        assert a.dtype == b.dtype and a.tolist() == b.tolist()
+
+
+def test_the_chooser_takes_the_plain_python_path_for_a_few_requests_only():
+    rng = np.random.default_rng(3)
+    ch = KindChooser(3, caution=1.0)
+    with mock.patch.object(choosing._InTurn, "choose", autospec=True, side_effect=choosing._InTurn.choose) as in_turn, \
+            mock.patch.object(KindChooser, "_choose_whole", autospec=True,
+                              side_effect=KindChooser._choose_whole) as whole:
+        ch.choose(random_question(rng, choosing.IN_TURN_REQUESTS, 3))
+        assert (in_turn.call_count, whole.call_count) == (1, 0)
+        ch.choose(random_question(rng, choosing.IN_TURN_REQUESTS + 1, 3))
+        assert (in_turn.call_count, whole.call_count) == (1, 1)
