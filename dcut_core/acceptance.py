@@ -32,6 +32,31 @@ def verify_outcomes(cu_drafted: np.ndarray, kept: np.ndarray, accepted: np.ndarr
     Request i kept k_i drafts and had a_i of them accepted (a_i <= k_i): drafts 0..a_i-1 were
     accepted, draft a_i was rejected if a_i < k_i, everything later is censored.
     """
+    idx, ok, _ = judged_drafts(cu_drafted, kept, accepted)
+    return idx, ok
+
+
+# Up to this many requests `judged_drafts` walks them in plain Python (integers only: the same
+# answer); numpy's dozen calls had cost more than the loop (docs/benchmarks.md, session 46).
+IN_TURN_REQUESTS = 16
+
+
+def judged_drafts(cu_drafted: np.ndarray, kept: np.ndarray,
+                  accepted: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`verify_outcomes` with each judged draft's position in its request: (flat indices [M],
+    accepted? [M], positions [M])."""
+    if len(kept) <= IN_TURN_REQUESTS:
+        kept = np.asarray(kept, dtype=np.int64).tolist()
+        accepted = np.asarray(accepted, dtype=np.int64).tolist()
+        if any(a > k or a < 0 for a, k in zip(accepted, kept, strict=True)):
+            raise ValueError("accepted counts must satisfy 0 <= accepted <= kept")
+        idx, ok, pos = [], [], []
+        for start, end, k, a in zip(cu_drafted[:-1].tolist(), cu_drafted[1:].tolist(), kept, accepted, strict=True):
+            for j in range(min(k, a + 1, end - start)):
+                idx.append(start + j)
+                ok.append(j < a)
+                pos.append(j)
+        return np.array(idx, dtype=np.int64), np.array(ok, dtype=bool), np.array(pos, dtype=np.int64)
     kept = np.asarray(kept, dtype=np.int64)
     accepted = np.asarray(accepted, dtype=np.int64)
     if (accepted > kept).any() or (accepted < 0).any():
@@ -42,7 +67,7 @@ def verify_outcomes(cu_drafted: np.ndarray, kept: np.ndarray, accepted: np.ndarr
     a = np.repeat(accepted, lengths)
     judged = (pos < k) & (pos <= a)
     idx = np.nonzero(judged)[0]
-    return idx, pos[idx] < a[idx]
+    return idx, pos[idx] < a[idx], pos[idx]
 
 
 def hindsight_outcomes(tokens: np.ndarray, cu: np.ndarray, emitted: np.ndarray,

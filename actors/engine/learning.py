@@ -11,7 +11,7 @@ import numpy as np
 from actors.engine.history import StepHistory
 from actors.engine.stages import Step, StepRecord
 from dcut_core import ragged
-from dcut_core.acceptance import Calibrator, verify_outcomes
+from dcut_core.acceptance import IN_TURN_REQUESTS, Calibrator, judged_drafts
 from dcut_core.cost_model import StepShape
 from dcut_core.drafting import Verified
 from dcut_core.gate import DraftingGate
@@ -35,9 +35,8 @@ def learn(st: Step, calibrators: list[Calibrator], gate: DraftingGate, cost, log
     if plain(st):
         return _learn_cost(st, cost, {**Verified.of([], [], [], []).as_dict(), "empty": []} if log else None)
     counts, kinds = drafts.counts, drafts.kinds
-    idx, ok = verify_outcomes(drafts.cu, kept, accepted)
+    idx, ok, pos = judged_drafts(drafts.cu, kept, accepted)
     if len(idx):
-        pos = ragged.positions(drafts.cu)[idx]
         conf, margin = drafts.confidence[idx], drafts.margin[idx]
         for k, m in ragged.groups(np.repeat(kinds, counts)[idx]):
             calibrators[k].observe(conf[m], margin[m], pos[m], ok[m])
@@ -72,6 +71,8 @@ def drafted(st: Step) -> Verified:
     """The verifications of the requests that drafted this step, with the calibrated estimates
     of their drafts past the kept ones (when pruning made them)."""
     drafts, kept = st.drafts, st.pruned.kept
+    if len(kept) <= IN_TURN_REQUESTS:
+        return _drafted_in_turn(st)
     idx = drafts.counts.nonzero()[0]
     rids = st.rids[idx]
     accepted = np.asarray(st.accepted.counts, dtype=np.int64)[idx]
@@ -83,6 +84,25 @@ def drafted(st: Step) -> Verified:
     (ends - starts).cumsum(out=cu[1:])
     beyond = np.asarray(estimate, dtype=np.float64)[np.repeat(starts - cu[:-1], ends - starts) + np.arange(cu[-1])]
     return Verified(rids, drafts.kinds[idx], np.asarray(kept, dtype=np.int64)[idx], accepted, beyond, cu)
+
+
+def _drafted_in_turn(st: Step) -> Verified:
+    """`drafted` walking a few requests in plain Python (the same entries and estimates)."""
+    drafts, estimate = st.drafts, st.pruned.estimate
+    cu = drafts.cu.tolist()
+    rows = [(i, k, a) for i, (k, a) in enumerate(zip(np.asarray(st.pruned.kept).tolist(), st.accepted.counts,
+                                                     strict=True)) if cu[i + 1] > cu[i]]
+    rids, kinds = st.rids.tolist(), drafts.kinds.tolist()
+    entries = (np.array([rids[i] for i, _, _ in rows], dtype=np.int64),
+               np.array([kinds[i] for i, _, _ in rows], dtype=np.int64),
+               np.array([k for _, k, _ in rows], dtype=np.int64), np.array([a for _, _, a in rows], dtype=np.int64))
+    if estimate is None:
+        return Verified(*entries)
+    beyond, ends = [], [0]
+    for i, k, _ in rows:  # each entry's estimates past its kept drafts
+        beyond.extend(range(cu[i] + k, cu[i + 1]))
+        ends.append(len(beyond))
+    return Verified(*entries, np.asarray(estimate, dtype=np.float64)[beyond], np.array(ends, dtype=np.int64))
 
 
 def hindsight(st: Step) -> Verified:

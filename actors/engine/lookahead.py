@@ -32,7 +32,7 @@ from actors.drafter.base import DraftOutput
 from actors.drafter.ngram import NgramDrafter
 from actors.engine.sequence import Sequence
 from dcut_core import ragged
-from dcut_core.acceptance import hindsight_outcomes
+from dcut_core.acceptance import IN_TURN_REQUESTS, hindsight_outcomes
 from dcut_core.gate import LOOKAHEAD_REQUESTS, Plan
 
 if TYPE_CHECKING:
@@ -68,6 +68,8 @@ class Lookahead:
         """(batch indices, judged, accepted): what the look-ahead of the requests this kind did not
         draft for (counts [R] drafted, kinds [R] the kind that drafted) would have had accepted,
         judged against the tokens each emitted; only requests with something judged."""
+        if len(counts) <= IN_TURN_REQUESTS:
+            return self._hindsight_in_turn(counts.tolist(), kinds.tolist(), emitted)
         idx = ((self.counts > 0) & ~((counts > 0) & (kinds == self.kind))).nonzero()[0]
         if not len(idx):
             empty = np.zeros(0, dtype=np.int64)
@@ -77,6 +79,27 @@ class Lookahead:
         judged, accepted = hindsight_outcomes(self.tokens[flat], cu, em, cu_e)
         keep = judged > 0
         return idx[keep], judged[keep], accepted[keep]
+
+    def _hindsight_in_turn(self, counts: list[int], kinds: list[int],
+                           emitted: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`hindsight` walking a few requests in plain Python (integers: the same answer)."""
+        tokens, cu = self.tokens.tolist(), self.cu.tolist()
+        idx, judged, accepted = [], [], []
+        for i, (n, k, out) in enumerate(zip(counts, kinds, emitted, strict=True)):
+            if cu[i + 1] == cu[i] or (n > 0 and k == self.kind):  # nothing looked up, or it drafted
+                continue
+            mine = tokens[cu[i]:cu[i + 1]]
+            m = min(len(mine), len(out))
+            if not m:
+                continue
+            a = 0
+            while a < m and mine[a] == out[a]:
+                a += 1
+            idx.append(i)
+            judged.append(m)
+            accepted.append(a)
+        return (np.array(idx, dtype=np.int64), np.array(judged, dtype=np.int64),
+                np.array(accepted, dtype=np.int64))
 
 
 class NgramLookahead:

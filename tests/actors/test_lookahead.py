@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-import numpy as np
+from unittest import mock
 
-from actors.engine.lookahead import NgramLookahead
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from actors.engine import lookahead
+from actors.engine.lookahead import Lookahead, NgramLookahead
 from actors.engine.sequence import SamplingParams, Sequence
+from dcut_core import ragged
 from dcut_core.gate import LOOKAHEAD_REQUESTS, Plan
 
 
@@ -101,3 +107,18 @@ def test_prompt_chunks_indexed_as_they_are_fed_make_the_history_one_follow_makes
     assert chunked.drafter.corpus.follow([0, 1, 2], 3) == (2, [3])  # request 0's output, with its prompt's tail
     assert chunked.drafter.corpus.follow([0, 4, 5], 3) == (0, [])  # nothing of request 1
     assert chunked.held() == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 3), max_size=6), st.lists(st.integers(0, 3), min_size=1, max_size=7),
+                          st.integers(0, 3), st.integers(0, 2)), min_size=1, max_size=20))
+def test_a_few_requests_judged_in_hindsight_in_turn_equal_the_array_codes(rows):
+    """Look-aheads (any, or none), what each request drafted and with which kind, and what it
+    emitted: plain Python and array code judge the same requests the same."""
+    look = Lookahead(1, *ragged.flatten([r[0] for r in rows], dtype=np.int64))
+    counts, kinds, emitted = np.array([r[2] for r in rows]), np.array([r[3] for r in rows]), [r[1] for r in rows]
+    in_turn = look.hindsight(counts, kinds, emitted)
+    with mock.patch.object(lookahead, "IN_TURN_REQUESTS", 0):
+        whole = look.hindsight(counts, kinds, emitted)
+    assert [a.tolist() for a in in_turn] == [b.tolist() for b in whole]
+    assert [a.dtype for a in in_turn] == [b.dtype for b in whole]

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dcut_core import ragged
+from dcut_core import acceptance, ragged
 from dcut_core.acceptance import (
     Calibrator,
     brier_score,
     expected_calibration_error,
     hindsight_outcomes,
+    judged_drafts,
     survival,
     verify_outcomes,
 )
@@ -172,3 +175,25 @@ def test_gather_takes_the_first_entries_of_the_chosen_rows_in_their_order(rows, 
         [rows[r][:n] for r, n in zip(pick, lengths, strict=True)]
     whole, _ = ragged.gather(cu, np.array(pick, dtype=np.int64))
     assert flat[whole].tolist() == [t for r in pick for t in rows[r]]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 9), min_size=1, max_size=20), st.integers(0, 2**31 - 1))
+def test_judged_drafts_in_turn_and_as_arrays_equal_a_draft_by_draft_reference(lengths, seed):
+    """A few requests walked in plain Python, many as arrays: the same judged drafts, outcomes
+    and positions as a draft-by-draft reference."""
+    rng = np.random.default_rng(seed)
+    kept = [int(rng.integers(0, n + 1)) for n in lengths]
+    accepted = [int(rng.integers(0, k + 1)) for k in kept]
+    cu = ragged.offsets_from_lengths(lengths)
+    want = ([], [], [])
+    for i, n in enumerate(lengths):
+        for j in range(n):
+            if j < kept[i] and j <= accepted[i]:
+                for out, v in zip(want, (int(cu[i]) + j, j < accepted[i], j), strict=True):
+                    out.append(v)
+    for limit in (0, 64):  # every request as arrays; every request in turn
+        with mock.patch.object(acceptance, "IN_TURN_REQUESTS", limit):
+            got = judged_drafts(cu, kept, accepted)
+        assert [g.tolist() for g in got] == [list(w) for w in want]
+        assert [g.dtype for g in got] == [np.dtype(np.int64), np.dtype(bool), np.dtype(np.int64)]
