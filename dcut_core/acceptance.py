@@ -36,9 +36,11 @@ def verify_outcomes(cu_drafted: np.ndarray, kept: np.ndarray, accepted: np.ndarr
     return idx, ok
 
 
-# Up to this many requests `judged_drafts` walks them in plain Python (integers only: the same
-# answer); numpy's dozen calls had cost more than the loop (docs/benchmarks.md, session 46).
-IN_TURN_REQUESTS = 16
+# Up to this many requests a step's judged drafts (`judged_drafts`), its verifications and its
+# look-ahead's hindsight (actors/engine/learning.py, lookahead.py) are walked in plain Python:
+# integers and copies, the same answers; numpy's calls had cost more than the loops (the three
+# 45 → 28 µs a step at one request, 58 → 43 at eight, level at sixteen; session 46).
+IN_TURN_REQUESTS = 8
 
 
 def judged_drafts(cu_drafted: np.ndarray, kept: np.ndarray,
