@@ -56,7 +56,8 @@ class DraftBatch:
         """Raise ValueError on malformed survivals (shape, range, growth along a request)."""
         s, cu = self.survival, self.cu_drafted
         ragged.check_offsets(cu, len(s))
-        if not np.isfinite(s).all() or (s < 0).any() or (s > 1 + 1e-9).any():
+        # Two reductions, no temporaries: a NaN fails `lo >= 0`, ±inf the bounds.
+        if len(s) and not (float(s.min()) >= 0 and float(s.max()) <= 1 + 1e-9):
             raise ValueError("survival values must be finite and in [0, 1]")
         rises = np.diff(s) > 1e-12  # [N - 1]; entry t compares flat t and t + 1
         starts = cu[1:-1][(cu[1:-1] > 0) & (cu[1:-1] < len(s))]

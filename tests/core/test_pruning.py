@@ -396,3 +396,22 @@ def test_a_curve_beside_fed_tokens_is_the_same_forward_further_on():
     n = np.arange(1, 40)
     np.testing.assert_array_equal(curve.beside(70).seconds(n), curve.seconds(n + 70))
     assert curve.beside(70).min_marginal == curve.min_marginal
+
+
+def test_choose_kept_bounded_by_its_costs_least_step_decides_as_the_full_scan():
+    """`choose_kept` drops drafts below the floor its cost's least step between counts allows;
+    on random batches (ties frequent) and linear, knee and padded costs (no floor where a step
+    is flat) it keeps what the full scan without a bound keeps."""
+    rng = np.random.default_rng(46)
+    for _ in range(400):
+        rows = random_rows(rng, int(rng.integers(1, 30)), 16)
+        cost = random_cost(rng)
+        if rng.random() < 0.5:  # a strictly rising cost: the floor applies
+            cost = StepCost(lambda n, c=cost: c.verify_seconds(n) + 1e-3 * n, cost.fixed_seconds)
+        full = Dcut(fill_step=False, guard_threshold=0.0).choose(DraftBatch.from_rows(rows), cost).kept
+        vector = choose_kept(rows, cost.verify_seconds, cost.fixed_seconds)
+        scalar = choose_kept(rows, lambda n, c=cost: float(c.verify_seconds(np.array([n]))[0]), cost.fixed_seconds)
+        counts = len(rows) + np.arange(sum(map(len, rows)) + 1)
+        told = choose_kept(rows, cost.verify_seconds, cost.fixed_seconds,  # the bound given: asked lazily
+                           min_step=float(np.diff(cost.verify_seconds(counts)).min(initial=0.0)))
+        assert vector.tolist() == full.tolist() == scalar.tolist() == told.tolist()
