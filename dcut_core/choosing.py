@@ -135,7 +135,7 @@ class KindChooser:
         rate, sharing = None, np.full(self.kinds, r)  # first as if every request drafted with each kind
         rows = np.arange(r)
         barred = None if q.allowed is None else np.where(q.allowed, 0.0, -np.inf)  # added: −inf where not allowed
-        best = None  # (predicted rate, kind, use, value, score, rate charged) of the best round so far
+        rounds = _Rounds()
         for _ in range(self.refine):
             value, gain, n, rate = self._values(ch, rate, sharing)
             value = np.where(value > 0, value - doubt, value)
@@ -148,14 +148,10 @@ class KindChooser:
             achieved = r / ch.base if ch.base > 0 else 0.0  # plain decoding's, when nobody's drafts pay
             if rate > 0.0 and paying:  # the next round charges each kind its share of a chain
                 achieved, sharing = ch.predicted_rate(kind, drafts, gain[rows, kind], n[rows, kind])
-            # A round at a higher rate may pick, by the bonus, a kind whose drafts do not pay where
-            # an earlier round's did: the best round's choice stands, not the last one's.
-            if best is None or achieved > best[0] * (1 + 1e-6):
-                best = (achieved, kind, use, value, score, rate)
-            if not paying or achieved <= rate * (1 + 1e-6):
+            rate = rounds.take(achieved, paying, (kind, use, value, score, rate))
+            if rate is None:
                 break
-            rate = achieved
-        _, kind, use, value, score, rate = best
+        kind, use, value, score, rate = rounds.best
         # Exploring: chosen by the bonus, not by the estimates (the choice without it).
         plain = kind if not self.bonus else self._assign(value, rate * fixed_s, rate * call, calls)[0]
         exploring = (kind != plain) & (score[rows, kind] > 0)
@@ -205,6 +201,26 @@ class KindChooser:
         if none.any():
             kind = np.where(none, score.argmax(axis=1), kind)
         return kind, sets[best]
+
+
+class _Rounds:
+    """Dinkelbach's rounds on ρ, for both paths of `KindChooser.choose`: the best round's choice
+    so far and the rate the next round charges. A round at a higher rate may pick, by the bonus,
+    a kind whose drafts do not pay where an earlier round's did: the best round's choice stands,
+    not the last one's."""
+
+    def __init__(self) -> None:
+        self.achieved = -np.inf
+        self.best: tuple | None = None  # (kind, use, value, score, rate charged) of the best round
+
+    def take(self, achieved: float, paying: bool, choice: tuple) -> float | None:
+        """One round's predicted rate and choice; the next round's rate, or None: stop."""
+        if self.best is None or achieved > self.achieved * (1 + 1e-6):
+            self.achieved, self.best = achieved, choice
+        rate = choice[-1]
+        if not paying or achieved <= rate * (1 + 1e-6):
+            return None
+        return achieved
 
 
 class _InTurn:
@@ -358,7 +374,7 @@ class _InTurn:
         chooser, q, r, k = self.chooser, self.q, self.r, self.k
         barred = None if q.allowed is None else np.where(q.allowed, 0.0, -np.inf).tolist()
         rate, sharing = None, [r] * k
-        best = None
+        rounds = _Rounds()
         for _ in range(chooser.refine):
             v, gain, n, rate = self.values(rate, sharing)
             value = []
@@ -376,12 +392,10 @@ class _InTurn:
             if rate > 0.0 and paying:
                 achieved, sharing = self.predicted_rate(kind, drafts, [gain[i][kind[i]] for i in range(r)],
                                                         [n[i][kind[i]] for i in range(r)])
-            if best is None or achieved > best[0] * (1 + 1e-6):
-                best = (achieved, kind, use, value, score, rate)
-            if not paying or achieved <= rate * (1 + 1e-6):
+            rate = rounds.take(achieved, paying, (kind, use, value, score, rate))
+            if rate is None:
                 break
-            rate = achieved
-        _, kind, use, value, score, rate = best
+        kind, use, value, score, rate = rounds.best
         plain = kind if not chooser.bonus else self.assign(value, rate)[0]
         exploring = [a != b and score[i][a] > 0 for i, (a, b) in enumerate(zip(kind, plain, strict=True))]
         kinds = np.array(kind, dtype=np.int64)
