@@ -240,6 +240,7 @@ class _InTurn:
         n_max = max(self.width)
         self.costs = q.costs.table.T.tolist()  # [5][K]
         self.calling = q.costs.calling.tolist()
+        self.holds = calling_sets(tuple(self.calling)).tolist()  # the sets holding a kind drafted on the replicas
         # The verify curve at every count a choice can ask about: R + up to each request's longest row.
         self.at = q.verify.seconds(r + np.arange(int(lengths.max(axis=1).sum()) + 1)).tolist()
         self.base, self.tau = self.at[0], self.at[1] - self.at[0]
@@ -308,7 +309,7 @@ class _InTurn:
         if paid is None:  # each set's passes, summed as the array code sums them
             paid = self._paid[rate] = (set_weights(self.k) @ (rate * np.asarray(self.costs[0]))).tolist()
         call = rate * self.q.costs.call
-        holds = calling_sets(tuple(self.calling)).tolist() if call else None
+        holds = self.holds if call else None
         grown = set_growth(self.k)
         tops = []  # [R][sets]: each request's best score within each set
         for row in score:

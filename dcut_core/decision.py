@@ -40,19 +40,21 @@ def choose_kept(
         return policy.choose(batch, StepCost(_as_curve(verify_cost), fixed_cost, max(0.0, float(min_step)))).kept
     r, n = batch.num_requests, len(batch.survival)
     top = n if max_budget is None else min(n, max(0, max_budget))
-    table, _ = _ask(verify_cost, r + np.arange(top + 1, dtype=np.int64))
-    lo, hi = float(table.min()) + fixed_cost, float(table.max()) + fixed_cost  # a NaN fails `lo > 0`
-    if not (lo > 0 and np.isfinite(hi)):
+    # The step's seconds (the fixed cost in: the bound is on what the decision compares) at every
+    # count it can reach, checked once; `StepCost.tabulated` does the same with a pass or two more
+    # over the table, which at 65,537 counts cost more than the decision.
+    seconds = fixed_cost + _ask(verify_cost, r + np.arange(top + 1, dtype=np.int64))[0]
+    if not (float(seconds.min()) > 0 and np.isfinite(float(seconds.max()))):  # a NaN fails `> 0`
         raise ValueError("step cost must be finite and positive for every budget")
-    step = float((table[1:] - table[:-1]).min()) if top else 0.0
+    step = float((seconds[1:] - seconds[:-1]).min()) if top else 0.0
 
     def curve(tokens: np.ndarray) -> np.ndarray:
         at = np.asarray(tokens, dtype=np.int64) - r
         if at.size and (at.min() < 0 or at.max() > top):  # a count past the decision's reach
-            return _ask(verify_cost, np.asarray(tokens, dtype=np.int64))[0]
-        return table[at]
+            return fixed_cost + _ask(verify_cost, np.asarray(tokens, dtype=np.int64))[0]
+        return seconds[at]
 
-    return policy.choose(batch, StepCost(curve, fixed_cost, max(0.0, step), checked=True)).kept
+    return policy.choose(batch, StepCost(curve, 0.0, max(0.0, step), checked=True)).kept
 
 
 def _ask(verify_cost: Callable, tokens: np.ndarray, arrays: bool = True) -> tuple[np.ndarray, bool]:
