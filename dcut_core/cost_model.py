@@ -39,6 +39,9 @@ from dcut_core.hardware import HARDWARE, MODELS, Hardware, ModelShape
 from dcut_core.nnls import nnls
 from dcut_core.pruning import StepCost
 
+# Below this exponent expm1 is −1.0 exactly (e^x < 2⁻⁵⁴ from x < −37.5): the experts term has
+# saturated, and a curve adds it as a constant rather than exponentiating thousands of counts.
+SATURATED = -40.0
 TERMS = ("fixed", "dense", "attention", "kv_read", "experts", "expert_flops", "a2a_latency", "a2a_bytes", "batching")
 
 
@@ -159,13 +162,24 @@ class CostModel:
 
         def curve(tokens: np.ndarray) -> np.ndarray:
             n = self.padded(np.asarray(tokens, dtype=np.int64)).astype(np.float64)
-            out = a + b * n
+            out = n * b  # in place from here: the scan asks thousands of counts (the same bits as a + b·n + …)
+            out += a
             if per_rank:
-                out += per_rank * np.ceil(n / ep)
-            if d:
-                out += d * -np.expm1(n * log_miss)
+                t = n / ep
+                np.ceil(t, out=t)
+                t *= per_rank
+                out += t
+            if d and n.size and float(n.min()) * log_miss < SATURATED:  # every count touches every expert
+                out += d  # −expm1 is 1.0 to the last bit there: d·1.0, what the line below adds
+            elif d:
+                t = n * log_miss
+                np.expm1(t, out=t)
+                t *= -d
+                out += t
             if g:
-                out += g * np.sqrt(n)
+                t = np.sqrt(n)
+                t *= g
+                out += t
             return out
 
         # Every term but b·n is non-decreasing in n, so b bounds the marginal cost from below

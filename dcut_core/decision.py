@@ -71,20 +71,13 @@ def _ask(verify_cost: Callable, tokens: np.ndarray, arrays: bool = True) -> tupl
 
 
 def _as_curve(verify_cost: Callable) -> Callable[[np.ndarray], np.ndarray]:
-    """A cost of one count as a cost of an array of counts (`_ask`, settling once whether it
-    takes arrays); counts the previous call covered are answered from it (the decision asks for
-    its own again)."""
+    """A cost of one count as a cost of an array of counts (`_ask`, settling at the first call
+    whether it takes arrays). Dcut asks each count once (the decision's own seconds come from its
+    scan), so nothing is kept between calls."""
     takes_arrays = [True]
-    last = [np.zeros(0, dtype=np.int64), np.zeros(0)]  # counts (sorted: the scan asks in order), seconds
 
     def curve(tokens: np.ndarray) -> np.ndarray:
-        counts, seconds = last
-        at = np.minimum(np.searchsorted(counts, tokens), max(0, len(counts) - 1))
-        if len(counts) and np.array_equal(counts[at], tokens):
-            return seconds[at]
         out, takes_arrays[0] = _ask(verify_cost, tokens, takes_arrays[0])
-        if np.all(np.diff(tokens) > 0):
-            last[:] = [np.asarray(tokens, dtype=np.int64), out]
         return out
 
     return curve

@@ -59,10 +59,10 @@ class DraftBatch:
         # Two reductions, no temporaries: a NaN fails `lo >= 0`, ±inf the bounds.
         if len(s) and not (float(s.min()) >= 0 and float(s.max()) <= 1 + 1e-9):
             raise ValueError("survival values must be finite and in [0, 1]")
-        rises = np.diff(s) > 1e-12  # [N - 1]; entry t compares flat t and t + 1
+        steps = np.diff(s)  # [N - 1]; entry t is flat t + 1 less flat t
         starts = cu[1:-1][(cu[1:-1] > 0) & (cu[1:-1] < len(s))]
-        rises[starts - 1] = False  # a step across a request boundary may rise
-        if rises.any():
+        steps[starts - 1] = 0.0  # a step across a request boundary may rise
+        if len(steps) and float(steps.max()) > 1e-12:
             raise ValueError("survival must be non-increasing along each request")
         if self.accepted_len is not None and (
             len(self.accepted_len) != self.num_requests
@@ -86,12 +86,15 @@ class StepCost:
     checked: bool = False
 
     def seconds(self, tokens: np.ndarray) -> np.ndarray:
-        out = self.fixed_seconds + np.asarray(self.verify_seconds(tokens), dtype=np.float64)
+        out = np.asarray(self.verify_seconds(tokens), dtype=np.float64)
+        if self.fixed_seconds:  # else the curve's own answer (no caller writes to it)
+            out = self.fixed_seconds + out
         if self.checked:
             return out
         if out.shape != tokens.shape:
             raise ValueError(f"cost curve returned shape {out.shape} for {tokens.shape} inputs")
-        if not np.isfinite(out).all() or (out <= 0).any():
+        # Two reductions, no temporaries: a NaN fails `> 0`, ±inf one of the bounds.
+        if out.size and not (float(out.min()) > 0 and np.isfinite(float(out.max()))):
             raise ValueError("step cost must be finite and positive for every budget")
         return out
 
@@ -209,18 +212,20 @@ def kept_top_m(batch: DraftBatch, order_desc: np.ndarray, m: int, within: np.nda
 
 
 def _decision(batch: DraftBatch, cost: StepCost, kept: np.ndarray, guard: bool = False,
-              seconds: float | None = None) -> PruneDecision:
+              seconds: float | None = None, tokens: float | None = None) -> PruneDecision:
     """The decision for `kept` [R]: its expected tokens (R + the kept drafts' survivals; each
-    request's kept drafts are its first ones) and predicted time (`seconds`, when the caller
-    has already priced R + Σ kept tokens with `cost`)."""
+    request's kept drafts are its first ones) and predicted time. `seconds`, `tokens`: what the
+    caller's scan already knows of this plan (R + Σ kept priced with `cost`; R + the sum of the
+    same survivals, summed in its order)."""
     kept = np.asarray(kept, dtype=np.int64)
-    cu_kept = np.zeros(len(kept) + 1, dtype=np.int64)
-    kept.cumsum(out=cu_kept[1:])
-    # The kept drafts' flat indices, gathered in one go (O(kept), not O(drafted)).
-    idx = np.repeat(batch.cu_drafted[:-1] - cu_kept[:-1], kept) + np.arange(cu_kept[-1])
-    tokens = batch.num_requests + float(batch.survival[idx].sum())
-    if seconds is None:
-        seconds = float(cost.seconds(np.array([batch.num_requests + int(cu_kept[-1])], dtype=np.int64))[0])
+    if tokens is None or seconds is None:
+        cu_kept = np.zeros(len(kept) + 1, dtype=np.int64)
+        kept.cumsum(out=cu_kept[1:])
+        if tokens is None:  # the kept drafts' flat indices, gathered in one go (O(kept), not O(drafted))
+            idx = np.repeat(batch.cu_drafted[:-1] - cu_kept[:-1], kept) + np.arange(cu_kept[-1])
+            tokens = batch.num_requests + float(batch.survival[idx].sum())
+        if seconds is None:
+            seconds = float(cost.seconds(np.array([batch.num_requests + int(cu_kept[-1])], dtype=np.int64))[0])
     return PruneDecision(kept, tokens, seconds, guard)
 
 
@@ -354,7 +359,7 @@ class Dcut(Capabilities):
             over = np.nonzero(scan.seconds[m:] > paid)[0]
             m = len(scan.tokens) - 1 if len(over) == 0 else m + int(over[0]) - 1
         return _decision(batch, cost, kept_top_m(batch, scan.order_desc, m, scan.within),
-                         seconds=float(scan.seconds[m]))
+                         seconds=float(scan.seconds[m]), tokens=float(scan.tokens[m]))
 
     def _floor(self, batch: DraftBatch, cost: StepCost) -> tuple[float | None, float]:
         """(survival floor, rate of keeping everything), or (None, nan) when no floor applies.

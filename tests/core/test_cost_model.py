@@ -172,6 +172,25 @@ def test_the_closed_form_curve_equals_the_feature_sum():
         np.testing.assert_allclose(one, f @ cm.coef_vector(), rtol=1e-12)
 
 
+def test_the_curve_adds_a_saturated_experts_term_as_a_constant_to_the_last_bit():
+    """Counts past the experts term's saturation skip its exponentials (the scan asks thousands
+    of them): every count, saturated or not, a whole array or a mix, gives the bits of the term
+    written out."""
+    concave = preset(TINY_MOE, "cpu", ep=2)
+    concave = CostModel(concave.model, 2, {**concave.coef, "batching": 3e-4})
+    for cm in (concave, preset("moe-35b-a3b", "h20", ep=16), preset(TINY_MOE, "cpu", ep=2, pad_tokens=(4, 16, 64))):
+        a, b, per_rank, d, log_miss, g = cm._closed_form(64, 64 * 300)
+        assert d and log_miss < 0
+        windows = [np.arange(lo, lo + 40) for lo in range(1, 3000, 23)]  # saturated from the least count on, or not
+        for tokens in (np.arange(4096, 9000), np.array([5000, 3, 7000]), np.array([], dtype=np.int64), *windows):
+            n = cm.padded(tokens).astype(np.float64)
+            want = a + b * n + per_rank * np.ceil(n / cm.ep)
+            want += d * -np.expm1(n * log_miss)
+            want += g * np.sqrt(n)
+            got = cm.verify_curve(64, 64 * 300).verify_seconds(tokens)
+            assert got.tobytes() == want.tobytes()
+
+
 def test_online_correction_trusts_its_first_measurements_fully():
     # A deployment 1.4× slower than its profile: the first step already corrects the whole
     # gap (a running mean until the half-life takes over), instead of 1/72 of it per step.
