@@ -208,7 +208,7 @@ def kept_top_m(batch: DraftBatch, order_desc: np.ndarray, m: int, within: np.nda
         equal = s[take] == v
         extra = np.flatnonzero(equal)[m - int((~equal).sum()):]
         take = np.delete(take, extra)
-    return ragged.lengths(np.searchsorted(take, cu)).astype(np.int64)  # kept drafts inside each request's range
+    return ragged.prefix_counts(take, cu)  # kept drafts inside each request's range
 
 
 def _decision(batch: DraftBatch, cost: StepCost, kept: np.ndarray, guard: bool = False,

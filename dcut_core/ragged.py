@@ -47,6 +47,36 @@ def flatten(rows: Sequence[Sequence[float] | np.ndarray], dtype=np.float64) -> t
     return flat, cu
 
 
+# From this many requests `prefix_counts` walks the taken entries' runs (O(R + taken), two byte
+# masks over N) rather than binary-searching each request's bounds (O(R log taken)): at 4,096
+# requests × 16 entries 77 → ~35 µs, below ~2,000 requests the search is as fast or faster.
+RUNS_FROM = 2048
+
+
+def prefix_counts(take: np.ndarray, cu: np.ndarray, runs: bool | None = None) -> np.ndarray:
+    """Per request [R] how many of `take` (ascending flat indices) fall in its range, where those
+    that do are its first entries (a prefix: what a pruning plan keeps). `runs`: force one way
+    (None: by the batch's size, `RUNS_FROM`)."""
+    cu = np.asarray(cu)
+    if not (len(cu) - 1 >= RUNS_FROM if runs is None else runs):
+        return lengths(np.searchsorted(take, cu)).astype(np.int64)
+    r, n = len(cu) - 1, int(cu[-1])
+    kept = np.zeros(r, dtype=np.int64)
+    if not len(take):
+        return kept
+    starts = cu[:-1]
+    mark = np.zeros(n + 1, dtype=bool)
+    mark[starts] = True
+    first = np.flatnonzero(mark[take])  # where each run of taken entries begins: at a request's first entry
+    run = np.empty(len(first), dtype=np.int64)
+    run[:-1] = first[1:] - first[:-1]
+    run[-1] = len(take) - first[-1]
+    mark[starts] = False
+    mark[take[first]] = True  # now: the first entries that were taken
+    kept[np.flatnonzero(mark[starts] & (starts < cu[1:]))] = run  # (an empty request starts where the next does)
+    return kept
+
+
 def segment_ids(cu: np.ndarray) -> np.ndarray:
     """Request index of every flat entry: [N]."""
     return np.arange(len(cu) - 1).repeat(lengths(cu))

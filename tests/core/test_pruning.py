@@ -313,6 +313,23 @@ def test_kept_top_m_is_the_global_top_m_with_ties_in_flat_order(rows, data):
         assert kept_top_m(batch, order_desc, m, within).tolist() == want.tolist()
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6)), min_size=1, max_size=12))
+def test_prefix_counts_by_runs_and_by_search_count_each_requests_prefix(sizes):
+    """Both ways of counting a plan's kept entries (binary search; runs of taken entries, from
+    `RUNS_FROM` requests) against a count of each request's own, with empty requests and
+    prefixes that fill a request up to the next one's first entry."""
+    from dcut_core.ragged import offsets_from_lengths, prefix_counts
+
+    drafted = np.array([d for d, _ in sizes], dtype=np.int64)
+    want = np.minimum(drafted, [k for _, k in sizes])
+    cu = offsets_from_lengths(drafted)
+    take = np.concatenate([np.arange(cu[i], cu[i] + want[i]) for i in range(len(sizes))]).astype(np.int64)
+    for runs in (False, True, None):
+        got = prefix_counts(take, cu, runs)
+        assert got.dtype == np.int64 and got.tolist() == want.tolist()
+
+
 @settings(max_examples=150, deadline=None)
 @given(rows=survival_rows, fixed=st.floats(0.01, 10.0), a=st.floats(0.0, 2.0), factor=st.floats(1.0, 10.0))
 def test_budget_shrinks_as_verify_tokens_get_dearer(rows, fixed, a, factor):
