@@ -59,7 +59,7 @@ class DraftBatch:
         # Two reductions, no temporaries: a NaN fails `lo >= 0`, ±inf the bounds.
         if len(s) and not (float(s.min()) >= 0 and float(s.max()) <= 1 + 1e-9):
             raise ValueError("survival values must be finite and in [0, 1]")
-        steps = np.diff(s)  # [N - 1]; entry t is flat t + 1 less flat t
+        steps = s[1:] - s[:-1]  # [N - 1]; entry t is flat t + 1 less flat t (`np.diff`, at less cost)
         starts = cu[1:-1][(cu[1:-1] > 0) & (cu[1:-1] < len(s))]
         steps[starts - 1] = 0.0  # a step across a request boundary may rise
         if len(steps) and float(steps.max()) > 1e-12:

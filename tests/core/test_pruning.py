@@ -155,6 +155,14 @@ def test_bad_survivals_are_rejected():
         choose_kept([np.array([0.5])], lambda n: 0.0)
     # a rise across a request boundary is fine
     assert choose_kept([np.array([0.1]), np.array([0.9])], lambda n: 1.0).tolist() == [1, 1]
+    # a value that is not a probability, wherever it sits: first, last, alone, repeated, inside a
+    # row, in a 2-D array (the range is read from each row's ends once the rows are non-increasing)
+    for bad in (np.nan, np.inf, -np.inf, -0.1, 1.5):
+        for rows in ([np.array([bad])], [np.array([0.5, 0.4]), np.array([bad, 0.3])], [np.array([0.6, bad])],
+                     [np.array([bad, bad])], [np.array([0.9, bad, 0.1])],
+                     [np.array([]), np.array([0.5, bad]), np.array([0.2])], np.array([[0.9, 0.8], [0.7, bad]])):
+            with pytest.raises(ValueError, match=r"\[0, 1\]"):
+                choose_kept(rows, lambda n: 1.0)
 
 
 def test_policy_names():
