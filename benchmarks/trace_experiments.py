@@ -102,6 +102,110 @@ class SignalRun(_Run):
         return super()._plan(batch)
 
 
+SURE_BUCKETS = 5  # the target's own confidence: quantile buckets of the training trace's positions
+
+
+def sure_edges(trace) -> np.ndarray:
+    """Inner edges of `SURE_BUCKETS` equal-count buckets of the target's confidence over the
+    trace's draftable positions (t ≥ 1)."""
+    sure = np.concatenate([r.target_confidence[1:] for r in trace.requests])
+    return np.quantile(sure, np.arange(1, SURE_BUCKETS) / SURE_BUCKETS)
+
+
+def fit_kind_table(trace, kind: str, key) -> np.ndarray:
+    """[buckets, positions] one kind's conditional acceptance by position, per bucket of
+    `key(request, t)` (judged drafts only, smoothed toward 0.5, as `fit_signal_table`)."""
+    width, k = trace.block - 1, trace.kinds.index(kind)
+    hits, judged = {}, {}
+    j = np.arange(width)
+    for r in trace.requests:
+        for t in range(1, r.length):
+            n, a = r.count[k, t], r.accepted[k, t]
+            if n:
+                b = key(r, t)
+                seen = (j <= min(a, n - 1)) & (j < n)
+                hits[b] = hits.get(b, np.full(width, 0.5)) + ((j < a) & seen)
+                judged[b] = judged.get(b, np.ones(width)) + seen
+    out = np.full((max(hits) + 1, width), 0.5)
+    for b in hits:
+        out[b] = hits[b] / judged[b]
+    return out
+
+
+class TableRun(_Run):
+    """The engine's decisions, its gate predicting some kinds from tables of a free signal
+    (`tables`: kind -> (key(request, t) -> bucket, [buckets, positions] rates)); `scaled`: the
+    engine's own prediction times the bucket's rates over the kind's rates on the whole training
+    trace (the request's own factor kept), else the bucket's rates alone."""
+
+    def __init__(self, trace, settings, concurrency, tables: dict, overall: dict | None = None) -> None:
+        super().__init__(trace, settings, concurrency)
+        self.tables = {settings.kinds.index(k): v for k, v in tables.items() if k in settings.kinds}
+        self.overall = None if overall is None else {settings.kinds.index(k): v for k, v in overall.items()
+                                                     if k in settings.kinds}
+        self.at: dict[int, tuple] = {}
+        self.gate.predict = self._predict
+
+    def _predict(self, g: GateInput) -> Predicted:
+        own = DraftingGate.predict(self.gate, g)
+        rates = own.rates.copy()
+        for i, rid in enumerate(g.rids):
+            rt, t = self.at[rid]
+            for j, (key, table) in self.tables.items():
+                n = int(own.lengths[i, j])
+                if n:
+                    row = table[min(key(rt, t), len(table) - 1), :n]
+                    if self.overall is not None:
+                        row = own.rates[i, j, :n] * row / np.maximum(self.overall[j][:n], 1e-6)
+                    rates[i, j, :n] = np.clip(row, 0.0, 0.99)
+        return Predicted(rates, own.lengths)
+
+    def _plan(self, batch):
+        self.at = {x.rid: (self.trace.requests[x.q], x.t) for x in batch}
+        return super()._plan(batch)
+
+
+def target_signal(train, trace) -> dict:
+    """Experiment 6: the target's own confidence where it emitted the last token
+    (`RequestTrace.target_confidence`): each kind's first three drafts' acceptance by its bucket,
+    and the gate predicting the neural kinds from it (tables fitted on `train`)."""
+    edges = sure_edges(train)
+    sure = lambda r, t: int(np.digitize(r.target_confidence[t], edges))  # noqa: E731
+    match = lambda r, t: bucket(r.confidence[r_ng, t, 0])  # noqa: E731
+    r_ng = train.kinds.index("ngram")
+    neural = [k for k in ("mtp", "block") if k in train.kinds]
+    by_sure = {k: fit_kind_table(train, k, sure) for k in (*neural, "ngram")}
+    overall = {k: fit_kind_table(train, k, lambda r, t: 0)[0] for k in neural}
+    by_match = {"ngram": (match, fit_signal_table(train))}
+    out: dict = {"edges": [round(float(e), 3) for e in edges], "first3": {}, "runs": {}}
+    for name, tr in (("train", train), ("held-out", trace)):  # accepted of the first three drafts, by bucket
+        out["first3"][name] = {}
+        for kind in (*neural, "ngram"):
+            k = tr.kinds.index(kind)
+            acc = [[] for _ in range(SURE_BUCKETS)]
+            for r in tr.requests:
+                for t in range(1, r.length):
+                    if r.count[k, t]:
+                        acc[sure(r, t)].append(min(3, int(r.accepted[k, t])))
+            out["first3"][name][kind] = [round(float(np.mean(a)), 2) if a else None for a in acc]
+    table = {k: (sure, by_sure[k]) for k in neural}
+    for kinds in (("mtp",), ("mtp", "ngram"), KIND_SETS[-1]):
+        s = SimSettings(kinds=kinds, block=8)
+        name = "+".join(kinds)
+        rows = {"stock": ratios(trace, lambda c, s=s: simulate_trace(trace, s, c), kinds),
+                "neural kinds from the target's confidence": ratios(
+                    trace, lambda c, s=s: TableRun(trace, s, c, table).run(), kinds),
+                "neural kinds scaled by it": ratios(
+                    trace, lambda c, s=s: TableRun(trace, s, c, table, overall).run(), kinds)}
+        if "ngram" in kinds:
+            rows["and n-gram from its match"] = ratios(
+                trace, lambda c, s=s: TableRun(trace, s, c, {**table, **by_match}).run(), kinds)
+        out["runs"][name] = rows
+    alone = SimSettings(kinds=("ngram",), block=8)
+    out["runs"]["ngram"] = {"stock": ratios(trace, lambda c: simulate_trace(trace, alone, c), ("ngram",))}
+    return out
+
+
 class ToldRun(_Run):
     """The engine's gate told in hindsight how many drafts of some kinds (`told`) would pass,
     the others predicted as the engine predicts them: whose prediction `auto`'s loss is."""
@@ -240,18 +344,45 @@ def render(name: str, res: dict) -> str:
     return "\n".join(lines)
 
 
+def render_target(name: str, res: dict) -> str:
+    head = " | ".join(f"C = {c}" for c in LEVELS)
+    lines = [f"#### {name}: the target's own confidence (bucket edges {res['edges']})", "",
+             "| trace | kind | " + " | ".join(f"bucket {b}" for b in range(SURE_BUCKETS)) + " |",
+             "|---|---|" + "---|" * SURE_BUCKETS]
+    for trace_name, kinds in res["first3"].items():
+        for kind, row in kinds.items():
+            cells = " | ".join("" if x is None else f"{x:.2f}" for x in row)
+            lines.append(f"| {trace_name} | {kind} | {cells} |")
+    lines += ["", f"| kinds | gate | {head} |", "|---|---|" + "---|" * len(LEVELS)]
+    for kinds, rows in res["runs"].items():
+        for variant, row in rows.items():
+            lines.append(f"| {kinds} | {variant} | " + " | ".join(f"{x:.3f}" for x in row) + " |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--train", required=True, help="a trace of training prompts (dcut trace --seed 23)")
     p.add_argument("--heldout", required=True, help="a trace of the reported prompts")
     p.add_argument("--prior", default=None, help="the prior the chooser's audit starts from (default: the bundle's)")
     p.add_argument("--out", default="runs/trace-experiments")
+    p.add_argument("--target-only", action="store_true",
+                   help="only experiment 6 (the target's own confidence; traces recorded since session 47)")
     args = p.parse_args()
     from dcut_core.learned import LearnedState
     from deployments.bundle import BUNDLED
     from deployments.trace_command import read_trace
 
     train = read_trace(args.train)
+    if args.target_only:
+        res = target_signal(train, read_trace(args.heldout))
+        out = pathlib.Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "target.json").write_text(json.dumps(res, indent=1))
+        md = render_target("held-out trace", res)
+        (out / "target.md").write_text(md + "\n")
+        print(md)
+        return 0
     prior = LearnedState.from_dict(json.loads(pathlib.Path(args.prior or BUNDLED / "prior.json").read_text()))
     results = {name: experiments(train, read_trace(path), prior) for name, path in
                (("training trace", args.train), ("held-out trace", args.heldout))}

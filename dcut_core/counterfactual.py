@@ -47,17 +47,24 @@ class RequestTrace:
     confidence: np.ndarray  # [K, T, L] float32 the drafter's probability of each draft (0 past count)
     margin: np.ndarray  # [K, T, L] float32 top-1 minus top-2 probability
     tokens: np.ndarray  # [K, T, L] int64 the drafts (-1 past count)
+    # [T] float32 the target's own probability of output[t − 1] where it emitted it (its softmax's
+    # top one at that row): known before drafting at position t, a signal no drafter pays for
+    # (row 0: 0). None in traces recorded before it was.
+    target_confidence: np.ndarray | None = None
 
     @property
     def length(self) -> int:
         return len(self.output)
 
     def as_dict(self) -> dict:
-        return {"prompt_len": self.prompt_len, **{k: _pack(getattr(self, k)) for k in ARRAYS}}
+        extra = {} if self.target_confidence is None else {"target_confidence": _pack(self.target_confidence)}
+        return {"prompt_len": self.prompt_len, **{k: _pack(getattr(self, k)) for k in ARRAYS}, **extra}
 
     @classmethod
     def from_dict(cls, d: dict) -> RequestTrace:
-        return cls(int(d["prompt_len"]), **{k: _unpack(d[k]) for k in ARRAYS})
+        conf = d.get("target_confidence")
+        return cls(int(d["prompt_len"]), **{k: _unpack(d[k]) for k in ARRAYS},
+                   target_confidence=None if conf is None else _unpack(conf))
 
 
 ARRAYS = ("output", "count", "accepted", "confidence", "margin", "tokens")
@@ -152,6 +159,8 @@ class Trace:
                 raise ValueError(f"request arrays do not match {k} kinds × {t} positions × {width} drafts")
             if (r.accepted > r.count).any() or (r.count > width).any() or (r.count[:, 0] != 0).any():
                 raise ValueError("accepted ≤ count ≤ block − 1, and nothing drafted at position 0")
+            if r.target_confidence is not None and r.target_confidence.shape != (t,):
+                raise ValueError(f"target confidence of shape {r.target_confidence.shape} for {t} positions")
         if len(self.costs.draft) != k:
             raise ValueError(f"{len(self.costs.draft)} drafting costs for {k} kinds")
 

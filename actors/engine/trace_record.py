@@ -58,9 +58,10 @@ def record_trace(cfg: EngineConfig, prompts: list[list[int]], max_tokens: int, c
     width = cfg.block - 1
     walks = [_walk_in_turn(d, prompts, outputs, features, width) if getattr(d, "corpus", None) is not None else
              _walk(d, prompts, outputs, features, width) for d in drafters]
+    sure = _target_confidence(model, prompts, outputs, room)
     requests = tuple(RequestTrace(len(p), np.asarray(o, dtype=np.int64),
                                   *(np.stack([w[name][i] for w in walks]) for name in
-                                    ("count", "accepted", "confidence", "margin", "tokens")))
+                                    ("count", "accepted", "confidence", "margin", "tokens")), sure[i])
                      for i, (p, o) in enumerate(zip(prompts, outputs, strict=True)))
     log.info("trace of %d requests walked in %.1f s", len(prompts), time.perf_counter() - t0)
     costs = measure_costs(cfg, prompts, max_tokens, cost_rounds)
@@ -79,6 +80,24 @@ def _features(model, prompts, outputs, layers, room) -> list[dict[int, np.ndarra
             res = target.forward([i], [[*p, *o[:-1]]], logits="last", capture_layers=layers)
         out.append({k: np.asarray(v, dtype=np.float16) for k, v in res.features[0].items()})
         target.release([i])
+    return out
+
+
+def _target_confidence(model, prompts, outputs, room) -> list[np.ndarray]:
+    """Per request [T] float32: at row t the target's top probability where it emitted
+    output[t − 1] (the prompt's last position for t = 1; row 0 is 0) — what a verify step knows of
+    its own last token before the next step drafts."""
+    target = LocalTarget(model, kv_capacity_tokens=room)
+    out = []
+    for i, (p, o) in enumerate(zip(prompts, outputs, strict=True)):
+        with torch.no_grad():
+            res = target.forward([i], [[*p, *o[:-1]]], logits=[list(range(len(p) - 1, len(p) + len(o) - 1))],
+                                 with_logits=True)
+        target.release([i])
+        top = torch.softmax(torch.from_numpy(res.logits).double(), dim=-1).max(dim=-1).values.numpy()
+        sure = np.zeros(len(o), dtype=np.float32)
+        sure[1:] = top[:-1]  # row j of the logits emitted output[j]; drafting at t follows output[t − 1]
+        out.append(sure)
     return out
 
 

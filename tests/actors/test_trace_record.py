@@ -54,6 +54,8 @@ def test_outputs_are_the_targets_greedy_ones_and_the_file_round_trips(trace, tin
     assert is_trace(str(path))
     again = read_trace(path)
     assert all((a.confidence == b.confidence).all() for a, b in zip(again.requests, trace.requests, strict=True))
+    assert all((a.target_confidence == b.target_confidence).all()
+               for a, b in zip(again.requests, trace.requests, strict=True))
     c = trace.costs
     assert c.verify_scale > 0 and c.own_seconds(1, False, False) > 0
     for name, d in zip(KINDS, c.draft, strict=True):  # n-gram: the coordinator's own microseconds
@@ -63,6 +65,24 @@ def test_outputs_are_the_targets_greedy_ones_and_the_file_round_trips(trace, tin
     assert c.choose is not None and c.choose_seconds(1) > 0 and again.costs.choose == c.choose  # priced apart
     one = c.for_kinds(1)
     assert (one.own_policy, one.own_drafting) == c.own_one and one.own == c.own and c.for_kinds(len(KINDS)) is c
+
+
+def test_the_target_confidence_is_its_top_probability_where_it_emitted_the_last_token(trace, tiny_bundle):
+    """Row t: the target's softmax top where output[t − 1] was emitted, asked here of a fresh
+    target one prefix at a time (the trace asks once per request)."""
+    import torch
+
+    target = LocalTarget(load_model(f"{tiny_bundle}/target"))
+    for i, (p, r) in enumerate(zip(PROMPTS, trace.requests, strict=True)):
+        sure = r.target_confidence
+        assert sure.shape == (r.length,) and sure.dtype == np.float32 and sure[0] == 0.0
+        assert ((sure[1:] > 0) & (sure[1:] <= 1)).all() and len(set(sure[1:].tolist())) > 1
+        for t in (1, r.length // 2, r.length - 1):
+            out = target.forward([100 + i], [[*p, *r.output[:t - 1].tolist()]], logits="last", with_logits=True)
+            target.release([100 + i])
+            assert int(out.argmax[0]) == r.output[t - 1]
+            top = float(torch.softmax(torch.from_numpy(out.logits[0]).double(), dim=-1).max())
+            assert sure[t] == pytest.approx(top, rel=1e-4)
 
 
 @pytest.mark.parametrize("kind", KINDS)
