@@ -27,6 +27,13 @@ training trace only; the held-out trace is reported, never tuned on.
 5. **Whose prediction is the loss**: the engine's gate (every kind) told in hindsight how many
    drafts of one kind would pass, the other kinds predicted as the engine does.
 
+6. **The target's own confidence** (`--target-only`; traces recorded since session 47): each
+   kind's acceptance by quintile of the target's top probability where it emitted the last token
+   (`RequestTrace.target_confidence`), and the gate predicting the neural kinds from it.
+7. **Hosting against choosing** (`--hosting-only`): `auto` beside a unit that hosts every kind but
+   never drafts with the neural ones, and the same charged one kind's own time — how much of
+   `auto`'s loss to n-gram alone is its choice, how much what hosting several kinds costs.
+
 (Before session 20 experiment 2 replaced a tracker method the gate no longer called, and so
 measured the stock gate twice; it now replaces the gate's predictions.)
 
@@ -206,6 +213,56 @@ def target_signal(train, trace) -> dict:
     return out
 
 
+class NeverRun(_Run):
+    """The engine's decisions in a unit that hosts `settings.kinds` but never drafts with any kind
+    but `keep` (the others predicted to accept nothing; run it without the chooser's optimism,
+    exploration or kind arms): what hosting them costs, apart from choosing them."""
+
+    def __init__(self, trace, settings, concurrency, keep: str = "ngram") -> None:
+        super().__init__(trace, settings, concurrency)
+        self.others = [j for j, k in enumerate(settings.kinds) if k != keep]
+        self.gate.predict = self._predict
+
+    def _predict(self, g: GateInput) -> Predicted:
+        own = DraftingGate.predict(self.gate, g)
+        rates = own.rates.copy()
+        rates[:, self.others] = 0.0
+        return Predicted(rates, own.lengths)
+
+
+QUIET = {"bonus": 0.0, "explore_every": 10**9, "explore_warmup": 0, "payoff_kind_arms": False}
+
+
+def hosting(trace, prior=None) -> dict:
+    """Experiment 7: where `auto` (every kind) loses to n-gram alone — its choice, or hosting
+    several kinds. Tok/s × n-gram alone in the same replay, from the bundle's prior (`prior`, as
+    served) or cold: `auto` as served; a unit that never drafts with the neural kinds; the same
+    charged one kind's own time with the chooser free. Also how many request-steps each drafted
+    with a neural kind."""
+    every = KIND_SETS[-1]
+    one = trace if trace.costs.own_one is None else dataclasses.replace(trace, costs=dataclasses.replace(
+        trace.costs, own_policy=trace.costs.own_one[0], own_drafting=trace.costs.own_one[1], choose=None))
+    one = dataclasses.replace(one, costs=dataclasses.replace(one.costs, choose=None))
+
+    def run(cls, tr, s, c, *extra):
+        r = cls(tr, s, c, *extra)
+        if prior is not None:
+            prior.restore(s.kinds, r.calibrators, r.gate.trackers, r.gate.exploration)
+        return r.run()
+
+    base = [run(_Run, trace, SimSettings(kinds=("ngram",), block=8), c).tok_s for c in LEVELS]
+    rows = {"auto": (_Run, trace, SimSettings(kinds=every, block=8)),
+            "never the neural kinds": (NeverRun, trace, SimSettings(kinds=every, block=8, **QUIET)),
+            "never them, one kind's own time, the chooser free": (NeverRun, one,
+                                                                   SimSettings(kinds=every, block=8, **QUIET))}
+    out = {}
+    for name, (cls, tr, s) in rows.items():
+        res = [run(cls, tr, s, c) for c in LEVELS]
+        out[name] = {"ratio": [round(r.tok_s / b, 3) for r, b in zip(res, base, strict=True)],
+                     "neural_steps": [sum(n for k, n in r.chosen.items() if k != "ngram") for r in res]}
+    return out
+
+
 class ToldRun(_Run):
     """The engine's gate told in hindsight how many drafts of some kinds (`told`) would pass,
     the others predicted as the engine predicts them: whose prediction `auto`'s loss is."""
@@ -344,6 +401,16 @@ def render(name: str, res: dict) -> str:
     return "\n".join(lines)
 
 
+def render_hosting(name: str, res: dict) -> str:
+    head = " | ".join(f"C = {c}" for c in LEVELS)
+    lines = [f"#### {name}: hosting every kind against choosing (× n-gram alone)", "",
+             f"| unit | {head} | request-steps drafted by a neural kind |", "|---|" + "---|" * (len(LEVELS) + 1)]
+    for unit, row in res.items():
+        lines.append(f"| {unit} | " + " | ".join(f"{x:.3f}" for x in row["ratio"]) +
+                     f" | {', '.join(map(str, row['neural_steps']))} |")
+    return "\n".join(lines)
+
+
 def render_target(name: str, res: dict) -> str:
     head = " | ".join(f"C = {c}" for c in LEVELS)
     lines = [f"#### {name}: the target's own confidence (bucket edges {res['edges']})", "",
@@ -368,32 +435,33 @@ def main() -> int:
     p.add_argument("--out", default="runs/trace-experiments")
     p.add_argument("--target-only", action="store_true",
                    help="only experiment 6 (the target's own confidence; traces recorded since session 47)")
+    p.add_argument("--hosting-only", action="store_true",
+                   help="only experiment 7 (hosting every kind against choosing), cold and from the prior")
     args = p.parse_args()
     from dcut_core.learned import LearnedState
     from deployments.bundle import BUNDLED
     from deployments.trace_command import read_trace
 
     train = read_trace(args.train)
-    if args.target_only:
-        res = target_signal(train, read_trace(args.heldout))
-        out = pathlib.Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "target.json").write_text(json.dumps(res, indent=1))
-        md = render_target("held-out trace", res)
-        (out / "target.md").write_text(md + "\n")
-        print(md)
-        return 0
     prior = LearnedState.from_dict(json.loads(pathlib.Path(args.prior or BUNDLED / "prior.json").read_text()))
-    results = {name: experiments(train, read_trace(path), prior) for name, path in
-               (("training trace", args.train), ("held-out trace", args.heldout))}
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    md = "\n\n".join(render(name, res) for name, res in results.items())
-    (out / "tables.md").write_text(md + "\n")
+    if args.hosting_only:
+        res = {phase: hosting(read_trace(args.heldout), p) for phase, p in (("cold", None), ("from the prior", prior))}
+        md = "\n\n".join(render_hosting(f"held-out trace, {phase}", r) for phase, r in res.items())
+        stem = "hosting"
+    elif args.target_only:
+        res = target_signal(train, read_trace(args.heldout))
+        md, stem = render_target("held-out trace", res), "target"
+    else:
+        res = {name: experiments(train, read_trace(path), prior) for name, path in
+               (("training trace", args.train), ("held-out trace", args.heldout))}
+        md = "\n\n".join(render(name, r) for name, r in res.items())
+        stem = "results"
+    (out / f"{stem}.json").write_text(json.dumps(res, indent=1))
+    (out / ("tables.md" if stem == "results" else f"{stem}.md")).write_text(md + "\n")
     print(md)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
