@@ -66,47 +66,16 @@ def bucket(confidence: float) -> int:
     return int(np.digitize(confidence, EDGES))
 
 
+def match_key(trace):
+    """(request, t) -> the n-gram kind's first-draft confidence bucket at t in `trace`."""
+    ng = trace.kinds.index("ngram")
+    return lambda r, t: bucket(r.confidence[ng, t, 0])
+
+
 def fit_signal_table(trace) -> np.ndarray:
     """[buckets, positions] the n-gram kind's conditional acceptance by its first draft's
     confidence bucket (judged drafts only, smoothed toward 0.5)."""
-    width, ng = trace.block - 1, trace.kinds.index("ngram")
-    hits = np.full((len(EDGES) + 1, width), 0.5)
-    judged = np.ones((len(EDGES) + 1, width))
-    j = np.arange(width)
-    for r in trace.requests:
-        for t in range(1, r.length):
-            n, a = r.count[ng, t], r.accepted[ng, t]
-            if n:
-                b = bucket(r.confidence[ng, t, 0])
-                seen = (j <= min(a, n - 1)) & (j < n)
-                hits[b] += (j < a) & seen
-                judged[b] += seen
-    return hits / judged
-
-
-class SignalRun(_Run):
-    """The engine's decisions, its gate predicting the n-gram kind from the confidence-bucket
-    table (`fit_signal_table`), the other kinds as the engine does."""
-
-    def __init__(self, trace, settings, concurrency, table) -> None:
-        super().__init__(trace, settings, concurrency)
-        self.table, self.ng, self.mine = table, trace.kinds.index("ngram"), settings.kinds.index("ngram")
-        self.at: dict[int, tuple] = {}
-        self.gate.predict = self._predict  # in place of the n-gram tracker's rates
-
-    def _predict(self, g: GateInput) -> Predicted:
-        own = DraftingGate.predict(self.gate, g)
-        rates = own.rates.copy()
-        for i, rid in enumerate(g.rids):
-            n = int(own.lengths[i, self.mine])
-            if n:
-                rt, t = self.at[rid]
-                rates[i, self.mine, :n] = np.clip(self.table[bucket(rt.confidence[self.ng, t, 0]), :n], 0.0, 0.99)
-        return Predicted(rates, own.lengths)
-
-    def _plan(self, batch):
-        self.at = {x.rid: (self.trace.requests[x.q], x.t) for x in batch}
-        return super()._plan(batch)
+    return fit_kind_table(trace, "ngram", match_key(trace), buckets=len(EDGES) + 1)
 
 
 SURE_BUCKETS = 5  # the target's own confidence: quantile buckets of the training trace's positions
@@ -119,9 +88,10 @@ def sure_edges(trace) -> np.ndarray:
     return np.quantile(sure, np.arange(1, SURE_BUCKETS) / SURE_BUCKETS)
 
 
-def fit_kind_table(trace, kind: str, key) -> np.ndarray:
+def fit_kind_table(trace, kind: str, key, buckets: int = 0) -> np.ndarray:
     """[buckets, positions] one kind's conditional acceptance by position, per bucket of
-    `key(request, t)` (judged drafts only, smoothed toward 0.5, as `fit_signal_table`)."""
+    `key(request, t)` (judged drafts only, smoothed toward 0.5; a bucket never seen is 0.5; at
+    least `buckets` rows)."""
     width, k = trace.block - 1, trace.kinds.index(kind)
     hits, judged = {}, {}
     j = np.arange(width)
@@ -133,7 +103,7 @@ def fit_kind_table(trace, kind: str, key) -> np.ndarray:
                 seen = (j <= min(a, n - 1)) & (j < n)
                 hits[b] = hits.get(b, np.full(width, 0.5)) + ((j < a) & seen)
                 judged[b] = judged.get(b, np.ones(width)) + seen
-    out = np.full((max(hits) + 1, width), 0.5)
+    out = np.full((max(buckets, max(hits, default=-1) + 1), width), 0.5)
     for b in hits:
         out[b] = hits[b] / judged[b]
     return out
@@ -141,6 +111,7 @@ def fit_kind_table(trace, kind: str, key) -> np.ndarray:
 
 class TableRun(_Run):
     """The engine's decisions, its gate predicting some kinds from tables of a free signal
+    (experiment 2: n-gram from its match's table; 6: the neural kinds from the target's confidence)
     (`tables`: kind -> (key(request, t) -> bucket, [buckets, positions] rates)); `scaled`: the
     engine's own prediction times the bucket's rates over the kind's rates on the whole training
     trace (the request's own factor kept), else the bucket's rates alone."""
@@ -178,12 +149,10 @@ def target_signal(train, trace) -> dict:
     and the gate predicting the neural kinds from it (tables fitted on `train`)."""
     edges = sure_edges(train)
     sure = lambda r, t: int(np.digitize(r.target_confidence[t], edges))  # noqa: E731
-    match = lambda r, t: bucket(r.confidence[r_ng, t, 0])  # noqa: E731
-    r_ng = train.kinds.index("ngram")
     neural = [k for k in ("mtp", "block") if k in train.kinds]
     by_sure = {k: fit_kind_table(train, k, sure) for k in (*neural, "ngram")}
     overall = {k: fit_kind_table(train, k, lambda r, t: 0)[0] for k in neural}
-    by_match = {"ngram": (match, fit_signal_table(train))}
+    by_match = {"ngram": (match_key(trace), fit_signal_table(train))}
     out: dict = {"edges": [round(float(e), 3) for e in edges], "first3": {}, "runs": {}}
     for name, tr in (("train", train), ("held-out", trace)):  # accepted of the first three drafts, by bucket
         out["first3"][name] = {}
@@ -239,10 +208,10 @@ def hosting(trace, prior=None) -> dict:
     served) or cold: `auto` as served; a unit that never drafts with the neural kinds; the same
     charged one kind's own time with the chooser free. Also how many request-steps each drafted
     with a neural kind."""
-    every = KIND_SETS[-1]
-    one = trace if trace.costs.own_one is None else dataclasses.replace(trace, costs=dataclasses.replace(
-        trace.costs, own_policy=trace.costs.own_one[0], own_drafting=trace.costs.own_one[1], choose=None))
-    one = dataclasses.replace(one, costs=dataclasses.replace(one.costs, choose=None))
+    every, costs = KIND_SETS[-1], trace.costs
+    if costs.own_one is not None:
+        costs = dataclasses.replace(costs, own_policy=costs.own_one[0], own_drafting=costs.own_one[1])
+    one = dataclasses.replace(trace, costs=dataclasses.replace(costs, choose=None))
 
     def run(cls, tr, s, c, *extra):
         r = cls(tr, s, c, *extra)
@@ -337,7 +306,7 @@ def ratios(trace, run, kinds) -> list[float]:
 
 
 def experiments(train, trace, prior=None) -> dict:
-    table = fit_signal_table(train)
+    match = {"ngram": (match_key(trace), fit_signal_table(train))}
     out: dict = {"oracle": {}, "signal": {}, "early_stop": {}, "own_time_zero": {}, "own_time_one": {}, "told": {},
                  "audit": choice_audit(trace, prior)}
     for kinds in (("ngram",), ("mtp",), ("block",), ("mtp", "ngram"), ("block", "mtp", "ngram")):
@@ -351,7 +320,7 @@ def experiments(train, trace, prior=None) -> dict:
         out["signal"][name] = {"stock": ratios(trace, lambda c, s=s: simulate_trace(trace, s, c), kinds)}
         if "ngram" in kinds:
             out["signal"][name]["n-gram match-confidence table"] = ratios(
-                trace, lambda c, s=s: SignalRun(trace, s, c, table).run(), kinds)
+                trace, lambda c, s=s: TableRun(trace, s, c, match).run(), kinds)
         cut = dataclasses.replace(s, chain_stop=True)
         out["early_stop"][name] = ratios(trace, lambda c, s=cut: simulate_trace(trace, s, c), kinds)
         out["own_time_zero"][name] = ratios(quiet, lambda c, s=s: simulate_trace(quiet, s, c), kinds)

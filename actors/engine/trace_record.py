@@ -3,7 +3,8 @@
 1. The greedy output of every prompt, from a plain decoding loop of the target (what every
    lossless policy produces).
 2. The target's features at every position of prompt + output, from one forward per request
-   (as float16, as the engine hands them to drafters).
+   (as float16, as the engine hands them to drafters), and from the same forward its own top
+   probability where it emitted each output token (`RequestTrace.target_confidence`).
 3. Every hosted drafter kind, built as the engine builds it, walks every request position by
    position through its own `commit` / `draft` protocol: at output position t it has been given
    the context up to t, drafts block − 1 tokens, and the drafts are compared with the output.
@@ -54,11 +55,10 @@ def record_trace(cfg: EngineConfig, prompts: list[list[int]], max_tokens: int, c
     drafters = [NgramDrafter(block_size=cfg.block, corpus_tokens=cfg.ngram_corpus_tokens) if kind == LOCAL_KIND
                 else build_drafter(cfg.drafter_spec(), kind) for kind in cfg.kinds]
     layers = tuple(sorted({layer for d in drafters for layer in getattr(d, "target_layers", ())}))
-    features = _features(model, prompts, outputs, layers, room)
+    features, sure = _target_views(model, prompts, outputs, layers, room)
     width = cfg.block - 1
     walks = [_walk_in_turn(d, prompts, outputs, features, width) if getattr(d, "corpus", None) is not None else
              _walk(d, prompts, outputs, features, width) for d in drafters]
-    sure = _target_confidence(model, prompts, outputs, room)
     requests = tuple(RequestTrace(len(p), np.asarray(o, dtype=np.int64),
                                   *(np.stack([w[name][i] for w in walks]) for name in
                                     ("count", "accepted", "confidence", "margin", "tokens")), sure[i])
@@ -68,37 +68,25 @@ def record_trace(cfg: EngineConfig, prompts: list[list[int]], max_tokens: int, c
     return Trace(cfg.kinds, cfg.block, max_tokens, requests, costs, dict(meta or {}))
 
 
-def _features(model, prompts, outputs, layers, room) -> list[dict[int, np.ndarray]]:
-    """Per request: layer -> [len(prompt) + len(output) − 1, H] float16, the target's outputs at
-    every position a drafter may be given (all but the newest token's)."""
-    if not layers:
-        return [{} for _ in prompts]
+def _target_views(model, prompts, outputs, layers, room) -> tuple[list[dict[int, np.ndarray]], list[np.ndarray]]:
+    """Per request, from one forward over prompt + output[:-1]: layer -> [len(prompt) +
+    len(output) − 1, H] float16, the target's outputs at every position a drafter may be given
+    (all but the newest token's; {} without `layers`); and [T] float32, at row t the target's top
+    probability where it emitted output[t − 1] (the prompt's last position for t = 1; row 0 is
+    0) — what a verify step knows of its own last token before the next step drafts."""
     target = LocalTarget(model, kv_capacity_tokens=room)
-    out = []
-    for i, (p, o) in enumerate(zip(prompts, outputs, strict=True)):
-        with torch.no_grad():
-            res = target.forward([i], [[*p, *o[:-1]]], logits="last", capture_layers=layers)
-        out.append({k: np.asarray(v, dtype=np.float16) for k, v in res.features[0].items()})
-        target.release([i])
-    return out
-
-
-def _target_confidence(model, prompts, outputs, room) -> list[np.ndarray]:
-    """Per request [T] float32: at row t the target's top probability where it emitted
-    output[t − 1] (the prompt's last position for t = 1; row 0 is 0) — what a verify step knows of
-    its own last token before the next step drafts."""
-    target = LocalTarget(model, kv_capacity_tokens=room)
-    out = []
+    features, sure = [], []
     for i, (p, o) in enumerate(zip(prompts, outputs, strict=True)):
         with torch.no_grad():
             res = target.forward([i], [[*p, *o[:-1]]], logits=[list(range(len(p) - 1, len(p) + len(o) - 1))],
-                                 with_logits=True)
+                                 with_logits=True, capture_layers=layers)
         target.release([i])
+        features.append({k: np.asarray(v, dtype=np.float16) for k, v in res.features[0].items()})
         top = torch.softmax(torch.from_numpy(res.logits).double(), dim=-1).max(dim=-1).values.numpy()
-        sure = np.zeros(len(o), dtype=np.float32)
-        sure[1:] = top[:-1]  # row j of the logits emitted output[j]; drafting at t follows output[t − 1]
-        out.append(sure)
-    return out
+        row = np.zeros(len(o), dtype=np.float32)
+        row[1:] = top[:-1]  # logits row j emitted output[j]; drafting at t follows output[t − 1]
+        sure.append(row)
+    return features, sure
 
 
 def _walk_in_turn(drafter, prompts, outputs, features, width: int) -> dict[str, list[np.ndarray]]:
