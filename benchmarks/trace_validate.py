@@ -7,7 +7,10 @@ every kind chosen per request (`auto`) — and each concurrency, runs the engine
 trace, and reports predicted / measured tok/s. Rounds alternate the settings' order; the table
 gives the median ratio and its range over rounds, and each setting's speed over `ar`'s in the
 same round, predicted and measured (the machine's speed drifts 10–25 % between phases of a run;
-a ratio within a round cancels it).
+a ratio within a round cancels it). A second table splits each cell's time as the simulator
+does — the target's forwards, the drafters' passes, the rest (the engine's own time, and the
+loop's between steps) — with the steps taken, predicted / measured: which of them a
+prediction off by more than 10 % misjudges.
 
     .venv/bin/python benchmarks/trace_validate.py --rounds 3 --out runs/trace-validate
 """
@@ -29,6 +32,17 @@ from actors.ray_env import set_local_env
 set_local_env()
 
 KINDS = ("block", "mtp", "ngram")
+PARTS = ("steps", "forward_s", "draft_s", "rest_s")  # a run's time as the simulator splits it
+SIM_PARTS = {"steps": "steps", "forward_s": "forward_seconds", "draft_s": "draft_seconds", "rest_s": "rest_seconds"}
+
+
+def time_split(res) -> dict:
+    """A closed loop's steps, and its wall time split as the simulator splits it: the target's
+    forwards (the slowest rank's own time), the drafters' passes (the slowest replica's, the
+    coordinator's look-ahead included) and the rest."""
+    fwd = sum(r.target_compute_s for r in res.records)
+    draft = sum(r.draft_compute_s for r in res.records)
+    return {"steps": len(res.records), "forward_s": fwd, "draft_s": draft, "rest_s": res.wall_s - fwd - draft}
 
 
 def main() -> int:
@@ -92,7 +106,7 @@ def main() -> int:
                     res = closed_loop(engines[name], ids, c, args.max_tokens)
                     measured = res.output_tokens / res.wall_s
                     runs.append({"round": rnd, "concurrency": c, "setting": name, "measured": measured,
-                                 "mat": res.mat()})
+                                 "mat": res.mat(), **time_split(res)})
                     print(json.dumps(runs[-1]), flush=True)
     finally:
         for e in engines.values():
@@ -102,7 +116,8 @@ def main() -> int:
     for c in levels:
         sims = {name: simulate_trace(trace, s, c, prior) for name, s in settings.items()}  # from the bundle's prior
         for name, sim in sims.items():
-            meas = [r["measured"] for r in runs if r["concurrency"] == c and r["setting"] == name]
+            cell = [r for r in runs if r["concurrency"] == c and r["setting"] == name]
+            meas = [r["measured"] for r in cell]
             ratios = [sim.tok_s / m for m in meas]
             # × `ar` in the same round: the machine's speed, which drifts 10–25 % between phases, cancels
             over_ar = [r["measured"] / next(a["measured"] for a in runs if a["round"] == r["round"]
@@ -112,6 +127,8 @@ def main() -> int:
                          "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
                          "x_ar_predicted": sim.tok_s / sims["ar"].tok_s, "x_ar_measured": statistics.median(over_ar),
                          "mat_predicted": sim.mat,
+                         **{f"{k}_ratio": statistics.median(getattr(sim, SIM_PARTS[k]) / r[k] if r[k] else float("nan")
+                                                            for r in cell) for k in PARTS},
                          "mat_measured": statistics.median(r["mat"] for r in runs
                                                            if r["concurrency"] == c and r["setting"] == name)})
         rows.append({"concurrency": c, "setting": "oracle", "predicted": oracle_run(trace, trace.kinds, c).tok_s})
@@ -127,6 +144,12 @@ def main() -> int:
                       f"{r['mat_predicted']:.2f} / {r['mat_measured']:.2f} |")
         else:
             md.append(f"| {r['concurrency']} | hindsight oracle | {r['predicted']:.0f} | — | — | — | — |")
+    md += ["", "| C | setting | steps | forward s | drafting s | rest s |  (predicted / measured, median of rounds)",
+           "|---|---|---|---|---|---|"]
+    for r in rows:
+        if "measured" in r:
+            md.append(f"| {r['concurrency']} | {r['setting']} | " + " | ".join(f"{r[f'{k}_ratio']:.2f}" for k in PARTS)
+                      + " |")
     (out / "results.json").write_text(json.dumps({"runs": runs, "rows": rows, "args": vars(args)}, indent=1))
     (out / "table.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))

@@ -101,6 +101,11 @@ class SimResult:
     def drafting_share(self) -> float:
         return self.draft_seconds / self.seconds if self.seconds else 0.0
 
+    @property
+    def rest_seconds(self) -> float:
+        """The time outside the forwards and the drafters' passes: the engine's own, the chooser's."""
+        return self.seconds - self.forward_seconds - self.draft_seconds
+
     def record(self) -> dict:
         return {"policy": self.policy, "kinds": list(self.kinds), "concurrency": self.concurrency,
                 "tok_s": self.tok_s, "mat": self.mat, "drafting_share": self.drafting_share, "steps": self.steps,

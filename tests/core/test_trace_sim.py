@@ -4,6 +4,7 @@ oracle's step against brute force."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 
@@ -79,6 +80,10 @@ def test_full_policy_one_request_by_hand():
     forward = (0.010 + 0.001 * 6) + 2 * (0.010 + 0.001 * 4) + (0.010 + 0.001 * 3)
     assert out.seconds == pytest.approx(forward + 2 * (0.002 + 0.0005 * 3) + (0.002 + 0.0005 * 2))
     assert out.mat == pytest.approx(3.0)
+    assert out.forward_seconds == pytest.approx(forward) and out.rest_seconds == pytest.approx(0.0, abs=1e-12)
+    own = simulate_trace(dataclasses.replace(trace, costs=costs(overhead=0.003)),
+                         SimSettings(policy="full", kinds=("block",)), 1)
+    assert own.rest_seconds == pytest.approx(4 * 0.003)  # the step's own time: the part that is neither pass
 
 
 def reference_static(trace: Trace, policy: str, concurrency: int) -> tuple[int, int, float]:
