@@ -35,6 +35,25 @@ def _unpack(d: dict) -> np.ndarray:
 
 
 @dataclass(frozen=True)
+class KindRows:
+    """One kind's rows of one request (`RequestTrace`'s arrays at that kind): drafts proposed
+    [T], accepted [T], and each draft's confidence, margin and token [T, L]."""
+
+    count: np.ndarray
+    accepted: np.ndarray
+    confidence: np.ndarray
+    margin: np.ndarray
+    tokens: np.ndarray
+
+    def as_dict(self) -> dict:
+        return {k: _pack(getattr(self, k)) for k in ROWS}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> KindRows:
+        return cls(*(_unpack(d[k]) for k in ROWS))
+
+
+@dataclass(frozen=True)
 class RequestTrace:
     """One request: its prompt's length, its greedy output [T], and per drafter kind and
     position the drafts it would get. Row t of each [K, T, ...] array is drafting after t output
@@ -51,6 +70,12 @@ class RequestTrace:
     # top one at that row): known before drafting at position t, a signal no drafter pays for
     # (row 0: 0). None in traces recorded before it was.
     target_confidence: np.ndarray | None = None
+    # The rows of the kind that drafts from earlier requests' outputs (`Trace.corpus_kind`, the
+    # n-gram kind) where its corpus held only the outputs of the requests `lag` or more places
+    # before this one, by lag: what a closed loop at concurrency `lag` gives it, roughly (requests
+    # start in order and, of equal lengths, end in order). The kind's own rows are lag 1, every
+    # earlier request's output in. None: not recorded.
+    corpus: dict[int, KindRows] | None = None
 
     @property
     def length(self) -> int:
@@ -58,16 +83,29 @@ class RequestTrace:
 
     def as_dict(self) -> dict:
         extra = {} if self.target_confidence is None else {"target_confidence": _pack(self.target_confidence)}
+        if self.corpus is not None:
+            extra["corpus"] = {str(lag): rows.as_dict() for lag, rows in sorted(self.corpus.items())}
         return {"prompt_len": self.prompt_len, **{k: _pack(getattr(self, k)) for k in ARRAYS}, **extra}
 
     @classmethod
     def from_dict(cls, d: dict) -> RequestTrace:
-        conf = d.get("target_confidence")
+        conf, corpus = d.get("target_confidence"), d.get("corpus")
         return cls(int(d["prompt_len"]), **{k: _unpack(d[k]) for k in ARRAYS},
-                   target_confidence=None if conf is None else _unpack(conf))
+                   target_confidence=None if conf is None else _unpack(conf),
+                   corpus=None if corpus is None else {int(lag): KindRows.from_dict(r) for lag, r in corpus.items()})
+
+    def with_rows(self, k: int, rows: KindRows) -> RequestTrace:
+        """This request with kind k's rows replaced by `rows`."""
+        arrays = {}
+        for name in ROWS:
+            a = getattr(self, name).copy()
+            a[k] = getattr(rows, name)
+            arrays[name] = a
+        return replace(self, **arrays)
 
 
-ARRAYS = ("output", "count", "accepted", "confidence", "margin", "tokens")
+ROWS = ("count", "accepted", "confidence", "margin", "tokens")  # a kind's rows of a request (`KindRows`)
+ARRAYS = ("output", *ROWS)
 
 
 @dataclass(frozen=True)
@@ -150,6 +188,7 @@ class Trace:
     requests: tuple[RequestTrace, ...]
     costs: TraceCosts
     meta: dict = field(default_factory=dict)  # provenance: model, prompts file, when (informative)
+    corpus_kind: str | None = None  # the kind with rows by corpus lag (`RequestTrace.corpus`), if recorded
 
     def __post_init__(self) -> None:
         k, width = len(self.kinds), self.block - 1
@@ -161,6 +200,19 @@ class Trace:
                 raise ValueError("accepted ≤ count ≤ block − 1, and nothing drafted at position 0")
             if r.target_confidence is not None and r.target_confidence.shape != (t,):
                 raise ValueError(f"target confidence of shape {r.target_confidence.shape} for {t} positions")
+            if (r.corpus is not None) != (self.corpus_kind is not None):
+                raise ValueError("rows by corpus lag need the kind they belong to, and every request its own")
+            for lag, rows in (r.corpus or {}).items():
+                if lag < 2 or rows.count.shape != (t,) or rows.accepted.shape != (t,) or \
+                        rows.confidence.shape != (t, width) or rows.margin.shape != (t, width) or \
+                        rows.tokens.shape != (t, width):
+                    raise ValueError(f"rows at corpus lag {lag} do not match {t} positions × {width} drafts")
+                if (rows.accepted > rows.count).any() or (rows.count > width).any() or rows.count[0] != 0:
+                    raise ValueError("accepted ≤ count ≤ block − 1, and nothing drafted at position 0")
+        if self.corpus_kind is not None:
+            self.kind_index((self.corpus_kind,))
+            if len({frozenset(r.corpus) for r in self.requests}) > 1:
+                raise ValueError("every request needs its rows at the same corpus lags")
         if len(self.costs.draft) != k:
             raise ValueError(f"{len(self.costs.draft)} drafting costs for {k} kinds")
 
@@ -174,10 +226,24 @@ class Trace:
     def output_tokens(self) -> int:
         return sum(r.length for r in self.requests)
 
+    @property
+    def corpus_lags(self) -> tuple[int, ...]:
+        """The corpus lags recorded beyond the kind's own rows (lag 1), ascending."""
+        return tuple(sorted(self.requests[0].corpus)) if self.corpus_kind is not None and self.requests else ()
+
+    def at_concurrency(self, c: int) -> Trace:
+        """The trace as a closed loop at concurrency c sees it: the corpus kind's rows those of
+        the largest recorded lag up to c (its own, lag 1, where none is), the rest unchanged."""
+        lag = max((x for x in self.corpus_lags if x <= c), default=1)
+        if lag == 1:
+            return self
+        k = self.kinds.index(self.corpus_kind)
+        return replace(self, requests=tuple(r.with_rows(k, r.corpus[lag]) for r in self.requests))
+
     def as_dict(self) -> dict:
         return {"version": VERSION, "kinds": list(self.kinds), "block": self.block, "max_tokens": self.max_tokens,
                 "requests": [r.as_dict() for r in self.requests], "costs": self.costs.as_dict(),
-                "meta": self.meta}
+                "meta": self.meta} | ({} if self.corpus_kind is None else {"corpus_kind": self.corpus_kind})
 
     @classmethod
     def from_dict(cls, d: dict) -> Trace:
@@ -185,7 +251,7 @@ class Trace:
             raise ValueError(f"unsupported trace version {d.get('version')!r} (this code reads {VERSION})")
         return cls(tuple(d["kinds"]), int(d["block"]), int(d["max_tokens"]),
                    tuple(RequestTrace.from_dict(r) for r in d["requests"]), TraceCosts.from_dict(d["costs"]),
-                   dict(d.get("meta") or {}))
+                   dict(d.get("meta") or {}), d.get("corpus_kind"))
 
 
 def accepted_prefix(drafts: np.ndarray, truth: np.ndarray) -> int:

@@ -148,6 +148,7 @@ class _Run:
     """The state of one simulated engine (the parts `Engine` owns that decide)."""
 
     def __init__(self, trace: Trace, s: SimSettings, concurrency: int) -> None:
+        trace = trace.at_concurrency(concurrency)  # the n-gram kind's corpus as a loop at this concurrency holds it
         self.trace, self.s, self.c = trace, s, concurrency
         self.block = s.block or trace.block
         if self.block > trace.block:
@@ -574,7 +575,8 @@ def prior_from_trace(trace: Trace, concurrency: int = 4, runs: int = 2) -> Learn
 def shuffled(trace: Trace, n: int) -> list[Trace]:
     """The trace, then n − 1 shuffles of its requests (fixed seeds). A closed loop over one draw
     of prompts in one order is chaotic (a cell moves ±3 % with the order alone), so a setting is
-    judged over several orders."""
+    judged over several orders. (The n-gram kind's rows keep the corpus of the recorded order,
+    at every lag: a shuffle moves which outputs a request could have drafted from.)"""
     out = [trace]
     for o in range(1, n):
         reqs = list(trace.requests)

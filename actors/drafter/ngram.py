@@ -91,13 +91,15 @@ class NgramDrafter:
             if history is not None and self.corpus is not None and len(history.tokens) > history.first:
                 self._finished.append(history.tokens[max(0, history.first - self.max_n):])
 
-    def absorb(self, keep: bool = True) -> None:
+    def absorb(self, keep: bool = True, leave: int = 0) -> None:
         """The released requests' outputs into the corpus (~0.6 µs a token here: the engine
         does it where it learns from a step, behind the next forward on a GPU), or dropped
-        (`keep` False)."""
-        for tokens in self._finished if keep else ():
+        (`keep` False); the newest `leave` of them left waiting (a trace's walk as a closed loop
+        at concurrency leave + 1 sees the corpus)."""
+        absorbed = self._finished[:max(0, len(self._finished) - leave)]
+        for tokens in absorbed if keep else ():
             self.corpus.add(tokens)
-        self._finished.clear()
+        del self._finished[:len(absorbed)]
 
     def forget_outputs(self) -> None:
         """Empty the corpus, and drop the outputs waiting for it."""

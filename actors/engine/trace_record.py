@@ -38,10 +38,16 @@ from actors.engine.replica import build_drafter
 from actors.target.checkpoint import load_model
 from actors.target.decode import greedy_decode
 from actors.target.local import LocalTarget
-from dcut_core.counterfactual import RequestTrace, Trace, TraceCosts, accepted_prefix
+from dcut_core.counterfactual import ROWS, KindRows, RequestTrace, Trace, TraceCosts, accepted_prefix
 from dcut_core.drafting import DraftCost
 
 log = logging.getLogger(__name__)
+
+# The corpus lags (closed-loop concurrencies, roughly) the n-gram kind's rows are walked at beside
+# its own (lag 1): at 16 requests a trace walked in turn credits it ~6 % more accepted drafts than
+# its corpus holds then (docs/benchmarks.md, session 48). A replay takes the largest up to its
+# concurrency (`Trace.at_concurrency`).
+CORPUS_LAGS = (4, 16, 64)
 
 
 def record_trace(cfg: EngineConfig, prompts: list[list[int]], max_tokens: int, cost_rounds: int = 1,
@@ -59,13 +65,19 @@ def record_trace(cfg: EngineConfig, prompts: list[list[int]], max_tokens: int, c
     width = cfg.block - 1
     walks = [_walk_in_turn(d, prompts, outputs, features, width) if getattr(d, "corpus", None) is not None else
              _walk(d, prompts, outputs, features, width) for d in drafters]
+    learner = next((k for k, d in zip(cfg.kinds, drafters, strict=True) if getattr(d, "corpus", None) is not None),
+                   None)
+    lagged = {} if learner is None else {  # the corpus kind's rows as closed loops at higher concurrency see them
+        lag: _walk_in_turn(NgramDrafter(block_size=cfg.block, corpus_tokens=cfg.ngram_corpus_tokens), prompts,
+                           outputs, features, width, lag) for lag in CORPUS_LAGS}
     requests = tuple(RequestTrace(len(p), np.asarray(o, dtype=np.int64),
-                                  *(np.stack([w[name][i] for w in walks]) for name in
-                                    ("count", "accepted", "confidence", "margin", "tokens")), sure[i])
+                                  *(np.stack([w[name][i] for w in walks]) for name in ROWS),
+                                  sure[i], {lag: KindRows(*(w[name][i] for name in ROWS))
+                                            for lag, w in lagged.items()} if learner is not None else None)
                      for i, (p, o) in enumerate(zip(prompts, outputs, strict=True)))
     log.info("trace of %d requests walked in %.1f s", len(prompts), time.perf_counter() - t0)
     costs = measure_costs(cfg, prompts, max_tokens, cost_rounds)
-    return Trace(cfg.kinds, cfg.block, max_tokens, requests, costs, dict(meta or {}))
+    return Trace(cfg.kinds, cfg.block, max_tokens, requests, costs, dict(meta or {}), learner)
 
 
 def _target_views(model, prompts, outputs, layers, room) -> tuple[list[dict[int, np.ndarray]], list[np.ndarray]]:
@@ -89,13 +101,14 @@ def _target_views(model, prompts, outputs, layers, room) -> tuple[list[dict[int,
     return features, sure
 
 
-def _walk_in_turn(drafter, prompts, outputs, features, width: int) -> dict[str, list[np.ndarray]]:
+def _walk_in_turn(drafter, prompts, outputs, features, width: int, lag: int = 1) -> dict[str, list[np.ndarray]]:
     """`_walk` one request at a time, in order: a drafter that learns from the requests it has
-    served (the n-gram kind's corpus) sees those before each one."""
+    served (the n-gram kind's corpus) sees the outputs of those `lag` or more places before each
+    one (lag 1: every one before it)."""
     walks = []
     for p, o, f in zip(prompts, outputs, features, strict=True):
         walks.append(_walk(drafter, [p], [o], [f], width))
-        drafter.absorb()
+        drafter.absorb(leave=lag - 1)
     return {name: [w[name][0] for w in walks] for name in walks[0]}
 
 

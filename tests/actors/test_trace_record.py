@@ -9,10 +9,11 @@ import dataclasses
 import numpy as np
 import pytest
 
+from actors.drafter.ngram import NgramDrafter
 from actors.engine.config import EngineConfig
 from actors.engine.coordinator import Engine
 from actors.engine.sequence import SamplingParams
-from actors.engine.trace_record import record_trace
+from actors.engine.trace_record import CORPUS_LAGS, _walk, _walk_in_turn, record_trace
 from actors.target.checkpoint import load_model
 from actors.target.decode import greedy_decode
 from actors.target.local import LocalTarget
@@ -61,10 +62,42 @@ def test_outputs_are_the_targets_greedy_ones_and_the_file_round_trips(trace, tin
     for name, d in zip(KINDS, c.draft, strict=True):  # n-gram: the coordinator's own microseconds
         assert d.fixed + d.per_request + 7 * d.per_position < 1e-3 if name == "ngram" else \
             d.per_position + d.per_pass > 0 or d.fixed > 0
+    assert trace.corpus_kind == "ngram" and trace.corpus_lags == CORPUS_LAGS == again.corpus_lags
+    alone = _walk_in_turn(NgramDrafter(block_size=BLOCK, corpus_tokens=0), PROMPTS,
+                          [r.output.tolist() for r in trace.requests], [{}] * len(PROMPTS), BLOCK - 1)
+    for i, r in enumerate(again.requests):  # every lag here spans the 4 prompts: no earlier output in
+        assert all(np.array_equal(r.corpus[lag].accepted, alone["accepted"][i]) for lag in CORPUS_LAGS)
     assert c.own_one is not None and again.costs.own_one == c.own_one  # a one-kind engine measured beside the unit
     assert c.choose is not None and c.choose_seconds(1) > 0 and again.costs.choose == c.choose  # priced apart
     one = c.for_kinds(1)
     assert (one.own_policy, one.own_drafting) == c.own_one and one.own == c.own and c.for_kinds(len(KINDS)) is c
+
+
+def test_the_ngram_kinds_rows_by_corpus_lag_see_the_outputs_lag_places_before():
+    """`_walk_in_turn` at lag L: request i drafts as a fresh n-gram drafter that has served
+    requests 0 .. i − L in turn (and nothing else) would; lag 1 is the trace's own walk. Outputs
+    that repeat earlier ones make the corpus matter."""
+    rng = np.random.default_rng(7)
+    base = rng.integers(30, 60, 12).tolist()  # every output opens alike: from request L on, lag L finds it
+    prompts = [rng.integers(1, 30, 6).tolist() for _ in range(7)]
+    outputs = [base + rng.integers(30, 60, 4).tolist() for _ in range(7)]
+    width = BLOCK - 1
+
+    def fresh():
+        return NgramDrafter(block_size=BLOCK, corpus_tokens=1 << 16)
+
+    rows = {lag: _walk_in_turn(fresh(), prompts, outputs, [{}] * 7, width, lag) for lag in (1, 2, 3, 7)}
+    for lag, walked in rows.items():
+        for i in range(7):
+            d = fresh()
+            for j in range(i - lag + 1):  # the requests served before i whose outputs are in
+                _walk(d, [prompts[j]], [outputs[j]], [{}], width)
+                d.absorb()
+            want = _walk(d, [prompts[i]], [outputs[i]], [{}], width)
+            for name in ("count", "accepted", "confidence", "margin", "tokens"):
+                assert np.array_equal(walked[name][i], want[name][0]), (lag, i, name)
+    accepted = {lag: sum(int(a.sum()) for a in w["accepted"]) for lag, w in rows.items()}
+    assert accepted[1] > accepted[2] > accepted[3] > accepted[7]  # a thinner corpus drafts less that passes
 
 
 def test_the_target_confidence_is_its_top_probability_where_it_emitted_the_last_token(trace, tiny_bundle):

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dcut_core.cost_model import CostModel, StepShape
-from dcut_core.counterfactual import RequestTrace, Trace, TraceCosts, accepted_prefix
+from dcut_core.counterfactual import KindRows, RequestTrace, Trace, TraceCosts, accepted_prefix
 from dcut_core.drafting import DraftCost
 from dcut_core.hardware import ModelShape
 from dcut_core.trace_sim import SimSettings, oracle_run, oracle_step, simulate_trace
@@ -59,6 +59,63 @@ def test_trace_packs_to_the_same_bytes_and_back():
     assert msgpack.packb(again.as_dict()) == raw
     assert again.requests[0].accepted.tolist() == trace.requests[0].accepted.tolist()
     assert again.costs.draft == trace.costs.draft
+
+
+def lagged(r: RequestTrace, k: int, accepted: int) -> KindRows:
+    """Kind k's rows of r with every position accepting at most `accepted` (as a thinner corpus would)."""
+    acc = np.minimum(r.accepted[k], accepted)
+    return KindRows(r.count[k].copy(), acc, r.confidence[k].copy(), r.margin[k].copy(), r.tokens[k].copy())
+
+
+def corpus_trace() -> Trace:
+    reqs = [request(6, [[2, 1, 3, 0, 2, 1, 2, 0, 1], [3, 3, 2, 3, 1, 3, 3, 2, 3]], 5) for _ in range(6)]
+    reqs = [dataclasses.replace(r, corpus={4: lagged(r, 1, 1), 16: lagged(r, 1, 0)}) for r in reqs]
+    return Trace(("block", "ngram"), 5, 10, tuple(reqs), costs(kinds=2), corpus_kind="ngram")
+
+
+def test_rows_by_corpus_lag_pack_to_the_same_bytes_and_serve_the_largest_lag_up_to_a_concurrency():
+    trace = corpus_trace()
+    raw = msgpack.packb(trace.as_dict())
+    again = Trace.from_dict(msgpack.unpackb(raw))
+    assert msgpack.packb(again.as_dict()) == raw and again.corpus_lags == (4, 16) and again.corpus_kind == "ngram"
+    assert trace.at_concurrency(1) is trace and trace.at_concurrency(3) is trace
+    for c, lag in ((4, 4), (15, 4), (16, 16), (64, 16)):
+        seen = trace.at_concurrency(c)
+        for r, s in zip(trace.requests, seen.requests, strict=True):
+            assert s.accepted[1].tolist() == r.corpus[lag].accepted.tolist()  # the n-gram kind's, at that lag
+            assert s.accepted[0].tolist() == r.accepted[0].tolist() and s.tokens.shape == r.tokens.shape
+    plain = dataclasses.replace(trace, corpus_kind=None, requests=tuple(
+        dataclasses.replace(r, corpus=None) for r in trace.requests))
+    assert Trace.from_dict(msgpack.unpackb(msgpack.packb(plain.as_dict()))).corpus_lags == ()  # older traces
+
+
+def test_a_replay_at_a_concurrency_drafts_from_the_corpus_a_loop_there_holds():
+    trace = corpus_trace()
+    settings = SimSettings(kinds=("ngram",), block=5)
+    for c in (2, 4, 6):
+        got = simulate_trace(trace, settings, c)
+        want = simulate_trace(dataclasses.replace(trace.at_concurrency(c), corpus_kind=None, requests=tuple(
+            dataclasses.replace(r, corpus=None) for r in trace.at_concurrency(c).requests)), settings, c)
+        assert (got.tokens, got.steps, got.accepted, got.seconds) == (want.tokens, want.steps, want.accepted,
+                                                                       want.seconds)
+    assert simulate_trace(trace, settings, 4).mat < simulate_trace(trace, settings, 2).mat  # a thinner corpus
+
+
+def test_rows_by_corpus_lag_that_do_not_fit_are_refused():
+    trace = corpus_trace()
+    r = trace.requests[0]
+    with pytest.raises(ValueError, match="the kind they belong to"):
+        dataclasses.replace(trace, corpus_kind=None)
+    with pytest.raises(ValueError, match="corpus lag 1"):
+        dataclasses.replace(trace, requests=(dataclasses.replace(r, corpus={1: r.corpus[4]}),))
+    short = KindRows(*(a[:-1] for a in (r.corpus[4].count, r.corpus[4].accepted, r.corpus[4].confidence,
+                                         r.corpus[4].margin, r.corpus[4].tokens)))
+    with pytest.raises(ValueError, match="corpus lag 4"):
+        dataclasses.replace(trace, requests=(dataclasses.replace(r, corpus={4: short, 16: r.corpus[16]}),))
+    with pytest.raises(ValueError, match="same corpus lags"):
+        dataclasses.replace(trace, requests=(r, dataclasses.replace(r, corpus={4: r.corpus[4]})))
+    with pytest.raises(ValueError, match="no mtp"):
+        dataclasses.replace(trace, corpus_kind="mtp")
 
 
 def test_a_malformed_trace_is_refused():
