@@ -48,6 +48,11 @@ log = logging.getLogger(__name__)
 # its corpus holds then (docs/benchmarks.md, session 48). A replay takes the largest up to its
 # concurrency (`Trace.at_concurrency`).
 CORPUS_LAGS = (4, 16, 64)
+# The closed loops a trace measures the step's own time over: its lines a + b·R are read by
+# replays at every concurrency, and fitted at 1–16 alone, at 32 requests they charged a plain step
+# 1.05 ms where a run took 1.66, and a drafting step 6.4 where it took 5.7 (docs/benchmarks.md,
+# session 48).
+OWN_LEVELS = (1, 4, 16, 64)
 
 
 def record_trace(cfg: EngineConfig, prompts: list[list[int]], max_tokens: int, cost_rounds: int = 1,
@@ -65,19 +70,19 @@ def record_trace(cfg: EngineConfig, prompts: list[list[int]], max_tokens: int, c
     width = cfg.block - 1
     walks = [_walk_in_turn(d, prompts, outputs, features, width) if getattr(d, "corpus", None) is not None else
              _walk(d, prompts, outputs, features, width) for d in drafters]
-    learner = next((k for k, d in zip(cfg.kinds, drafters, strict=True) if getattr(d, "corpus", None) is not None),
+    corpus_kind = next((k for k, d in zip(cfg.kinds, drafters, strict=True) if getattr(d, "corpus", None) is not None),
                    None)
-    lagged = {} if learner is None else {  # the corpus kind's rows as closed loops at higher concurrency see them
+    lagged = {} if corpus_kind is None else {  # the corpus kind's rows as closed loops at higher concurrency see them
         lag: _walk_in_turn(NgramDrafter(block_size=cfg.block, corpus_tokens=cfg.ngram_corpus_tokens), prompts,
                            outputs, features, width, lag) for lag in CORPUS_LAGS}
     requests = tuple(RequestTrace(len(p), np.asarray(o, dtype=np.int64),
                                   *(np.stack([w[name][i] for w in walks]) for name in ROWS),
                                   sure[i], {lag: KindRows(*(w[name][i] for name in ROWS))
-                                            for lag, w in lagged.items()} if learner is not None else None)
+                                            for lag, w in lagged.items()} if corpus_kind is not None else None)
                      for i, (p, o) in enumerate(zip(prompts, outputs, strict=True)))
     log.info("trace of %d requests walked in %.1f s", len(prompts), time.perf_counter() - t0)
     costs = measure_costs(cfg, prompts, max_tokens, cost_rounds)
-    return Trace(cfg.kinds, cfg.block, max_tokens, requests, costs, dict(meta or {}), learner)
+    return Trace(cfg.kinds, cfg.block, max_tokens, requests, costs, dict(meta or {}), corpus_kind)
 
 
 def _target_views(model, prompts, outputs, layers, room) -> tuple[list[dict[int, np.ndarray]], list[np.ndarray]]:
@@ -143,8 +148,8 @@ def _walk(drafter, prompts, outputs, features, width: int) -> dict[str, list[np.
 
 
 def measure_costs(cfg: EngineConfig, prompts: list[list[int]], max_tokens: int, rounds: int = 1) -> TraceCosts:
-    """What an engine built from `cfg` measures serving the prompts in closed loops at 1, 4 and
-    16 requests, with `dcut` and plain: the verify cost model refitted to every forward measured
+    """What an engine built from `cfg` measures serving the prompts in closed loops at 1, 4, 16
+    and 64 requests (`OWN_LEVELS`, as many as it may run), with `dcut` and plain: the verify cost model refitted to every forward measured
     (not the start-up profile times one running correction), what a drafting call adds, and the
     step's own time outside the passes — the time between steps included, since a closed loop's
     wall clock counts it — fitted as a + b·R for plain steps, for `dcut` steps that draft
@@ -239,14 +244,15 @@ class ChooserClock:
 def _own_times(engine, prompts: list[list[int]], max_tokens: int, rounds: int, policies: tuple[str, ...],
                clock: ChooserClock | None = None) -> dict[str, list[tuple[int, float]]]:
     """(requests, seconds) of every decode step's own time, by plain (`ar`), `dcut` drafting
-    nothing (`dcut`) and drafting (`drafting`), over closed loops at 1, 4 and 16 requests; less
-    the kind chooser's runs where a `clock` times them."""
+    nothing (`dcut`) and drafting (`drafting`), over closed loops at `OWN_LEVELS` requests (as
+    many as the prompts and the engine allow); less the kind chooser's runs where a `clock` times
+    them."""
     from actors.engine.loadgen import closed_loop
 
     own: dict[str, list[tuple[int, float]]] = {"ar": [], "dcut": [], "drafting": []}
     spent = clock.spent if clock is not None else {}
     for _ in range(rounds):
-        for c in sorted({1, min(4, len(prompts)), min(16, len(prompts))}):
+        for c in sorted({min(c, len(prompts), engine.cfg.max_running) for c in OWN_LEVELS}):
             for policy in policies:
                 engine.set_policy(policy)
                 res = closed_loop(engine, prompts, c, max_tokens)
