@@ -151,11 +151,11 @@ def measure_costs(cfg: EngineConfig, prompts: list[list[int]], max_tokens: int, 
     """What an engine built from `cfg` measures serving the prompts in closed loops at 1, 4, 16
     and 64 requests (`OWN_LEVELS`, as many as it may run), with `dcut` and plain: the verify cost
     model refitted to every forward measured (not the start-up profile times one running
-    correction), what a drafting call adds, and the step's own time outside the passes — the time between steps included, since a closed loop's
-    wall clock counts it — fitted as a + b·R for plain steps, for `dcut` steps that draft
-    nothing, and for drafting steps; in a unit of several kinds the kind chooser's runs are
-    timed apart (`ChooserClock`), left out of those lines and fitted as a + b·R a run, so a
-    replay charges them where they run.
+    correction), what a drafting call adds, and the step's own time outside the passes — the
+    time between steps included, since a closed loop's wall clock counts it — fitted as a + b·R
+    for plain steps, for `dcut` steps that draft nothing, and for drafting steps; in a unit of
+    several kinds the kind chooser's runs are timed apart (`ChooserClock`), left out of those
+    lines and fitted as a + b·R a run, so a replay charges them where they run.
 
     Each kind's drafting rates come from an engine hosting that kind alone (`_alone`): in a unit
     of several, a kind the chooser seldom picks is timed a few dozen times, and one recording
