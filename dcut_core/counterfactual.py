@@ -196,8 +196,7 @@ class Trace:
             t = r.length
             if r.count.shape != (k, t) or r.accepted.shape != (k, t) or r.confidence.shape != (k, t, width):
                 raise ValueError(f"request arrays do not match {k} kinds × {t} positions × {width} drafts")
-            if (r.accepted > r.count).any() or (r.count > width).any() or (r.count[:, 0] != 0).any():
-                raise ValueError("accepted ≤ count ≤ block − 1, and nothing drafted at position 0")
+            _check_counts(r.count, r.accepted, width)
             if r.target_confidence is not None and r.target_confidence.shape != (t,):
                 raise ValueError(f"target confidence of shape {r.target_confidence.shape} for {t} positions")
             if (r.corpus is not None) != (self.corpus_kind is not None):
@@ -207,8 +206,7 @@ class Trace:
                         rows.confidence.shape != (t, width) or rows.margin.shape != (t, width) or \
                         rows.tokens.shape != (t, width):
                     raise ValueError(f"rows at corpus lag {lag} do not match {t} positions × {width} drafts")
-                if (rows.accepted > rows.count).any() or (rows.count > width).any() or rows.count[0] != 0:
-                    raise ValueError("accepted ≤ count ≤ block − 1, and nothing drafted at position 0")
+                _check_counts(rows.count, rows.accepted, width)
         if self.corpus_kind is not None:
             self.kind_index((self.corpus_kind,))
             if len({frozenset(r.corpus) for r in self.requests}) > 1:
@@ -252,6 +250,13 @@ class Trace:
         return cls(tuple(d["kinds"]), int(d["block"]), int(d["max_tokens"]),
                    tuple(RequestTrace.from_dict(r) for r in d["requests"]), TraceCosts.from_dict(d["costs"]),
                    dict(d.get("meta") or {}), d.get("corpus_kind"))
+
+
+def _check_counts(count: np.ndarray, accepted: np.ndarray, width: int) -> None:
+    """Drafts proposed and accepted by position ([..., T]: every kind's, or one's): accepted ≤
+    count ≤ width, and none at position 0 (prefill's)."""
+    if (accepted > count).any() or (count > width).any() or (count[..., 0] != 0).any():
+        raise ValueError("accepted ≤ count ≤ block − 1, and nothing drafted at position 0")
 
 
 def accepted_prefix(drafts: np.ndarray, truth: np.ndarray) -> int:

@@ -96,10 +96,13 @@ class NgramDrafter:
         does it where it learns from a step, behind the next forward on a GPU), or dropped
         (`keep` False); the newest `leave` of them left waiting (a trace's walk as a closed loop
         at concurrency leave + 1 sees the corpus)."""
-        absorbed = self._finished[:max(0, len(self._finished) - leave)]
-        for tokens in absorbed if keep else ():
+        finished = self._finished
+        n = len(finished) - leave
+        if n <= 0:  # the engine's usual step: nothing released
+            return
+        for tokens in (finished[:n] if leave else finished) if keep else ():
             self.corpus.add(tokens)
-        del self._finished[:len(absorbed)]
+        del finished[:n]
 
     def forget_outputs(self) -> None:
         """Empty the corpus, and drop the outputs waiting for it."""
