@@ -193,6 +193,9 @@ class DraftingGate:
         rids, verify, costs = g.rids, g.verify(), g.costs
         predicted = self.predict(g)
         kinds, exploring, fallback, chosen = self.kinds(g, predicted)
+        if not predicted.lengths.any():  # no kind may draft for any request: nothing to plan, no probe to spend
+            self._idle(rids, kinds, np.ones(len(rids), dtype=bool))
+            return Plan(kinds, np.zeros(len(rids), dtype=np.int64), fallback, g, chosen)
         survival = predicted.survival(kinds)
         mine = survival.lengths
         charge = self.catch_up_charge(survival, g.lag[np.arange(len(rids)), kinds], g.remaining)
@@ -203,12 +206,15 @@ class DraftingGate:
             probe = self.exploration.probe(len(rids), warming)
             if probe is not None:
                 return Plan(kinds, mine * probe, fallback, g, chosen)
-        idle = lengths == 0
+        self._idle(rids, kinds, lengths == 0)
+        return Plan(kinds, lengths, fallback, g, chosen)
+
+    def _idle(self, rids: list[int], kinds: np.ndarray, idle: np.ndarray) -> None:
+        """The requests drafting nothing this step (`idle` [R]) skipped by their kinds' trackers."""
         for k, tracker in enumerate(self.trackers):
             mine = idle & (kinds == k)
             if mine.any():
                 tracker.skipped([rid for rid, i in zip(rids, mine, strict=True) if i])
-        return Plan(kinds, lengths, fallback, g, chosen)
 
     def kinds(self, g: GateInput, predicted: Predicted) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
         """(kind, exploring, fallback) [R] and whether the chooser ran: the one kind of the step if

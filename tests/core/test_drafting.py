@@ -178,6 +178,30 @@ def test_gate_explores_on_its_own_schedule_and_charges_catch_up_by_remaining_sha
     assert np.allclose(charge, [10.0, 10.0 * 1.75 / 3, 10.0 * 1.5 / 100])
 
 
+def test_a_step_where_no_kind_may_draft_plans_nothing_and_spends_no_probe():
+    """The look-ahead found nothing (the n-gram kind's only column: 0 available) or every cap is
+    0: a plain plan at once, each idle request's factor drifting back as on any idle step, and the
+    exploration schedule's counter left for a step where a probe can draft."""
+    from dcut_core.drafting import Exploration
+
+    g = DraftingGate([AcceptanceTracker(block=8)], Exploration(every=1, requests=2, warmup=0))
+    for _ in range(3):
+        g.trackers[0].observe(5, 7, 0)  # request 5's own factor falls below the global rate
+    low = g.trackers[0].factors([5])[0]
+    flat = StepCost(lambda n: np.full(len(n), 0.01), 0.0)
+    nothing = KindReach(np.zeros((2, 1)), available=np.zeros((2, 1), dtype=np.int64))
+    for caps, reach in ((np.array([7, 7]), nothing), (np.zeros(2, dtype=np.int64), KindReach(np.zeros((2, 1))))):
+        plan = g.decide(GateInput.capture([5, 6], caps, np.array([40, 40]), reach, flat,
+                                          DraftingCosts([DraftCost(1e-4, 0.0, 1e-5)])))
+        assert plan.lengths.tolist() == [0, 0] and not plan.drafting and plan.kinds.tolist() == [0, 0]
+    assert g.exploration.steps == 0  # every=1 would have probed both steps
+    assert low < g.trackers[0].factors([5])[0] < 1.0  # skipped twice: drifting back toward the global rate
+    probe = g.decide(GateInput.capture([5, 6], np.array([7, 7]), np.array([40, 40]), KindReach(np.zeros((2, 1))),
+                                       StepCost(lambda n: np.full(len(n), 0.01), 0.0),
+                                       DraftingCosts([DraftCost(1.0, 0.0, 0.0)])))
+    assert probe.lengths.tolist() == [7, 7] and g.exploration.steps == 1  # the first probe, where it can draft
+
+
 def test_gate_input_holds_the_verify_cost_at_every_count_the_decision_can_ask():
     curve = StepCost(lambda n: 0.002 + 1e-4 * n + 3e-6 * np.sqrt(n), 0.001)
     g = GateInput.capture([4, 9, 2], np.array([3, 0, 5]), np.array([10, 1, 7]), KindReach(np.array([[0], [4], [2]])),
