@@ -440,3 +440,46 @@ def test_choose_kept_bounded_by_its_costs_least_step_decides_as_the_full_scan():
         told = choose_kept(rows, cost.verify_seconds, cost.fixed_seconds,  # the bound given: asked lazily
                            min_step=float(np.diff(cost.verify_seconds(counts)).min(initial=0.0)))
         assert vector.tolist() == full.tolist() == scalar.tolist() == told.tolist()
+
+
+def test_dcut_in_plain_python_decides_as_the_array_code_to_the_last_bit():
+    """`Dcut._choose_in_turn` (a few drafts) against `_choose_whole` on random batches with
+    frequent ties, every kind of cost (a floor or none, padded steps), each setting: the same
+    kept counts, guard, and expected tokens and seconds bit for bit."""
+    from dcut_core.cost_model import preset
+    from dcut_core.hardware import MODELS
+
+    rng = np.random.default_rng(11)
+    policies = (Dcut(), Dcut(guard_threshold=0.0), Dcut(guard_threshold=0.3), Dcut(fill_step=False),
+                Dcut(max_budget=3), Dcut(max_budget=0), Dcut(guard_threshold=0.0, fill_step=False))
+    for trial in range(600):
+        rows = random_rows(rng, int(rng.integers(1, 9)), 8)
+        if trial % 3 == 0:
+            cost = preset(MODELS["moe-35b-a3b"], "h20", ep=int(rng.choice([1, 8]))).verify_curve(
+                len(rows), int(rng.integers(0, 50_000)))
+        elif trial % 3 == 1:
+            a = rng.uniform(0.001, 0.5)
+            cost = StepCost(lambda n, a=a: a * n.astype(np.float64), rng.uniform(0.1, 2.0), min_marginal=a)
+        else:
+            cost = random_cost(rng)
+        batch = DraftBatch.from_rows(rows)
+        for policy in policies:
+            a, b = policy._choose_in_turn(batch, cost), policy._choose_whole(batch, cost)
+            assert a.kept.dtype == b.kept.dtype and a.kept.tolist() == b.kept.tolist() and a.guard == b.guard
+            assert (a.expected_tokens, a.predicted_seconds) == (b.expected_tokens, b.predicted_seconds)
+
+
+def test_dcut_takes_the_plain_python_path_for_a_few_drafts_and_the_array_code_past_them():
+    from unittest import mock
+
+    from dcut_core import pruning
+
+    few = DraftBatch.from_rows([np.full(7, 0.8)] * 2)
+    many = DraftBatch.from_rows([np.full(7, 0.8)] * (pruning.IN_TURN_DRAFTS // 7 + 1))
+    spy = {name: mock.patch.object(Dcut, name, autospec=True, side_effect=getattr(Dcut, name))
+           for name in ("_choose_in_turn", "_choose_whole")}
+    with spy["_choose_in_turn"] as in_turn, spy["_choose_whole"] as whole:
+        Dcut().choose(few, linear(1.0, 0.01))
+        assert (in_turn.call_count, whole.call_count) == (1, 0)
+        Dcut().choose(many, linear(1.0, 0.01))
+        assert (in_turn.call_count, whole.call_count) == (1, 1)
