@@ -190,12 +190,13 @@ class DraftingGate:
         kinds' predictions and costs, the catch-up charged by each request's lag. A kind is
         predicted only as far as it may draft (`GateInput.room`): an n-gram kind whose look-ahead
         found nothing is worth nothing to that request this step."""
-        rids, verify, costs = g.rids, g.verify(), g.costs
+        rids = g.rids
         predicted = self.predict(g)
         kinds, exploring, fallback, chosen = self.kinds(g, predicted)
         if not predicted.lengths.any():  # no kind may draft for any request: nothing to plan, no probe to spend
             self._idle(rids, kinds, np.ones(len(rids), dtype=bool))
             return Plan(kinds, np.zeros(len(rids), dtype=np.int64), fallback, g, chosen)
+        verify, costs = g.verify(), g.costs
         survival = predicted.survival(kinds)
         mine = survival.lengths
         charge = self.catch_up_charge(survival, g.lag[np.arange(len(rids)), kinds], g.remaining)

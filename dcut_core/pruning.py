@@ -379,8 +379,9 @@ class Dcut(Capabilities):
         budget, the same ties — the same decision to the last bit."""
         s, r, n = batch.survival, batch.num_requests, len(batch.survival)
         at = cost.seconds(r + np.arange(n + 1, dtype=np.int64)).tolist()  # R + 0 .. R + N verified tokens
-        floor, rate_all, total = None, 0.0, float(s.sum())
+        floor, rate_all, total = None, 0.0, 0.0
         if cost.min_marginal > 0 and self.max_budget is None:  # `_floor`
+            total = float(s.sum())
             rate_all = (r + total) / at[n]
             floor = max(r / at[0], rate_all) * cost.min_marginal
         values = s.tolist()

@@ -71,7 +71,7 @@ def record_trace(cfg: EngineConfig, prompts: list[list[int]], max_tokens: int, c
     walks = [_walk_in_turn(d, prompts, outputs, features, width) if getattr(d, "corpus", None) is not None else
              _walk(d, prompts, outputs, features, width) for d in drafters]
     corpus_kind = next((k for k, d in zip(cfg.kinds, drafters, strict=True) if getattr(d, "corpus", None) is not None),
-                   None)
+                       None)
     lagged = {} if corpus_kind is None else {  # the corpus kind's rows as closed loops at higher concurrency see them
         lag: _walk_in_turn(NgramDrafter(block_size=cfg.block, corpus_tokens=cfg.ngram_corpus_tokens), prompts,
                            outputs, features, width, lag) for lag in CORPUS_LAGS}
