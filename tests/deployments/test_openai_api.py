@@ -544,6 +544,34 @@ def test_a_batch_of_mixed_request_shapes_commits_each_as_it_would_alone_and_the_
     assert_still_serving(client)
 
 
+def test_steps_where_no_kind_may_draft_decode_exactly_and_the_server_keeps_serving(client, tiny_bundle):
+    """Steps the gate plans plain at once (`DraftingGate.decide`: no kind may draft for any
+    request): a batch of requests with one token left after prefill (every cap 0), then one naming
+    the n-gram kind alone over a prompt that repeats nothing (its look-ahead finds nothing until
+    the output repeats) beside another such batch. Each answer equals plain greedy decoding, and
+    the server serves after them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tokenizers import Tokenizer
+
+    model = LocalTarget(load_model(f"{tiny_bundle}/target"))
+    tok = Tokenizer.from_file(f"{tiny_bundle}/tokenizer.json")
+
+    def complete(prompt: list[int], n: int, extra: dict) -> str:
+        out = client.completions.create(model="dcut-demo", prompt=prompt, max_tokens=n, temperature=0, timeout=120,
+                                        extra_body={"ignore_eos": True, **extra})
+        return out.choices[0].text.strip()
+
+    short = [[(5 * i + j) % 80 + 1 for j in range(3 + i)] for i in range(4)]
+    lone = [[(7 * j + 3) % 97 + 1 for j in range(12)]]  # twelve distinct ids
+    cases = [(p, 2, {}) for p in short] + [(lone[0], 20, {"drafter": "ngram"})] + [(p, 2, {}) for p in short]
+    expected = [greedy_decode(model, [i], [p], n)[0] for i, (p, n, _) in enumerate(cases)]
+    with ThreadPoolExecutor(len(cases)) as pool:
+        texts = list(pool.map(lambda c: complete(*c), cases))
+    assert texts == [tok.decode(e, skip_special_tokens=False).strip() for e in expected]
+    assert_still_serving(client)
+
+
 def test_a_batch_mixing_what_the_census_counts_answers_each_as_alone_and_the_counts_come_back(client):
     """The scheduler's census (`Census`: sampling, log-probabilities, controls or a grammar, named
     drafters, prefill) decides which passes a step makes over its batch. One batch of greedy
