@@ -263,6 +263,7 @@ class AuditRun(_Run):
             return self._pred
 
         self.gate.predict = predict
+        self.gate.decide = self.gate._decide_whole  # every decision predicts (the plain-Python path asks no `predict`)
 
     def _plan(self, batch):
         self._pred = None

@@ -20,7 +20,7 @@ from dcut_core.drafting import (
     Survival,
     Verified,
 )
-from dcut_core.planning import DraftPlanner
+from dcut_core.planning import IN_TURN_CELLS, DraftPlanner, numpy_sum
 from dcut_core.pruning import StepCost
 
 # The engine looks the n-gram kind up ahead of the gate (actors/engine/lookahead.py) for batches
@@ -28,6 +28,10 @@ from dcut_core.pruning import StepCost
 # sequences' n-gram indexes, then a lookup), 15 ms at 1,024 requests — a GPU step's share — while
 # at that load the gate rarely drafts; above it the kind drafts on demand, as the other kinds do.
 LOOKAHEAD_REQUESTS = 64
+# Up to this many requests, a decision with nothing to choose (one kind hosted, or the step's one
+# kind) is made in plain Python (`DraftingGate._decide_in_turn`): at one request numpy's cost per
+# call had been most of the decision (docs/benchmarks.md, session 50).
+IN_TURN_BATCH = 8
 
 
 @dataclass(frozen=True)
@@ -190,6 +194,12 @@ class DraftingGate:
         kinds' predictions and costs, the catch-up charged by each request's lag. A kind is
         predicted only as far as it may draft (`GateInput.room`): an n-gram kind whose look-ahead
         found nothing is worth nothing to that request this step."""
+        if len(g.rids) <= IN_TURN_BATCH and (len(self.trackers) == 1 or (g.only is not None and g.allowed is not None)):
+            return self._decide_in_turn(g)
+        return self._decide_whole(g)
+
+    def _decide_whole(self, g: GateInput) -> Plan:
+        """`decide` as array code (any batch, any number of kinds)."""
         rids = g.rids
         predicted = self.predict(g)
         kinds, exploring, fallback, chosen = self.kinds(g, predicted)
@@ -209,6 +219,58 @@ class DraftingGate:
                 return Plan(kinds, mine * probe, fallback, g, chosen)
         self._idle(rids, kinds, lengths == 0)
         return Plan(kinds, lengths, fallback, g, chosen)
+
+    def _decide_in_turn(self, g: GateInput) -> Plan:
+        """`decide` for a few requests and no kind to choose (one hosted, or the step's one kind, the
+        others masked out of `allowed` as `GateInput.capture` masks them), on plain lists: the same room,
+        predictions, survival (running products), catch-up charge and plan (`DraftPlanner.
+        plan_rows`), every row summed as numpy sums it (`numpy_sum`, over the same padded width)
+        — the array path's plan to the last bit (tests/core/test_drafting.py), the trackers and
+        the exploration schedule moved the same way."""
+        rids, r = g.rids, len(g.rids)
+        k = g.only or 0
+        tracker = self.trackers[k]
+        kinds = np.full(r, k, dtype=np.int64)
+        fallback = np.full(r, -1, dtype=np.int64)
+        room = g.caps.tolist()  # `GateInput.room`, kind k's column
+        if g.available is not None:
+            room = [n if a < 0 else min(n, a) for n, a in zip(room, g.available[:, k].tolist(), strict=True)]
+        if g.allowed is not None:
+            room = [n if ok else 0 for n, ok in zip(room, g.allowed[:, k].tolist(), strict=True)]
+        width = max(room, default=0)
+        if not width:  # no request may draft: nothing to plan, no probe to spend
+            tracker.skipped(list(rids))
+            return Plan(kinds, np.zeros(r, dtype=np.int64), fallback, g, False)
+        base = tracker.rates(width).tolist()  # `predict`: the global rates, the first scaled by each request's factor
+        factor = tracker.factor
+        rows, expected = [], []
+        for rid, n in zip(rids, room, strict=True):
+            row, run = [0.0] * width, 1.0
+            for j in range(n):  # running products, as numpy's cumprod
+                run *= min(0.99, base[0] * factor.get(rid, 1.0)) if j == 0 else base[j]
+                row[j] = run
+            rows.append(row)
+            expected.append(numpy_sum(row))
+        lag, remaining = g.lag[:, k].tolist(), g.remaining.tolist()
+        charge = [b * min(1.0, (1.0 + e) / max(1.0, float(n)))  # `catch_up_charge`
+                  for b, e, n in zip(lag, expected, remaining, strict=True)]
+        n_flat = sum(room)
+        if n_flat <= IN_TURN_CELLS:
+            plan = self.planner.plan_rows(rows, room, g.verify_table[:n_flat + 1].tolist(), g.costs, [k] * r, charge,
+                                          expected)
+        else:
+            survival = Survival(np.array(rows), np.array(room, dtype=np.int64))
+            plan = self.planner.plan(survival, g.verify(), g.costs, kinds, np.array(charge))
+        lengths = plan.lengths
+        if not plan.drafting:
+            warming = sum(t.observations for t in self.trackers) < self.exploration.warmup
+            probe = self.exploration.probe(r, warming)
+            if probe is not None:
+                return Plan(kinds, np.array(room, dtype=np.int64) * probe, fallback, g, False)
+        idle = [rid for rid, n in zip(rids, lengths.tolist(), strict=True) if n == 0]
+        if idle:
+            tracker.skipped(idle)
+        return Plan(kinds, lengths, fallback, g, False)
 
     def _idle(self, rids: list[int], kinds: np.ndarray, idle: np.ndarray) -> None:
         """The requests drafting nothing this step (`idle` [R]) skipped by their kinds' trackers."""

@@ -36,6 +36,30 @@ from dcut_core.pruning import StepCost
 IN_TURN_CELLS = 48
 
 
+def numpy_sum(values: list[float]) -> float:
+    """Σ values as numpy sums a float64 row of up to 128 (`np.sum`, or one row of `sum(axis=1)`):
+    one at a time below eight; from eight, eight running sums added pairwise, then the rest one at
+    a time. Plain Python that decides as the array code does needs its sums to the last bit."""
+    n = len(values)
+    if n > 128:
+        raise ValueError("numpy splits a row past 128 values in halves: sum it with numpy")
+    if n < 8:
+        total = 0.0
+        for v in values:
+            total += v
+        return total
+    r = values[:8]
+    i, whole = 8, n - n % 8
+    while i < whole:
+        for j in range(8):
+            r[j] += values[i + j]
+        i += 8
+    total = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]))
+    for v in values[whole:]:
+        total += v
+    return total
+
+
 @dataclass(frozen=True)
 class DraftPlan:
     lengths: np.ndarray  # [R] drafts to ask of each request's drafter (0: none)
@@ -136,18 +160,31 @@ class DraftPlanner:
 
     def _plan_in_turn(self, survival: Survival, seconds_at: np.ndarray, costs: DraftingCosts,
                       kinds: np.ndarray | None, catchup: np.ndarray | None) -> DraftPlan:
-        """`_plan_whole` in plain Python, for a few positions: every sum made in the order the
-        array code makes it (a request's row sums, pairwise in numpy, are taken from numpy), the
-        positions in the same stable order, the first best budget."""
-        lens, at = survival.lengths.tolist(), seconds_at.tolist()
+        """`_plan_whole` in plain Python, for a few positions (`plan_rows` on the arrays as lists;
+        each request's row sum, pairwise in numpy, taken from numpy)."""
+        r = len(survival.lengths)
+        kind = [0] * r if kinds is None else np.asarray(kinds, dtype=np.int64).tolist()
+        backlog = None if catchup is None else np.asarray(catchup, dtype=np.float64).tolist()
+        whole = survival.matrix.sum(axis=1).tolist() if catchup is not None and r else None
+        return self.plan_rows(survival.matrix.tolist(), survival.lengths.tolist(), seconds_at.tolist(), costs, kind,
+                              backlog, whole)
+
+    def plan_rows(self, rows: list[list[float]], lens: list[int], at: list[float], costs: DraftingCosts,
+                  kind: list[int], backlog: list[float] | None = None, whole: list[float] | None = None) -> DraftPlan:
+        """The plan on plain lists (`_plan_whole`'s to the last bit): each request's survival row
+        (`rows`, zeros past `lens`), the verify curve at R + 0 .. R + Σ lens tokens (`at`), each
+        request's kind, and with a catch-up (`backlog`) each row's sum as numpy sums it
+        (`whole`). Every sum made in the order the array code makes it, the positions in the same
+        stable order, the first best budget. The gate calls it for a few requests of one kind
+        (`DraftingGate._decide_in_turn`), with no array built."""
         r, n_flat = len(lens), len(at) - 1
         table = costs.table.tolist()
-        kind = [0] * r if kinds is None else np.asarray(kinds, dtype=np.int64).tolist()
         pr, pp, pc = ([table[k][c] for k in kind] for c in (1, 2, 3))
-        backlog = [0.0] * r if catchup is None else np.asarray(catchup, dtype=np.float64).tolist()
-        rows = survival.matrix.tolist()
-        if catchup is not None and r:  # `_leave_out_hopeless`
-            ar_rate, whole = r / at[0], survival.matrix.sum(axis=1).tolist()
+        catchup = backlog is not None
+        backlog = [0.0] * r if backlog is None else backlog
+        rows = list(rows)  # a hopeless request's row is replaced, not changed in place
+        if catchup and r:  # `_leave_out_hopeless`
+            ar_rate = r / at[0]
             spread = at[n_flat] - at[0]
             for i in range(r):
                 cost = pr[i] + pc[i] * backlog[i] + pp[i] * lens[i] + spread * lens[i] / max(1, n_flat)

@@ -463,6 +463,11 @@ class HindsightGate(DraftingGate):
 
     accepted: np.ndarray | None = None
 
+    def decide(self, g: GateInput) -> Plan:
+        """Always the array path, where `predict` is asked (the plain-Python path for a few
+        requests predicts as the trackers do)."""
+        return self._decide_whole(g)
+
     def predict(self, g: GateInput) -> Predicted:
         room = g.room()
         width = int(room.max(initial=0))

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dcut_core import drafting
+from dcut_core import gate as gate_module
 from dcut_core.drafting import (
     AcceptanceTracker,
     DraftCost,
@@ -19,7 +20,7 @@ from dcut_core.drafting import (
     Verified,
 )
 from dcut_core.gate import DraftingGate, GateInput, KindReach, replay
-from dcut_core.planning import DraftPlanner
+from dcut_core.planning import DraftPlanner, numpy_sum
 from dcut_core.pruning import StepCost
 
 
@@ -200,6 +201,118 @@ def test_a_step_where_no_kind_may_draft_plans_nothing_and_spends_no_probe():
                                        StepCost(lambda n: np.full(len(n), 0.01), 0.0),
                                        DraftingCosts([DraftCost(1.0, 0.0, 0.0)])))
     assert probe.lengths.tolist() == [7, 7] and g.exploration.steps == 1  # the first probe, where it can draft
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.floats(0.0, 1.0) | st.sampled_from([0.0, 0.5, 1e-300, 0.99]), max_size=128))
+def test_numpy_sum_adds_a_row_as_numpy_does_to_the_last_bit(values):
+    assert numpy_sum(list(values)) == np.sum(np.array(values, dtype=np.float64))
+    if values:  # one row of a matrix summed along its rows, as the planner and the gate sum them
+        assert numpy_sum(list(values)) == np.array([values, values[::-1]]).sum(axis=1)[0]
+
+
+def _gate_pair(kinds: int, seed: int) -> tuple[DraftingGate, DraftingGate]:
+    """Two gates of the engine's shape with the same random history (trackers, probe counter)."""
+    rng = np.random.default_rng(seed)
+    pair = []
+    for _ in range(2):
+        g = DraftingGate([AcceptanceTracker(block=16) for _ in range(kinds)],
+                         Exploration(every=int(rng.integers(1, 4)), requests=2, warmup=int(rng.integers(0, 40))),
+                         DraftPlanner(slack=2, extend=True), teach_empty=kinds > 1)
+        pair.append(g)
+        rng = np.random.default_rng(seed)  # the second gate's history is the first's
+    return pair[0], pair[1]
+
+
+def _random_step(rng: np.random.Generator, kinds: int) -> GateInput:
+    """A step of 0–8 requests (ids from a small pool, so factors repeat), caps up to 15, the
+    n-gram column's look-ahead found 0–15 or anything, some kinds disallowed, a backlog, the
+    kinds' costs (a chained one among them), a concave or a stepped verify curve; with several
+    kinds, the step's one kind (the payoff check's arm)."""
+    r = int(rng.integers(0, 9))
+    rids = rng.choice(12, size=r, replace=False).tolist()
+    caps = rng.integers(0, 16, r) * (rng.random(r) < 0.9)
+    remaining = caps + rng.integers(1, 60, r)
+    available = None
+    if rng.random() < 0.7:
+        available = np.full((r, kinds), -1, dtype=np.int64)
+        available[:, -1] = rng.integers(0, 16, r)
+    allowed = rng.random((r, kinds)) < 0.85 if rng.random() < 0.3 else None
+    reach = KindReach(rng.integers(0, 300, (r, kinds)) * (rng.random((r, kinds)) < 0.5), allowed, available,
+                      int(rng.integers(0, kinds)) if kinds > 1 else None)
+    base, per = rng.uniform(0.005, 0.02), rng.uniform(0.0, 0.002)
+    verify = StepCost(lambda n: base + per * np.sqrt(n), 0.0) if rng.random() < 0.5 else \
+        StepCost(lambda n: base + per * (n // 4), 0.0)
+    money = lambda: float(rng.choice([0.0, 1e-5, 1e-4, 1e-3, rng.uniform(0, 3e-3)]))  # noqa: E731
+    costs = DraftingCosts([DraftCost(money(), money(), money(), money() / 100, money() * (k == 0))
+                           for k in range(kinds)], money(), money(), np.arange(kinds) < kinds - 1)
+    return GateInput.capture(rids, caps, remaining, reach, verify, costs)
+
+
+def _teach(rng: np.random.Generator, gates: tuple[DraftingGate, ...], step: GateInput, kinds: int) -> None:
+    """The same random verifications of some of the step's requests, to every gate."""
+    picked = [rid for rid in step.rids if rng.random() < 0.6]
+    if not picked:
+        return
+    kept = rng.integers(0, 16, len(picked))
+    accepted = [int(rng.integers(0, n + 1)) for n in kept]
+    kind = rng.integers(0, kinds, len(picked))
+    beyond = [rng.uniform(0, 1, int(rng.integers(0, 4))) for _ in picked]
+    for g in gates:
+        g.learn(Verified.of(picked, kind, kept, accepted, beyond))
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from([1, 1, 3]))
+def test_a_few_requests_of_one_kind_are_decided_in_plain_python_as_the_array_code_decides(seed, kinds):
+    """Plan for plan to the last bit, over a history of random steps and verifications: the
+    kinds, the lengths, the probes spent, and the trackers' factors the idle drift moves."""
+    in_turn, whole = _gate_pair(kinds, seed)
+    rng = np.random.default_rng(seed + 1)
+    asked, real = [], DraftPlanner.plan_rows  # what each path asks the plain-Python scan: rows, sums, charges
+
+    def plan_rows(planner, *args):
+        asked.append([a.table.tolist() if isinstance(a, DraftingCosts) else a for a in args])
+        return real(planner, *args)
+
+    spy = mock.patch.object(DraftPlanner, "plan_rows", autospec=True, side_effect=plan_rows)
+    for _ in range(25):
+        step = _random_step(rng, kinds)
+        with spy:
+            a = in_turn._decide_in_turn(step)
+            b = whole._decide_whole(step)
+        assert len(asked) in (0, 2) and (not asked or asked[0] == asked[1])
+        asked.clear()
+        assert (a.kinds.tolist(), a.lengths.tolist(), a.fallback.tolist(), a.chosen) == \
+            (b.kinds.tolist(), b.lengths.tolist(), b.fallback.tolist(), b.chosen)
+        assert a.lengths.dtype == b.lengths.dtype == np.int64
+        assert in_turn.exploration.steps == whole.exploration.steps
+        for ta, tb in zip(in_turn.trackers, whole.trackers, strict=True):
+            assert ta.factor == tb.factor and ta._sums == tb._sums
+        _teach(rng, (in_turn, whole), step, kinds)
+
+
+def test_decide_takes_the_plain_python_path_for_a_few_requests_with_no_kind_to_choose():
+    rng = np.random.default_rng(3)
+    spy = {name: mock.patch.object(DraftingGate, name, autospec=True, side_effect=getattr(DraftingGate, name))
+           for name in ("_decide_in_turn", "_decide_whole")}
+    one, three = _gate_pair(1, 0)[0], _gate_pair(3, 0)[0]
+    with spy["_decide_in_turn"] as in_turn, spy["_decide_whole"] as whole:
+        few = _random_step(rng, 1)
+        one.decide(few)
+        assert (in_turn.call_count, whole.call_count) == (1, 0)
+        many = GateInput.capture(list(range(gate_module.IN_TURN_BATCH + 1)), np.full(9, 7), np.full(9, 40),
+                                 KindReach(np.zeros((9, 1))), linear(0.01, 1e-4), DraftingCosts([DraftCost()]))
+        one.decide(many)
+        assert (in_turn.call_count, whole.call_count) == (1, 1)
+        chosen = GateInput.capture([1, 2], np.full(2, 7), np.full(2, 40), KindReach(np.zeros((2, 3))),
+                                   linear(0.01, 1e-4), DraftingCosts([DraftCost()] * 3))
+        three.decide(chosen)  # three kinds to choose from: the chooser's array path
+        assert (in_turn.call_count, whole.call_count) == (1, 2)
+        armed = GateInput.capture([1, 2], np.full(2, 7), np.full(2, 40), KindReach(np.zeros((2, 3)), only=1),
+                                  linear(0.01, 1e-4), DraftingCosts([DraftCost()] * 3))
+        assert three.decide(armed).kinds.tolist() == [1, 1]  # the step's one kind: nothing to choose
+        assert (in_turn.call_count, whole.call_count) == (2, 2)
 
 
 def test_gate_input_holds_the_verify_cost_at_every_count_the_decision_can_ask():
