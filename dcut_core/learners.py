@@ -20,10 +20,10 @@ PRIOR_WEIGHT = 1e-6  # a rate's pull toward its current value in a refit, in pas
 class RateFit:
     """One drafter kind's cost fitted to its measured drafting time: per call, per request, per
     position, per context token caught up, per chained pass — the rates refitted every
-    `refit_every` passes, and between refits a level correction (a running mean of
-    log(measured / fitted) since the last one), as the target's verify cost has
-    (`cost_model.OnlineCorrection`). A start-up profile taken on a quiet machine prices the
-    passes of a busy one too low (0.6 × at 16 requests here, docs/benchmarks.md); with the
+    `refit_every` passes (`observe` marks it due, `settle` makes it), and between refits a level
+    correction (a running mean of log(measured / fitted) since the last one), as the target's
+    verify cost has (`cost_model.OnlineCorrection`). A start-up profile taken on a quiet machine
+    prices the passes of a busy one too low (0.6 × at 16 requests here, docs/benchmarks.md); with the
     verify cost corrected and the drafting cost not, the gate would draft too much."""
 
     def __init__(self, initial: DraftCost, refit_every: int = 16, keep: int = 512) -> None:
@@ -37,6 +37,7 @@ class RateFit:
         self._x = np.empty((keep, 5))
         self._y = np.empty(keep)
         self._shapes: Counter[tuple[float, ...]] = Counter()  # the kept passes' distinct shapes
+        self.due = False  # a refit `observe` found due, made by `settle`
 
     @property
     def cost(self) -> DraftCost:
@@ -69,6 +70,13 @@ class RateFit:
         self._shapes[x] += 1
         self._passes += 1
         if self._passes % self.refit_every == 0:  # not the kept count: once full it stays `keep`
+            self.due = True
+
+    def settle(self) -> None:
+        """The refit `observe` found due, if one is: the engine makes it where it learns from a
+        step (`Engine.settle`: behind the next forward on GPU ranks), not in the drafting stage
+        that observed the pass (an NNLS solve, ~0.5 ms, once in 16 drafting steps at one request)."""
+        if self.due:
             self.refit()
 
     def refit(self) -> None:
@@ -83,6 +91,7 @@ class RateFit:
         0 in one engine and 1.2 ms in another after like runs, session 23), and a rate no kept
         pass measured (no catch-up) fell to 0. The weight is far too small to bias a rate the
         passes do measure (tests/core/test_learners.py)."""
+        self.due = False
         if len(self._shapes) < 4:  # too few distinct shapes to tell the rates apart
             return
         n = min(self._passes, self.keep)
@@ -138,6 +147,11 @@ class DraftCostLearner:
     def refit(self) -> None:
         for fit in self.fits:
             fit.refit()
+
+    def settle(self) -> None:
+        """Each kind's refit its passes made due (`RateFit.settle`)."""
+        for fit in self.fits:
+            fit.settle()
 
 
 class StepOverhead:

@@ -131,11 +131,14 @@ def check_offsets(cu: np.ndarray, n: int) -> None:
 
 
 def groups(labels: np.ndarray) -> list[tuple[int, np.ndarray | slice]]:
-    """(label, its items) for each label present in `labels` [N], items as a mask [N], or
-    `slice(None)` when one label covers them all (the common case: one drafter kind per step)."""
+    """(label, its items) for each label present in `labels` [N] (small non-negative integers:
+    drafter kinds), in label order, items as a mask [N], or `slice(None)` when one label covers
+    them all (the common case: one drafter kind per step). The labels present are read from a
+    bincount, not sorted out (`np.unique`: 3–7 µs for a few labels, 240 µs for 15,000, against 2
+    and 23 µs)."""
     if not len(labels):
         return []
     first = int(labels[0])
     if (labels == first).all():
         return [(first, slice(None))]
-    return [(k, labels == k) for k in np.unique(labels).tolist()]
+    return [(k, labels == k) for k in np.flatnonzero(np.bincount(labels)).tolist()]

@@ -480,7 +480,8 @@ class Engine:
 
     def settle(self, late: bool = False) -> None:
         """The estimators learn from the last committed step (calibration, the gate's trackers,
-        the cost model's correction, the per-kind counters), the step log records it, the gate
+        the cost model's correction, a drafting-cost refit its passes made due, the per-kind
+        counters), the step log records it, the gate
         forgets the requests that finished in it and the n-gram kind's corpus takes in their
         outputs. `late`: the next step's gate has decided already (the step log says so, and
         `dcut_core.gate.replay` learns it in that order)."""
@@ -488,6 +489,7 @@ class Engine:
             return
         st, done = self._unlearnt
         self._unlearnt = None
+        self.draft_cost.settle()  # a refit the step's passes made due
         count_kinds(self.drafted_by_kind, self.kinds, st)
         learnt = learn(st, self.calibrators, self.gate, self.cost, log=self.step_log is not None)
         if self.step_log is not None:

@@ -34,7 +34,7 @@ def count_kinds(counters: dict[str, dict[str, int]], kinds: tuple[str, ...], st:
     sums = {"chosen": np.bincount(which, minlength=k), "drafted": np.bincount(which, drafted[idx], k),
             "kept": np.bincount(which, np.asarray(st.pruned.kept)[idx], k),
             "accepted": np.bincount(which, np.asarray(st.accepted.counts)[idx], k)}
-    for j in np.unique(which).tolist():
+    for j in np.flatnonzero(sums["chosen"]).tolist():  # the kinds present, as `ragged.groups` reads them
         c = counters[kinds[j]]
         for name, total in sums.items():
             c[name] += int(total[j])

@@ -36,7 +36,9 @@ def test_a_refit_recovers_the_rates_and_restarts_the_level():
                                                  TRUE.per_context, TRUE.per_pass]))), refit_every=16)
     for shape in SHAPES[:16]:
         fit.observe(shape[0], shape[1], seconds(TRUE, shape), shape[2], shape[3])
-    assert fit.log_ratio == 0.0
+    assert fit.due
+    fit.settle()  # the refit the 16th pass made due
+    assert fit.log_ratio == 0.0 and not fit.due
     for shape in SHAPES:
         assert math.isclose(seconds(fit.cost, shape), seconds(TRUE, shape), rel_tol=1e-6)
     fit.observe(2, 6, seconds(TRUE, (2, 6, 0, 3)), 0, 3)  # exact again: the level stays 1
@@ -129,12 +131,15 @@ def test_measured_rates_are_recovered_from_any_current_cost(true, now):
 def test_refits_come_every_refit_every_passes_also_once_the_window_is_full():
     """The kept passes stop growing at `keep`; refits still come one in `refit_every` passes (a
     count of the kept ones refitted at every pass once it reached `keep`, 1–2 ms each in the
-    step: docs/benchmarks.md, session 24)."""
+    step: docs/benchmarks.md, session 24), each made by `settle`, off the drafting stage."""
     fit = RateFit(TRUE, refit_every=16, keep=64)
-    refits = []
-    fit.refit = lambda: refits.append(fit._passes)
+    refits, made = [], RateFit.refit
+    fit.refit = lambda: (refits.append(fit._passes), made(fit))
     rng = np.random.default_rng(0)
     for _ in range(64 + 5 * 16 + 3):
         r, n = int(rng.integers(1, 9)), int(rng.integers(1, 8))
         fit.observe(r, r * n, seconds(TRUE, (r, r * n, 0, n)), 0, n)
+        assert len(refits) == (fit._passes - 1) // 16  # observing marks a refit due, never makes it
+        fit.settle()  # where the engine learns from the step
+        assert not fit.due
     assert refits == list(range(16, 64 + 5 * 16 + 1, 16))
