@@ -33,6 +33,8 @@ SETTINGS = {  # name: (drafter, block, policy[, other ServeSettings fields])
     "auto-8": ("auto", 8, "dcut"),
     "mtp-8": ("mtp", 8, "dcut"),
     "ngram-8": ("ngram", 8, "dcut"),
+    "ngram-12": ("ngram", 12, "dcut"),  # a longer block for the n-gram default (docs/benchmarks.md, session 50)
+    "ngram-16": ("ngram", 16, "dcut"),
     "ngram-8 unchecked": ("ngram", 8, "dcut", {"payoff_check": False}),  # the gate alone (dcut_core/payoff.py)
     "tuned-8": ("tuned", 8, "dcut"),  # the kinds the bundle's prior names (MTP + n-gram for the demo)
 }

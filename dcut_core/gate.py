@@ -20,7 +20,7 @@ from dcut_core.drafting import (
     Survival,
     Verified,
 )
-from dcut_core.planning import IN_TURN_CELLS, DraftPlanner, numpy_sum
+from dcut_core.planning import IN_TURN_CELLS, SUMMED_IN_TURN, DraftPlanner, numpy_sum
 from dcut_core.pruning import StepCost
 
 # The engine looks the n-gram kind up ahead of the gate (actors/engine/lookahead.py) for batches
@@ -221,12 +221,13 @@ class DraftingGate:
         return Plan(kinds, lengths, fallback, g, chosen)
 
     def _decide_in_turn(self, g: GateInput) -> Plan:
-        """`decide` for a few requests and no kind to choose (one hosted, or the step's one kind, the
-        others masked out of `allowed` as `GateInput.capture` masks them), on plain lists: the same room,
-        predictions, survival (running products), catch-up charge and plan (`DraftPlanner.
-        plan_rows`), every row summed as numpy sums it (`numpy_sum`, over the same padded width)
-        — the array path's plan to the last bit (tests/core/test_drafting.py), the trackers and
-        the exploration schedule moved the same way."""
+        """`decide` for a few requests and no kind to choose (one hosted, or the step's one kind,
+        the others masked out of `allowed` as `GateInput.capture` masks them), on plain lists:
+        the same room, predictions, survival (running products), catch-up charge and plan
+        (`DraftPlanner.plan_rows`), every row summed as numpy sums it (`numpy_sum`, over the same
+        padded width) — the array path's plan to the last bit (tests/core/test_drafting.py), the
+        trackers and the exploration schedule moved the same way. Rows wider than `numpy_sum`
+        mirrors go to the array path."""
         rids, r = g.rids, len(g.rids)
         k = g.only or 0
         tracker = self.trackers[k]
@@ -238,6 +239,8 @@ class DraftingGate:
         if g.allowed is not None:
             room = [n if ok else 0 for n, ok in zip(room, g.allowed[:, k].tolist(), strict=True)]
         width = max(room, default=0)
+        if width > SUMMED_IN_TURN:
+            return self._decide_whole(g)
         if not width:  # no request may draft: nothing to plan, no probe to spend
             tracker.skipped(list(rids))
             return Plan(kinds, np.zeros(r, dtype=np.int64), fallback, g, False)

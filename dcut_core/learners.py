@@ -23,8 +23,8 @@ class RateFit:
     `refit_every` passes (`observe` marks it due, `settle` makes it), and between refits a level
     correction (a running mean of log(measured / fitted) since the last one), as the target's
     verify cost has (`cost_model.OnlineCorrection`). A start-up profile taken on a quiet machine
-    prices the passes of a busy one too low (0.6 × at 16 requests here, docs/benchmarks.md); with the
-    verify cost corrected and the drafting cost not, the gate would draft too much."""
+    prices the passes of a busy one too low (0.6 × at 16 requests here, docs/benchmarks.md); with
+    the verify cost corrected and the drafting cost not, the gate would draft too much."""
 
     def __init__(self, initial: DraftCost, refit_every: int = 16, keep: int = 512) -> None:
         self.fitted = initial

@@ -36,13 +36,19 @@ from dcut_core.pruning import StepCost
 IN_TURN_CELLS = 48
 
 
+# numpy adds a row of up to this many float64 values in one block (`numpy_sum`); a longer one it
+# splits in halves first.
+SUMMED_IN_TURN = 128
+
+
 def numpy_sum(values: list[float]) -> float:
-    """Σ values as numpy sums a float64 row of up to 128 (`np.sum`, or one row of `sum(axis=1)`):
-    one at a time below eight; from eight, eight running sums added pairwise, then the rest one at
-    a time. Plain Python that decides as the array code does needs its sums to the last bit."""
+    """Σ values as numpy sums a float64 row of up to `SUMMED_IN_TURN` (`np.sum`, or one row of
+    `sum(axis=1)`): one at a time below eight; from eight, eight running sums added pairwise, then
+    the rest one at a time. Plain Python that decides as the array code does needs its sums to the
+    last bit."""
     n = len(values)
-    if n > 128:
-        raise ValueError("numpy splits a row past 128 values in halves: sum it with numpy")
+    if n > SUMMED_IN_TURN:
+        raise ValueError(f"numpy splits a row past {SUMMED_IN_TURN} values in halves: sum it with numpy")
     if n < 8:
         total = 0.0
         for v in values:

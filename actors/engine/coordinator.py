@@ -481,10 +481,10 @@ class Engine:
     def settle(self, late: bool = False) -> None:
         """The estimators learn from the last committed step (calibration, the gate's trackers,
         the cost model's correction, a drafting-cost refit its passes made due, the per-kind
-        counters), the step log records it, the gate
-        forgets the requests that finished in it and the n-gram kind's corpus takes in their
-        outputs. `late`: the next step's gate has decided already (the step log says so, and
-        `dcut_core.gate.replay` learns it in that order)."""
+        counters), the step log records it, the gate forgets the requests that finished in it
+        and the n-gram kind's corpus takes in their outputs. `late`: the next step's gate has
+        decided already (the step log says so, and `dcut_core.gate.replay` learns it in that
+        order)."""
         if self._unlearnt is None:
             return
         st, done = self._unlearnt

@@ -313,6 +313,10 @@ def test_decide_takes_the_plain_python_path_for_a_few_requests_with_no_kind_to_c
                                   linear(0.01, 1e-4), DraftingCosts([DraftCost()] * 3))
         assert three.decide(armed).kinds.tolist() == [1, 1]  # the step's one kind: nothing to choose
         assert (in_turn.call_count, whole.call_count) == (2, 2)
+        wide = GateInput.capture([1], np.array([200]), np.array([400]), KindReach(np.zeros((1, 1))),
+                                 linear(0.01, 1e-4), DraftingCosts([DraftCost()]))
+        one.decide(wide)  # a row longer than numpy sums in one block: the array path decides it
+        assert (in_turn.call_count, whole.call_count) == (3, 3)
 
 
 def test_gate_input_holds_the_verify_cost_at_every_count_the_decision_can_ask():

@@ -496,6 +496,38 @@ def test_a_batch_under_the_payoff_check_decodes_exactly_after_odd_requests_and_t
     assert_still_serving(client)
 
 
+def test_the_one_kind_app_decides_on_lists_and_decodes_exactly_after_odd_requests(server, tiny_bundle):
+    """The app of one drafter kind (n-gram, as `dcut serve` runs by default; "guarded", one
+    request at a time) decides every step of a few requests in plain Python
+    (`DraftingGate._decide_in_turn`). After odd requests (a `max_tokens` of 1, so no room to
+    draft; a prompt that repeats nothing; one naming its drafter), repeating prompts whose drafts
+    the gate plans: every answer equals plain greedy decoding, drafts were accepted, and the app
+    serves after them."""
+    from tokenizers import Tokenizer
+
+    model = LocalTarget(load_model(f"{tiny_bundle}/target"))
+    tok = Tokenizer.from_file(f"{tiny_bundle}/tokenizer.json")
+    guarded = openai.OpenAI(base_url=f"{BASE}/guarded/v1", api_key="sekret", max_retries=0)
+
+    def accepted() -> float:
+        text = httpx.get(f"{BASE}/guarded/metrics", headers={"authorization": "Bearer sekret"}, timeout=30).text
+        line = r'^dcut_engine_drafter_drafts\{drafter="ngram",outcome="accepted"\} (\S+)$'
+        return sum(float(v) for v in re.findall(line, text, re.M))
+
+    cases = [([5, 9, 5, 9], 1, {}), ([(7 * j + 3) % 97 + 1 for j in range(12)], 12, {}),
+             ([4, 8, 15, 16, 23, 42] * 2, 20, {"drafter": "ngram"}),
+             *(([(5 * i + j) % 80 + 1 for j in range(3 + i)] * 3, 24, {}) for i in range(4))]
+    before = accepted()
+    for i, (prompt, n, extra) in enumerate(cases):
+        out = guarded.completions.create(model="dcut-demo", prompt=prompt, max_tokens=n, temperature=0, timeout=120,
+                                         extra_body={"ignore_eos": True, **extra})
+        expected = greedy_decode(model, [100 + i], [prompt], n)[0]  # a fresh cache for each
+        assert out.choices[0].text.strip() == tok.decode(expected, skip_special_tokens=False).strip(), i
+    assert accepted() > before  # the gate planned drafts, and they were accepted
+    out = guarded.completions.create(model="dcut-demo", prompt="w1 w2", max_tokens=2, temperature=0, timeout=30)
+    assert out.choices[0].finish_reason == "length"
+
+
 def test_a_streamed_request_of_several_choices_that_fails_at_the_first_token_is_a_400(server, client):
     """Every choice of a streamed n = 4 request fails before its first token (structured output on
     a model without a tokenizer): one 400, not a 500 from closing the other choices' streams while
