@@ -248,10 +248,12 @@ class DraftingGate:
         factor = tracker.factor
         rows, expected = [], []
         for rid, n in zip(rids, room, strict=True):
-            row, run = [0.0] * width, 1.0
-            for j in range(n):  # running products, as numpy's cumprod
-                run *= min(0.99, base[0] * factor.get(rid, 1.0)) if j == 0 else base[j]
-                row[j] = run
+            row = [0.0] * width
+            if n:  # running products, as numpy's cumprod
+                row[0] = run = min(0.99, base[0] * factor.get(rid, 1.0))
+                for j in range(1, n):
+                    run *= base[j]
+                    row[j] = run
             rows.append(row)
             expected.append(numpy_sum(row))
         lag, remaining = g.lag[:, k].tolist(), g.remaining.tolist()

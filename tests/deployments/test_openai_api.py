@@ -502,7 +502,7 @@ def test_the_one_kind_app_decides_on_lists_and_decodes_exactly_after_odd_request
     (`DraftingGate._decide_in_turn`). After odd requests (a `max_tokens` of 1, so no room to
     draft; a prompt that repeats nothing; one naming its drafter), repeating prompts whose drafts
     the gate plans: every answer equals plain greedy decoding, drafts were accepted, and the app
-    serves after them."""
+    serves after them (a plain request completes, its /health says ok)."""
     from tokenizers import Tokenizer
 
     model = LocalTarget(load_model(f"{tiny_bundle}/target"))
@@ -526,6 +526,8 @@ def test_the_one_kind_app_decides_on_lists_and_decodes_exactly_after_odd_request
     assert accepted() > before  # the gate planned drafts, and they were accepted
     out = guarded.completions.create(model="dcut-demo", prompt="w1 w2", max_tokens=2, temperature=0, timeout=30)
     assert out.choices[0].finish_reason == "length"
+    health = httpx.get(f"{BASE}/guarded/health", headers={"authorization": "Bearer sekret"}, timeout=10)
+    assert health.status_code == 200 and health.json()["status"] == "ok", health.text
 
 
 def test_a_streamed_request_of_several_choices_that_fails_at_the_first_token_is_a_400(server, client):
