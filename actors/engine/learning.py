@@ -35,15 +35,16 @@ def learn(st: Step, calibrators: list[Calibrator], gate: DraftingGate, cost, log
     if plain(st):
         return _learn_cost(st, cost, {**Verified.of([], [], [], []).as_dict(), "empty": []} if log else None)
     counts, kinds = drafts.counts, drafts.kinds
-    idx, ok, pos = judged_drafts(drafts.cu, kept, accepted)
-    if len(idx):
-        conf, margin = drafts.confidence[idx], drafts.margin[idx]
-        for k, m in ragged.groups(np.repeat(kinds, counts)[idx]):
-            calibrators[k].observe(conf[m], margin[m], pos[m], ok[m])
+    if drafts.cu[-1]:  # else nothing judged, nothing verified: the look-ahead alone teaches (a plain step)
+        idx, ok, pos = judged_drafts(drafts.cu, kept, accepted)
+        if len(idx):
+            conf, margin = drafts.confidence[idx], drafts.margin[idx]
+            for k, m in ragged.groups(np.repeat(kinds, counts)[idx]):
+                calibrators[k].observe(conf[m], margin[m], pos[m], ok[m])
     # The trackers learn the step as one batch: the requests that drafted (one that drafted
     # nothing teaches nothing), then the look-ahead judged in hindsight, then the kinds asked
     # that drafted nothing (failed tries: the gate decides whether they teach).
-    verified = drafted(st).then(hindsight(st))
+    verified = drafted(st).then(hindsight(st)) if drafts.cu[-1] else hindsight(st)
     tried = ((st.plan.lengths > 0) & (counts == 0)).nonzero()[0]
     empty = list(zip(st.rids[tried].tolist(), kinds[tried].tolist(), strict=True))
     gate.learn(verified, empty)
