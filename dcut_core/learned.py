@@ -10,7 +10,8 @@ drafting pays from its first step. Per-request state (a request's own factor, wh
 tried) is not kept: requests do not outlive the process.
 
 Kinds are matched by name, so a state saved by a unit hosting block, mtp and ngram warms one
-hosting only ngram; positions past a saved block keep their priors.
+hosting only ngram; positions past a saved block keep their priors, and a state saved at one block
+warms an engine of another (the calibration's position weight rescaled to it).
 
 A bundle's prior also names the kinds `--drafter tuned` hosts (`tuned`): the set of two or more
 kinds whose per-request choice replays fastest over the model's training traces
@@ -48,7 +49,13 @@ class KindState:
                    tuple(map(float, tracker.judged)), int(tracker.observations), draft)
 
     def restore(self, cal: Calibrator, tracker: AcceptanceTracker) -> None:
+        """Into a calibrator and tracker of any block: the calibration's position term is position
+        / block, so its weight is rescaled to the estimator's block (the saved block is its
+        tracker's width) and every draft's estimate stays what it was — a prior fitted at block 8
+        read as-is by a block-16 engine had halved the position's effect."""
         cal.weights = np.array(self.weights, dtype=np.float64)
+        if self.accepted and len(self.accepted) != cal.block:
+            cal.weights[3] *= cal.block / len(self.accepted)
         cal.observed = self.calibrated
         n = min(len(self.accepted), tracker.block)
         tracker.accepted[:n] = self.accepted[:n]

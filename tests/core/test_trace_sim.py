@@ -268,6 +268,29 @@ def test_learned_state_round_trips_and_restores_kinds_by_name():
     assert (trackers[1].accepted == AcceptanceTracker(block=5).accepted).all()  # untouched: cold
 
 
+def test_a_state_saved_at_one_block_estimates_the_same_in_an_engine_of_another():
+    """The calibration's position feature is position / block: a state saved at block 8 (the
+    bundle's prior) restored into a block-16 calibrator estimates every draft as before (its
+    position weight rescaled), and the tracker's saved positions are the first of its 16."""
+    from dcut_core.acceptance import Calibrator
+    from dcut_core.drafting import AcceptanceTracker, Exploration
+    from dcut_core.learned import KindState, LearnedState
+
+    rng = np.random.default_rng(3)
+    saved_cal = Calibrator(block=8, refit_every=64)
+    conf, margin, pos = rng.uniform(0.05, 0.95, 2000), rng.uniform(0, 1, 2000), rng.integers(0, 7, 2000)
+    saved_cal.observe(conf, margin, pos, rng.uniform(size=2000) < conf * (1 - pos / 10))
+    assert abs(saved_cal.weights[3]) > 0.1  # the position matters in what it learnt
+    tracker = AcceptanceTracker(block=8)
+    state = LearnedState({"ngram": KindState.of(saved_cal, tracker)})
+    cal16, tracker16 = Calibrator(block=16), AcceptanceTracker(block=16)
+    state.restore(("ngram",), [cal16], [tracker16], Exploration())
+    np.testing.assert_allclose(cal16.estimate(conf, margin, pos), saved_cal.estimate(conf, margin, pos), rtol=1e-12)
+    same = Calibrator(block=8)
+    state.restore(("ngram",), [same], [AcceptanceTracker(block=8)], Exploration())
+    assert tuple(same.weights) == tuple(saved_cal.weights)  # the same block: as saved, to the bit
+
+
 def test_a_one_kind_setting_pays_the_one_kind_engines_own_time():
     """A trace of several kinds may carry the own time of a one-kind engine measured beside the
     unit (`own_one`): a one-kind setting is charged that, a setting of several kinds the unit's;
