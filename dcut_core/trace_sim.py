@@ -43,6 +43,7 @@ class SimSettings:
     policy: str = "dcut"
     kinds: tuple[str, ...] = ("block",)  # the drafter kinds hosted (one: a single kind; several: chosen per request)
     block: int | None = None  # default: the trace's
+    load_block: tuple[int, int] | None = None  # (requests, block): a shorter block above that load (`EngineConfig`)
     drafting_gate: bool = True
     explore_every: int = 50
     explore_requests: int = 4
@@ -281,7 +282,9 @@ class _Run:
                 self._available = None
                 plain = Plan.plain(r)
                 return plain.lengths, plain.kinds, plain.fallback
-        cap = np.array([max(0, min(self.block - 1, self._remaining(x) - 1)) for x in batch], dtype=np.int64)
+        block = self.block if self.s.load_block is None or r <= self.s.load_block[0] \
+            else min(self.block, self.s.load_block[1])
+        cap = np.array([max(0, min(block - 1, self._remaining(x) - 1)) for x in batch], dtype=np.int64)
         held = np.array([[x.cached(self.trace.requests[x.q].prompt_len) - x.seen[j] for j in range(len(self.kidx))]
                          for x in batch], dtype=np.int64)
         remaining = np.array([self._remaining(x) for x in batch])

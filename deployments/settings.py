@@ -7,12 +7,17 @@ import os
 import pathlib
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from actors.drafter import KINDS
 from deployments.bundle import BUNDLED, Bundle
 
 ENV_PREFIX = "DCUT_"
+BLOCK = 8  # a drafter kind's default block
+# The n-gram kind's: 16 while one or two requests decode, 8 above. It accepts all 7 drafts of a
+# block of 8 at a third of positions, and at one request a drafted token costs little beside the
+# step's weights; at 16-64 requests rows of 15 lost 3-8 % (docs/benchmarks.md, sessions 50-51).
+NGRAM_BLOCK, NGRAM_LOAD_BLOCK = 16, (2, 8)
 
 
 class ServeSettings(BaseModel):
@@ -23,12 +28,17 @@ class ServeSettings(BaseModel):
     model_root: str = Field(str(BUNDLED), description="bundle folder: target/, drafter/, tokenizer.json")
     model_name: str = "dcut-demo"
     # The serving default is what won end to end on held-out prompts and in the trace simulator
-    # (docs/benchmarks.md, "Which configuration serves by default"): n-gram lookup, block 8.
+    # (docs/benchmarks.md, "Which configuration serves by default"): n-gram lookup, block 16 while
+    # one or two requests decode and 8 above (`block` and `load_block` left unset; session 51).
     drafter: str = Field("ngram", description="block, mtp, eagle3 or ngram; several (block,mtp), chosen per "
                                               "request; auto: every kind the bundle holds; tuned: the "
                                               "kinds its prior names for per-request choice (dcut prior)")
     policy: str = "dcut"
-    block: int = Field(8, ge=2, le=16)
+    block: int | None = Field(None, ge=2, le=16, description="drafts a request may verify per step, plus one; "
+                              "unset: 16 for the n-gram kind alone (with load_block (2, 8)), else 8")
+    load_block: tuple[int, int] | None = Field(
+        None, description="(requests, block): above this many decoding requests a request drafts within this "
+                          "shorter block (null: block at every load); unset with block: the kind's default")
     ep: int = Field(1, ge=1)
     drafters: int = Field(1, ge=1, description="drafter replica actors (in_process=False; otherwise one per rank)")
     in_process: bool = Field(True, description="the engine replica's process is EP rank 0 and drives the other "
@@ -77,11 +87,26 @@ class ServeSettings(BaseModel):
     engine_autoscaling: dict | None = Field(None, description="Serve autoscaling_config of the engine unit "
                                                               "(a serve config YAML can set it too)")
 
+    @field_validator("load_block", mode="before")
+    @classmethod
+    def _load_block_text(cls, v):
+        """An environment variable's text: "2,8" (or "" / "none": off)."""
+        if isinstance(v, str):
+            return None if v.strip().lower() in ("", "none", "null") else tuple(v.split(","))
+        return v
+
     @model_validator(mode="after")
     def _check(self) -> ServeSettings:
         from dcut_core.pruning import policy_from_name
 
+        if self.block is None:  # the kind's default: the n-gram kind's drafts cost ~nothing to make
+            ngram = self.drafter == "ngram"
+            self.block = NGRAM_BLOCK if ngram else BLOCK
+            if ngram and "load_block" not in self.model_fields_set:
+                self.load_block = NGRAM_LOAD_BLOCK
         policy_from_name(self.policy, self.block)  # raises ValueError on an unknown policy
+        if self.load_block is not None and not (self.load_block[0] >= 1 and self.load_block[1] >= 2):
+            raise ValueError(f"load_block is (requests >= 1, block >= 2), not {self.load_block}")
         kinds = self.drafter.split(",")
         if self.drafter not in ("auto", "tuned") and (not set(kinds) <= set(KINDS) or len(set(kinds)) != len(kinds)):
             raise ValueError(f"drafter must be auto, tuned, or one or more of {', '.join(KINDS)} (comma-separated, "
@@ -124,7 +149,7 @@ class ServeSettings(BaseModel):
             threads_per_rank=s.threads_per_rank, cpus_per_rank=s.cpus_per_rank, gpus_per_rank=s.gpus_per_rank,
             cpus_per_drafter=s.cpus_per_drafter, eos_token_id=bundle.eos_token_id(),
             cost_model_cache=s.cost_model_cache, guard_threshold=s.guard_threshold, max_budget=s.max_budget,
-            ngram_corpus_tokens=s.ngram_corpus_tokens, payoff_check=s.payoff_check,
+            ngram_corpus_tokens=s.ngram_corpus_tokens, payoff_check=s.payoff_check, load_block=s.load_block,
             unit_placement=unit_placement, in_process=s.in_process, group_timeout_s=s.group_timeout_s,
         )
 

@@ -45,6 +45,9 @@ class EngineConfig:
     # (`actors/drafter/ngram.py`'s `Corpus`, ~0.5 KB a token); 0: off.
     ngram_corpus_tokens: int = 1 << 16
     drafter_backlog_tokens: int = 512  # context held back per request until it drafts (lazy upkeep)
+    # (requests, block): above this many decoding requests a request drafts within this shorter block
+    # (None: `block` at every load).
+    load_block: tuple[int, int] | None = None
     draft_slack: int = 2  # positions drafted past the gate's plan, for pruning to judge
     draft_extend: bool = True  # and every further position that pays for its own drafting (pruning judges)
     # A chained kind (MTP) cut pass by pass on its calibrated confidences (dcut_core/chains.py). Off: on this

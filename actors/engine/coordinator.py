@@ -543,10 +543,13 @@ class Engine:
         return whole.beside(sum(len(f.tokens) for f in feeding))
 
     def _caps(self, batch: list[Sequence], remaining: np.ndarray) -> np.ndarray:
-        """[R] the most drafts each request may verify this step: within the block, one fewer
-        than the tokens it has left (the step's own token is the last), none for one without a
-        drafter."""
-        caps = np.minimum(remaining - 1, self.cfg.block - 1)
+        """[R] the most drafts each request may verify this step: within the block (a shorter one
+        above `load_block`'s load), one fewer than the tokens it has left (the step's own token is
+        the last), none for one without a drafter."""
+        block, loaded = self.cfg.block, self.cfg.load_block
+        if loaded is not None and len(batch) > loaded[0]:
+            block = min(block, loaded[1])
+        caps = np.minimum(remaining - 1, block - 1)
         np.maximum(caps, 0, out=caps)
         if self.drafters.orphaned:
             caps[[not self.drafters.drafting(s.rid) for s in batch]] = 0

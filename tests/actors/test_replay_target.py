@@ -5,6 +5,8 @@ it has no output for is a clear error."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from actors.engine.config import EngineConfig
@@ -49,6 +51,27 @@ def test_outputs_equal_the_real_targets_at_a_batch_larger_than_the_prompts(greed
     assert sum(r.accepted for r in records) > 0  # the n-gram drafter's drafts were accepted
     assert all(r.target_compute_s < 0.05 for r in records)  # no model ran
     assert not list(tmp_path.glob("learned_*.json"))  # a replay never warms a real engine of the deployment
+
+
+def test_a_shorter_block_under_load_caps_every_request_above_that_load_and_decodes_exactly(greedy, tiny_bundle,
+                                                                                          tmp_path):
+    """`load_block` (1, 3) over block 6: a step decoding two or more requests drafts at most 2 for
+    each, one decoding alone up to 5 — and outputs equal plain greedy decoding either way."""
+    cfg = dataclasses.replace(config(tiny_bundle, tmp_path, "full"), load_block=(1, 3))
+    eng = ReplayEngine(cfg, greedy)
+    try:
+        together = eng.generate(PROMPTS, [SamplingParams(max_tokens=MAX_TOKENS) for _ in PROMPTS])
+        batched = [r for r in eng.history.recent if not r.prefill_tokens]
+        alone = eng.generate(PROMPTS[2:3], [SamplingParams(max_tokens=MAX_TOKENS)])
+        single = [r for r in eng.history.recent if not r.prefill_tokens and r.requests == 1]
+    finally:
+        eng.shutdown()
+    assert [s.output for s in together] == [greedy[tuple(p)] for p in PROMPTS]
+    assert alone[0].output == greedy[tuple(PROMPTS[2])]
+    loaded = [r for r in batched if r.requests > 1]
+    assert loaded and all(r.drafted <= 2 * r.requests for r in loaded)
+    assert max(r.drafted for r in single) > 2  # deeper alone: the full block
+    assert sum(r.accepted for r in single) > 0
 
 
 def test_a_prompt_without_a_recorded_output_is_a_clear_error(greedy, tiny_bundle, tmp_path):

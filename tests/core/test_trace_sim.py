@@ -143,9 +143,11 @@ def test_full_policy_one_request_by_hand():
     assert own.rest_seconds == pytest.approx(4 * 0.003)  # the step's own time: the part that is neither pass
 
 
-def reference_static(trace: Trace, policy: str, concurrency: int) -> tuple[int, int, float]:
+def reference_static(trace: Trace, policy: str, concurrency: int,
+                     load_block: tuple[int, int] | None = None) -> tuple[int, int, float]:
     """(tokens, steps, seconds) of a static policy (ar, full, fixed-K) with one kind, written
-    as plainly as possible: requests enter in order, a whole prompt prefills in one step."""
+    as plainly as possible: requests enter in order, a whole prompt prefills in one step; with
+    `load_block` (requests, block) a step decoding more than that many drafts within that block."""
     keep = {"ar": 0, "full": trace.block - 1}[policy] if policy in ("ar", "full") else int(policy[6:])
     queue, running, tokens, steps, seconds = list(range(len(trace.requests))), [], 0, 0, 0.0
     c, d = trace.costs, trace.costs.draft[0]
@@ -155,9 +157,10 @@ def reference_static(trace: Trace, policy: str, concurrency: int) -> tuple[int, 
         decoding = [x for x in running if x[1] > 0]
         fresh = [x for x in running if x[1] == 0]
         kept, drafted = [], 0
+        block = trace.block if load_block is None or len(decoding) <= load_block[0] else load_block[1]
         for q, t in decoding:
             r = trace.requests[q]
-            n = 0 if policy == "ar" else max(0, min(trace.block - 1, trace.max_tokens - t - 1, int(r.count[0, t])))
+            n = 0 if policy == "ar" else max(0, min(block - 1, trace.max_tokens - t - 1, int(r.count[0, t])))
             drafted += n
             kept.append((n, min(keep, n)))  # (drafted, kept)
         context = sum(trace.requests[q].prompt_len + t - 1 for q, t in decoding)
@@ -178,10 +181,11 @@ def reference_static(trace: Trace, policy: str, concurrency: int) -> tuple[int, 
     return tokens, steps, seconds
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(data=st.data(), block=st.integers(2, 6), concurrency=st.integers(1, 4), policy=st.sampled_from(
     ["ar", "full", "fixed-1", "fixed-2"]))
 def test_static_policies_equal_a_plain_reference_loop(data, block, concurrency, policy):
+    """... also with a shorter block above a load (`SimSettings.load_block`, as `Engine._caps`)."""
     n = data.draw(st.integers(1, 5))
     reqs = []
     for _ in range(n):
@@ -191,8 +195,9 @@ def test_static_policies_equal_a_plain_reference_loop(data, block, concurrency, 
     trace = Trace(("block",), block, 12, tuple(reqs), costs())
     if policy.startswith("fixed-") and int(policy[6:]) > block:
         return
-    out = simulate_trace(trace, SimSettings(policy=policy, kinds=("block",)), concurrency)
-    tokens, steps, seconds = reference_static(trace, policy, concurrency)
+    load_block = data.draw(st.none() | st.tuples(st.integers(0, 3), st.integers(2, block)))
+    out = simulate_trace(trace, SimSettings(policy=policy, kinds=("block",), load_block=load_block), concurrency)
+    tokens, steps, seconds = reference_static(trace, policy, concurrency, load_block)
     assert (out.tokens, out.steps) == (tokens, steps)
     assert out.tokens == trace.output_tokens
     assert out.seconds == pytest.approx(seconds)
