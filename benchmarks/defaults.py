@@ -36,7 +36,7 @@ SETTINGS = {  # name: (drafter, block, policy[, other ServeSettings fields])
     "ngram-12": ("ngram", 12, "dcut"),  # a longer block for the n-gram default (docs/benchmarks.md, session 50)
     "ngram-16": ("ngram", 16, "dcut"),
     "ngram-16/8": ("ngram", 16, "dcut", {"load_block": (5, 8)}),  # block 16 up to 5 decoding requests, 8 above
-    "default": ("ngram", None, "dcut"),  # `dcut serve`'s: block 16 up to 2 decoding requests, 8 above (session 51)
+    "default": ("ngram", None, "dcut"),  # `dcut serve`'s: block 16 while one request decodes alone, 8 above
     "ngram-8 unchecked": ("ngram", 8, "dcut", {"payoff_check": False}),  # the gate alone (dcut_core/payoff.py)
     "tuned-8": ("tuned", 8, "dcut"),  # the kinds the bundle's prior names (MTP + n-gram for the demo)
     # Fixed depths: the n-gram kind's drafts verified whole every step, up to K (`full`, no gate, no

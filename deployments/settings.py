@@ -14,10 +14,11 @@ from deployments.bundle import BUNDLED, Bundle
 
 ENV_PREFIX = "DCUT_"
 BLOCK = 8  # a drafter kind's default block
-# The n-gram kind's: 16 while one or two requests decode, 8 above. It accepts all 7 drafts of a
+# The n-gram kind's: 16 while one request decodes alone, 8 above. It accepts all 7 drafts of a
 # block of 8 at a third of positions, and at one request a drafted token costs little beside the
-# step's weights; at 16-64 requests rows of 15 lost 3-8 % (docs/benchmarks.md, sessions 50-51).
-NGRAM_BLOCK, NGRAM_LOAD_BLOCK = 16, (2, 8)
+# step's weights; at 16-64 requests rows of 15 lost 3-8 %, and with 16 up to two or five requests
+# C = 4 read 0.97-1.00 x block 8 end to end (docs/benchmarks.md, sessions 50-51).
+NGRAM_BLOCK, NGRAM_LOAD_BLOCK = 16, (1, 8)
 
 
 class ServeSettings(BaseModel):
@@ -29,13 +30,13 @@ class ServeSettings(BaseModel):
     model_name: str = "dcut-demo"
     # The serving default is what won end to end on held-out prompts and in the trace simulator
     # (docs/benchmarks.md, "Which configuration serves by default"): n-gram lookup, block 16 while
-    # one or two requests decode and 8 above (`block` and `load_block` left unset; session 51).
+    # one request decodes alone and 8 above (`block` and `load_block` left unset; session 51).
     drafter: str = Field("ngram", description="block, mtp, eagle3 or ngram; several (block,mtp), chosen per "
                                               "request; auto: every kind the bundle holds; tuned: the "
                                               "kinds its prior names for per-request choice (dcut prior)")
     policy: str = "dcut"
     block: int | None = Field(None, ge=2, le=16, description="drafts a request may verify per step, plus one; "
-                              "unset: 16 for the n-gram kind alone (with load_block (2, 8)), else 8")
+                              "unset: 16 for the n-gram kind alone (with load_block (1, 8)), else 8")
     load_block: tuple[int, int] | None = Field(
         None, description="(requests, block): above this many decoding requests a request drafts within this "
                           "shorter block (null: block at every load); unset with block: the kind's default")

@@ -86,14 +86,14 @@ def test_a_malformed_load_block_is_refused(load_block):
 
 
 def test_the_block_defaults_by_kind_and_an_explicit_one_is_kept():
-    """The n-gram kind alone: block 16 up to two decoding requests, 8 above; any other kind 8; a
+    """The n-gram kind alone: block 16 while one request decodes alone, 8 above; any other kind 8; a
     block or load_block set is used as set (null: one block at every load); the environment's
     text form; and what an engine is built with."""
-    assert (ServeSettings().block, ServeSettings().load_block) == (16, (2, 8))
-    assert ServeSettings().engine_config().load_block == (2, 8)
+    assert (ServeSettings().block, ServeSettings().load_block) == (16, (1, 8))
+    assert ServeSettings().engine_config().load_block == (1, 8)
     assert (ServeSettings(drafter="mtp").block, ServeSettings(drafter="mtp").load_block) == (8, None)
     assert (ServeSettings(block=8).block, ServeSettings(block=8).load_block) == (8, None)
     assert ServeSettings(load_block=None).load_block is None and ServeSettings(load_block=None).block == 16
     assert ServeSettings(load_block="3,6").load_block == (3, 6) and ServeSettings(load_block="none").load_block is None
     again = ServeSettings(**ServeSettings().model_dump())
-    assert (again.block, again.load_block) == (16, (2, 8))
+    assert (again.block, again.load_block) == (16, (1, 8))
