@@ -97,13 +97,57 @@ class TargetOutput:
         return np.split(values, self.rows_cu[1:-1])
 
 
+class RequestRanks:
+    """Which rank holds each request's KV cache. A new request goes to the rank holding the
+    fewest (the first such), counted as requests come and go: a count over every held request at
+    each placement had cost 57 ms in the step that admitted a wave of 1,024."""
+
+    def __init__(self, world: int) -> None:
+        self.owner: dict[int, int] = {}  # request -> rank
+        self.load = [0] * world  # requests each rank holds
+
+    def __len__(self) -> int:
+        return len(self.owner)
+
+    def __contains__(self, rid: int) -> bool:
+        return rid in self.owner
+
+    def __getitem__(self, rid: int) -> int:
+        return self.owner[rid]
+
+    def rank_of(self, rid: int) -> int:
+        """Its rank, placing it first if it has none."""
+        r = self.owner.get(rid)
+        if r is None:
+            load = self.load
+            r = load.index(min(load))
+            self.owner[rid] = r
+            load[r] += 1
+        return r
+
+    def place(self, rids: list[int]) -> list[int]:
+        """Place those of `rids` that have no rank yet; returns them."""
+        owner = self.owner
+        new = [rid for rid in rids if rid not in owner]
+        for rid in new:
+            self.rank_of(rid)
+        return new
+
+    def drop(self, rid: int) -> int | None:
+        """Forget it; the rank that held it (None: none did)."""
+        r = self.owner.pop(rid, None)
+        if r is not None:
+            self.load[r] -= 1
+        return r
+
+
 class EPGroup:
     """Driver-side handle of one expert-parallel target."""
 
     def __init__(self, cfg: EPConfig) -> None:
         self.cfg = cfg
         self._broken: str | None = None
-        self._owner: dict[int, int] = {}  # request -> rank holding its KV cache
+        self._owner = RequestRanks(cfg.world)  # request -> rank holding its KV cache
         self._truncate: list[dict[int, int]] = [{} for _ in range(cfg.world)]  # per rank, sent with the next call
         self.workers = self._start(cfg)
         self.ranks = self._setup()
@@ -153,12 +197,7 @@ class EPGroup:
 
     def rank_of(self, rid: int) -> int:
         """The rank that owns request rid's KV cache; new requests go to the least loaded rank."""
-        if rid not in self._owner:
-            load = [0] * self.cfg.world
-            for r in self._owner.values():
-                load[r] += 1
-            self._owner[rid] = int(np.argmin(load))
-        return self._owner[rid]
+        return self._owner.rank_of(rid)
 
     # -- one step -------------------------------------------------------------------------------
 
@@ -183,13 +222,12 @@ class EPGroup:
         request_ids = batch.request_ids
         if len(set(request_ids)) != len(request_ids):
             raise ValueError("one chunk per request, each request once")
-        new = [rid for rid in request_ids if rid not in self._owner]
+        new = self._owner.place(request_ids)
         if self.cfg.world == 1:  # one rank: all of it (None), as it is
-            for rid in new:
-                self.rank_of(rid)
             per_rank: list[np.ndarray | None] = [None]
         else:
-            owner = np.fromiter((self.rank_of(rid) for rid in request_ids), dtype=np.int64, count=len(request_ids))
+            held = self._owner.owner
+            owner = np.fromiter((held[rid] for rid in request_ids), dtype=np.int64, count=len(request_ids))
             per_rank = [np.flatnonzero(owner == r) for r in range(self.cfg.world)]
         batches = [batch.share(idx, truncate) for idx, truncate in zip(per_rank, self._truncate, strict=True)]
         self._truncate = [{} for _ in range(self.cfg.world)]  # applied by every rank first, even on rejection
@@ -197,7 +235,7 @@ class EPGroup:
             results = self._each("forward", [(b,) for b in batches])
         except BatchRejected:
             for rid in new:  # the rejected batch placed nothing
-                del self._owner[rid]
+                self._owner.drop(rid)
             raise
         return self._assemble(batch, per_rank, results, time.perf_counter() - t0)
 
@@ -253,8 +291,8 @@ class EPGroup:
     def release(self, request_ids: list[int]) -> None:
         per_rank: list[list[int]] = [[] for _ in range(self.cfg.world)]
         for rid in request_ids:
-            if rid in self._owner:
-                r = self._owner.pop(rid)
+            r = self._owner.drop(rid)
+            if r is not None:
                 per_rank[r].append(rid)
                 self._truncate[r].pop(rid, None)  # nothing to roll back in a freed cache
         self._each("release", [(p,) if p else None for p in per_rank], answer=False)
