@@ -303,6 +303,9 @@ class OnlineCorrection:
     # The split's weighted normal equations over (b/m, e/m): [Σbb, Σbe, Σee, Σb, Σe].
     _sums: list[float] = field(default_factory=lambda: [0.0] * 5, repr=False)
     _split: tuple[float, float] | None = field(default=None, repr=False)  # (s_b, s_e), None: the level's
+    # (model, shape, parts) of the last `_parts`: a step's shape is priced where it is committed
+    # and again where it is learnt (and the payoff check's plain step beside it).
+    _last_parts: tuple | None = field(default=None, repr=False, compare=False)
 
     def observe(self, shape: StepShape, seconds: float) -> float:
         """Learn from one measured step; returns the prediction for it made before learning
@@ -340,7 +343,12 @@ class OnlineCorrection:
 
     def _parts(self, shape: StepShape) -> tuple[float, float]:
         """(b, e): the model's seconds for the step without its extra tokens, and what they add."""
-        return self.model.base_and_extra(shape)
+        last, model = self._last_parts, self.model  # one read each: the learner thread may replace them
+        if last is not None and last[0] is model and last[1] == shape:
+            return last[2]
+        parts = model.base_and_extra(shape)
+        self._last_parts = (model, shape, parts)
+        return parts
 
     def _scaled(self, b: float, e: float) -> float:
         if self._split is None:

@@ -75,7 +75,12 @@ class GateInput:
                 costs: DraftingCosts) -> GateInput:
         caps = np.asarray(caps, dtype=np.int64)
         shape = (len(rids), len(costs.draft))
-        tokens = len(rids) + np.arange(int(caps.sum()) + 1)
+        n = int(caps.sum()) + 1
+        table = verify.table  # the step's tabulated curve (`StepCost.tabulated`) holds these counts as they are
+        if table is not None and verify.table_lo == len(rids) and len(table) >= n:
+            table = table[:n]
+        else:
+            table = verify.seconds(len(rids) + np.arange(n))
         lag = np.asarray(reach.lag, dtype=np.float64).reshape(shape)
         allowed, available = reach.allowed, reach.available
         if reach.only is not None:  # the other kinds are not the requests' to use this step
@@ -83,7 +88,7 @@ class GateInput:
             allowed = np.broadcast_to(one, shape) if allowed is None else np.asarray(allowed, dtype=bool) & one
         costs = DraftingCosts(list(costs.draft), float(costs.shared_fixed), float(costs.call),
                               None if costs.remote is None else np.asarray(costs.remote, dtype=bool))
-        return cls(list(rids), caps, np.asarray(remaining, dtype=np.int64), lag, verify.seconds(tokens), costs,
+        return cls(list(rids), caps, np.asarray(remaining, dtype=np.int64), lag, table, costs,
                    None if allowed is None else np.asarray(allowed, dtype=bool),
                    None if available is None else np.asarray(available, dtype=np.int64).reshape(shape),
                    None if reach.only is None else int(reach.only))

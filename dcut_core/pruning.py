@@ -84,6 +84,10 @@ class StepCost:
     # The curve's values are known finite and positive (a table checked when it was sampled):
     # `seconds` skips its check, which costs more than the lookup on the gate's small calls.
     checked: bool = False
+    # `tabulated`'s values at lo .. hi tokens, read-only, and lo: a caller that wants the curve at
+    # those counts (`GateInput.capture`) takes them as they are.
+    table: np.ndarray | None = None
+    table_lo: int = 0
 
     def seconds(self, tokens: np.ndarray) -> np.ndarray:
         out = np.asarray(self.verify_seconds(tokens), dtype=np.float64)
@@ -110,7 +114,8 @@ class StepCost:
         """The same curve with its values at lo..hi tokens computed (and checked) once: a step's
         gate and pruning ask it at every budget they scan, a lookup each; a count outside the
         table asks this curve."""
-        table = self.seconds(np.arange(lo, hi + 1, dtype=np.int64))
+        table = np.array(self.seconds(np.arange(lo, hi + 1, dtype=np.int64)))  # its own: read-only below
+        table.flags.writeable = False
 
         def curve(tokens: np.ndarray) -> np.ndarray:
             i = np.asarray(tokens, dtype=np.int64) - lo
@@ -118,7 +123,7 @@ class StepCost:
                 return self.seconds(i + lo)
             return table[i]
 
-        return StepCost(curve, 0.0, self.min_marginal, checked=True)
+        return StepCost(curve, 0.0, self.min_marginal, checked=True, table=table, table_lo=lo)
 
 
 @dataclass(frozen=True)
