@@ -9,6 +9,14 @@ prompts `warm` (the n-gram kind's corpus of earlier outputs emptied first: loadg
 rotate the settings' order; the tables give medians of per-round ratios to `ar` and their range.
 
     .venv/bin/python benchmarks/defaults.py --rounds 3 --out runs/defaults
+
+`--paired GROUPS` instead builds every setting's engine once per level, in one process, and runs
+the prompts group by group (GROUPS groups of max(--prompts / GROUPS, 4·C) prompts),
+every engine in turn on the same group, the order reversed each group: the machine's phase (10–25 %
+between rounds of fresh processes here) falls on every engine alike, and a group's ratio is read
+within seconds. Each engine's first group is its cold start; it learns on from there (warm).
+
+    .venv/bin/python benchmarks/defaults.py --paired 12 --concurrency 1,4 --settings default,ngram-8
 """
 
 from __future__ import annotations
@@ -48,6 +56,75 @@ SETTINGS = {  # name: (drafter, block, policy[, other ServeSettings fields])
 }
 
 
+def _engine(setting: tuple, max_running: int, cache: str):
+    """An engine built as `dcut serve` builds it, its learned state in `cache` (start-up profiles
+    copied in from runs/cache: cost_model_*.json)."""
+    from actors.engine.coordinator import Engine
+    from deployments.bundle import BUNDLED
+    from deployments.settings import ServeSettings
+
+    drafter, block, policy, *more = setting
+    for f in pathlib.Path("runs/cache").glob("cost_model_*.json"):
+        shutil.copy(f, cache)
+    s = ServeSettings(model_root=str(BUNDLED), drafter=drafter, block=block, policy=policy,
+                      max_running=max_running, cost_model_cache=cache, **(more[0] if more else {}))
+    return Engine(s.engine_config())
+
+
+def _paired(args, chosen: dict, levels: list[int], per_level: dict[int, int], ids: list[list[int]]) -> int:
+    """Every setting's engine built once per level; the prompts run group by group, every engine on
+    the same group in turn, the order reversed each group. Ratios to `ar`: tokens over seconds of
+    all groups, and the median and range of the groups' own ratios."""
+    from actors.engine.loadgen import closed_loop
+
+    rows, lossless = [], True
+    for c in levels:
+        per = per_level[c] // args.paired
+        names = list(chosen)
+        with tempfile.TemporaryDirectory() as root:
+            engines = {}
+            try:
+                for i, name in enumerate(names):
+                    cache = pathlib.Path(root) / str(i)
+                    cache.mkdir()
+                    engines[name] = _engine(chosen[name], c, str(cache))
+                groups = {n: [] for n in names}  # (tokens, seconds, mat) a group
+                for g in range(args.paired):
+                    batch = ids[g * per:(g + 1) * per]
+                    outputs = {}
+                    for name in (names if g % 2 == 0 else names[::-1]):
+                        res = closed_loop(engines[name], batch, c, args.max_tokens)
+                        groups[name].append((res.output_tokens, res.wall_s, res.mat()))
+                        outputs[name] = res.outputs
+                    lossless &= all(o == outputs["ar"] for o in outputs.values())
+            finally:
+                for e in engines.values():
+                    e.shutdown()
+        ar = groups["ar"]
+        for name in names:
+            mine = groups[name]
+            by_group = [(t / s) / (at / a_s) for (t, s, _), (at, a_s, _) in zip(mine, ar, strict=True)]
+            rows.append({"concurrency": c, "setting": name, "prompts_a_group": per, "groups": args.paired,
+                         "tok_s": sum(t for t, _, _ in mine) / sum(s for _, s, _ in mine),
+                         "x_ar": (sum(t for t, _, _ in mine) / sum(s for _, s, _ in mine)) /
+                                 (sum(t for t, _, _ in ar) / sum(s for _, s, _ in ar)),
+                         "cold_x_ar": by_group[0], "group_median": statistics.median(by_group),
+                         "group_min": min(by_group), "group_max": max(by_group),
+                         "mat": statistics.median(m for _, _, m in mine)})
+            print(json.dumps(rows[-1]), flush=True)
+    md = ["| C | setting | tok/s | × `ar` (all groups) | first group (cold) | groups' median (range) | MAT |",
+          "|---|---|---|---|---|---|---|"]
+    md += [f"| {r['concurrency']} | {r['setting']} | {r['tok_s']:.0f} | {r['x_ar']:.3f} | {r['cold_x_ar']:.2f} | "
+           f"{r['group_median']:.3f} ({r['group_min']:.2f}–{r['group_max']:.2f}) | {r['mat']:.2f} |" for r in rows]
+    md.append(f"\nEvery setting's output equal to `ar`'s in every group: {lossless}.")
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"rows": rows, "args": vars(args)}, indent=1))
+    (out / "table.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+    return 0 if lossless else 1
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
@@ -58,6 +135,8 @@ def main() -> int:
                         "the last wave's tail (session 35's 'C = 64' with 32 prompts ran 32 at once, one wave)")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--out", default="runs/defaults")
+    p.add_argument("--paired", type=int, default=0, metavar="GROUPS",
+                   help="one engine a setting, prompt groups alternated between them (see above); 0: rounds")
     p.add_argument("--settings", default=",".join(SETTINGS),
                    help="comma-separated names from SETTINGS (ar is always run: the ratios' base)")
     args = p.parse_args()
@@ -65,33 +144,29 @@ def main() -> int:
 
     from tokenizers import Tokenizer
 
-    from actors.engine.coordinator import Engine
     from actors.engine.loadgen import closed_loop
     from actors.ray_env import start_local_ray
     from deployments.bundle import BUNDLED
-    from deployments.settings import ServeSettings
     from deployments.workload import mixed_prompts
 
     levels = [int(c) for c in args.concurrency.split(",")]
     per_level = {c: max(args.prompts, 4 * c) for c in levels}
+    if args.paired:  # whole groups, each a closed loop over at least 4·C prompts (more than one wave)
+        per_level = {c: args.paired * max(4 * c, n // args.paired) for c, n in per_level.items()}
     pairs = mixed_prompts(max(per_level.values()) + 8, seed=11)[8:]
     tok = Tokenizer.from_file(str(BUNDLED / "tokenizer.json"))
     ids = [tok.encode(t).ids for _, t in pairs]
     start_local_ray(num_cpus=8)
-    profiles = pathlib.Path("runs/cache")  # start-up profiles only: cost_model_*.json
+    if args.paired:
+        return _paired(args, chosen, levels, per_level, ids)
     runs = []
     for rnd in range(args.rounds):
         names = list(chosen)
         names = names[rnd % len(names):] + names[:rnd % len(names)]
         for c in levels:
             for name in names:
-                drafter, block, policy, *more = chosen[name]
                 with tempfile.TemporaryDirectory() as cache:
-                    for f in profiles.glob("cost_model_*.json"):
-                        shutil.copy(f, cache)
-                    s = ServeSettings(model_root=str(BUNDLED), drafter=drafter, block=block, policy=policy,
-                                      max_running=max(levels), cost_model_cache=cache, **(more[0] if more else {}))
-                    eng = Engine(s.engine_config())
+                    eng = _engine(chosen[name], max(levels), cache)
                     try:
                         for phase in ("cold", "warm"):
                             res = closed_loop(eng, ids[:per_level[c]], c, args.max_tokens)

@@ -13,11 +13,16 @@ loop's between steps) — with the steps taken, predicted / measured: which of t
 prediction off by more than 10 % misjudges.
 
     .venv/bin/python benchmarks/trace_validate.py --rounds 3 --out runs/trace-validate
+
+`--default` adds the serving default (`dcut serve` with `drafter` and `block` unset: n-gram
+alone, its block by load, `load_block`) as one more setting, simulated with the same
+`load_block`; the trace must then be recorded at the default's block (`--block 16`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import shutil
@@ -52,6 +57,7 @@ def main() -> int:
     p.add_argument("--prompts", type=int, default=24)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--block", type=int, default=8)
+    p.add_argument("--default", action="store_true", help="also the serving default (needs --block at its block)")
     p.add_argument("--out", default="runs/trace-validate")
     args = p.parse_args()
 
@@ -69,6 +75,9 @@ def main() -> int:
     from deployments.trace_command import settings_of, write_trace
     from deployments.workload import mixed_prompts
 
+    served = ServeSettings(model_root=str(BUNDLED))  # `dcut serve`'s own: drafter, block, load_block unset
+    if args.default and served.block != args.block:
+        p.error(f"--default: the serving default drafts within block {served.block}; record at --block {served.block}")
     levels = [int(c) for c in args.concurrency.split(",")]
     pairs = mixed_prompts(args.prompts + 8, seed=11)[8:]  # drafter_mix.py's held-out workload (its first 8 warm up)
     tok = Tokenizer.from_file(str(BUNDLED / "tokenizer.json"))
@@ -82,6 +91,9 @@ def main() -> int:
         shutil.copy(f, cache)
 
     def engine_of(name: str) -> Engine:
+        if name == "default":
+            s = ServeSettings(model_root=str(BUNDLED), max_running=max(levels), cost_model_cache=cache)
+            return Engine(s.engine_config())
         drafter = ",".join(KINDS) if name in ("auto", "ar") else name
         s = ServeSettings(model_root=str(BUNDLED), drafter=drafter, block=args.block, max_running=max(levels),
                           policy="ar" if name == "ar" else "dcut", cost_model_cache=cache)
@@ -92,6 +104,8 @@ def main() -> int:
     trace = record_trace(auto, ids, args.max_tokens, meta={"prompts": "mixed:11 held-out"})
     write_trace(trace, out / "heldout.trace")
     settings = {name: s for name, s in settings_of(trace).items() if not s.hindsight}  # what an engine can run
+    if args.default:
+        settings["default"] = dataclasses.replace(settings[served.drafter], load_block=served.load_block)
     engines = {name: engine_of(name) for name in settings}
     for e in engines.values():  # warm-up: lazy set-up and first calls, little learning
         closed_loop(e, ids[:2], 2, 8)

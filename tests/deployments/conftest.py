@@ -30,8 +30,9 @@ def server(tiny_bundle, tmp_path_factory):
                   max_tokens_limit=32, max_stop=2, max_body_bytes=300_000)
     # main: every kind the tiny bundle holds (block, mtp, eagle3, ngram)
     serve.run(build_app(ServeSettings(**common, drafter="auto")), name="main", route_prefix="/")
-    serve.run(build_app(ServeSettings(**common, api_key="sekret", max_running=1, max_waiting=1, drafter="ngram")),
-              name="guarded", route_prefix="/guarded")
+    # guarded: n-gram alone at the serving default's block (unset: 16 while one request decodes alone)
+    serve.run(build_app(ServeSettings(**(common | {"block": None}), api_key="sekret", max_running=1, max_waiting=1,
+                                      drafter="ngram")), name="guarded", route_prefix="/guarded")
     # ep2: the block drafter, hosted by each rank (an n-gram-only unit has no drafter replica)
     serve.run(build_app(ServeSettings(**common, ep=2, threads_per_rank=1, cpus_per_rank=1, policy="full",
                                       drafter="block")), name="ep2", route_prefix="/ep2")
