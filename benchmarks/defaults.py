@@ -73,8 +73,9 @@ def _engine(setting: tuple, max_running: int, cache: str):
 
 def _paired(args, chosen: dict, levels: list[int], per_level: dict[int, int], ids: list[list[int]]) -> int:
     """Every setting's engine built once per level; the prompts run group by group, every engine on
-    the same group in turn, the order reversed each group. Ratios to `ar`: tokens over seconds of
-    all groups, and the median and range of the groups' own ratios."""
+    the same group in turn, the order reversed each group. Ratios to `ar` and to the first setting
+    named (`--settings`): tokens over seconds of all groups, and the median and range of the
+    groups' own ratios."""
     from actors.engine.loadgen import closed_loop
 
     rows, lossless = [], True
@@ -100,22 +101,20 @@ def _paired(args, chosen: dict, levels: list[int], per_level: dict[int, int], id
             finally:
                 for e in engines.values():
                     e.shutdown()
-        ar = groups["ar"]
+        first = names[1] if len(names) > 1 else "ar"  # the first setting named: the other ratios' base
         for name in names:
             mine = groups[name]
-            by_group = [(t / s) / (at / a_s) for (t, s, _), (at, a_s, _) in zip(mine, ar, strict=True)]
             rows.append({"concurrency": c, "setting": name, "prompts_a_group": per, "groups": args.paired,
                          "tok_s": sum(t for t, _, _ in mine) / sum(s for _, s, _ in mine),
-                         "x_ar": (sum(t for t, _, _ in mine) / sum(s for _, s, _ in mine)) /
-                                 (sum(t for t, _, _ in ar) / sum(s for _, s, _ in ar)),
-                         "cold_x_ar": by_group[0], "group_median": statistics.median(by_group),
-                         "group_min": min(by_group), "group_max": max(by_group),
+                         "group_tok_s": [t / s for t, s, _ in mine],
+                         **_over(mine, groups["ar"], "ar"), **_over(mine, groups[first], "first"), "first": first,
                          "mat": statistics.median(m for _, _, m in mine)})
             print(json.dumps(rows[-1]), flush=True)
-    md = ["| C | setting | tok/s | × `ar` (all groups) | first group (cold) | groups' median (range) | MAT |",
-          "|---|---|---|---|---|---|---|"]
+    md = ["| C | setting | tok/s | × `ar` (all groups) | first group (cold) | groups' median (range) "
+          "| × the first named (all groups) | groups' median (range) | MAT |", "|---" * 9 + "|"]
     md += [f"| {r['concurrency']} | {r['setting']} | {r['tok_s']:.0f} | {r['x_ar']:.3f} | {r['cold_x_ar']:.2f} | "
-           f"{r['group_median']:.3f} ({r['group_min']:.2f}–{r['group_max']:.2f}) | {r['mat']:.2f} |" for r in rows]
+           f"{r['ar_median']:.3f} ({r['ar_min']:.2f}–{r['ar_max']:.2f}) | {r['x_first']:.3f} | "
+           f"{r['first_median']:.3f} ({r['first_min']:.2f}–{r['first_max']:.2f}) | {r['mat']:.2f} |" for r in rows]
     md.append(f"\nEvery setting's output equal to `ar`'s in every group: {lossless}.")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -123,6 +122,16 @@ def _paired(args, chosen: dict, levels: list[int], per_level: dict[int, int], id
     (out / "table.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
     return 0 if lossless else 1
+
+
+def _over(mine: list[tuple], base: list[tuple], key: str) -> dict:
+    """One setting's groups (tokens, seconds, MAT) over another's: tokens over seconds of all
+    groups, the first group's ratio (cold engines), and the median and range of the groups'."""
+    by_group = [(t / s) / (bt / bs) for (t, s, _), (bt, bs, _) in zip(mine, base, strict=True)]
+    whole = (sum(t for t, _, _ in mine) / sum(s for _, s, _ in mine)) / (sum(t for t, _, _ in base) /
+                                                                        sum(s for _, s, _ in base))
+    return {f"x_{key}": whole, f"cold_x_{key}": by_group[0], f"{key}_median": statistics.median(by_group),
+            f"{key}_min": min(by_group), f"{key}_max": max(by_group)}
 
 
 def main() -> int:

@@ -20,8 +20,9 @@ def test_paired_groups_run_every_setting_beside_ar_and_report_each_over_it(tmp_p
     assert [(r["setting"], r["concurrency"], r["groups"], r["prompts_a_group"]) for r in rows] == [
         ("ar", 1, 2, 4), ("default", 1, 2, 4)]  # a group: at least 4·C prompts
     ar, default = rows
-    assert ar["x_ar"] == ar["group_median"] == 1.0 and ar["mat"] == 1.0  # plain decoding: one token a step
-    assert default["tok_s"] > 0 and default["group_min"] <= default["group_median"] <= default["group_max"]
+    assert ar["x_ar"] == ar["ar_median"] == 1.0 and ar["mat"] == 1.0  # plain decoding: one token a step
+    assert default["first"] == "default" and default["x_first"] == default["first_median"] == 1.0
+    assert default["tok_s"] > 0 and default["ar_min"] <= default["ar_median"] <= default["ar_max"]
     table = (tmp_path / "table.md").read_text().splitlines()
-    assert len(table) == 2 + 2 + 2 and all(line.count("|") == 8 for line in table[:4])
+    assert len(table) == 2 + 2 + 2 and all(line.count("|") == 10 for line in table[:4])
     assert table[-1].endswith("in every group: True.")
