@@ -17,7 +17,7 @@ over m = 0..M of one sorted array (docs/algorithm.md has the argument).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
 import numpy as np
@@ -86,8 +86,8 @@ class StepCost:
     checked: bool = False
     # `tabulated`'s values at lo .. hi tokens, read-only, and lo: a caller that wants the curve at
     # those counts (`GateInput.capture`) takes them as they are.
-    table: np.ndarray | None = None
-    table_lo: int = 0
+    table: np.ndarray | None = field(default=None, compare=False)
+    table_lo: int = field(default=0, compare=False)
 
     def seconds(self, tokens: np.ndarray) -> np.ndarray:
         out = np.asarray(self.verify_seconds(tokens), dtype=np.float64)

@@ -100,7 +100,7 @@ class TargetOutput:
 class RequestRanks:
     """Which rank holds each request's KV cache. A new request goes to the rank holding the
     fewest (the first such), counted as requests come and go: a count over every held request at
-    each placement had cost 57 ms in the step that admitted a wave of 1,024."""
+    each placement had cost ~27 µs an arrival at 1,024 held requests, 23 ms for a wave of 1,024."""
 
     def __init__(self, world: int) -> None:
         self.owner: dict[int, int] = {}  # request -> rank
