@@ -501,10 +501,9 @@ def test_the_one_kind_app_decides_on_lists_and_decodes_exactly_after_odd_request
     by default; "guarded", one request at a time) decides every step of a few requests in plain
     Python (`DraftingGate._decide_in_turn`). After odd requests (a `max_tokens` of 1, so no room
     to draft; a prompt that repeats nothing; one naming its drafter), repeating prompts whose
-    drafts the gate plans: every answer equals plain greedy decoding, drafts were accepted — in
-    some step more than block 8 allows (7), so the default's block 16 for a request decoding alone
-    is what served — and the app serves after them (a plain request completes, its /health says
-    ok)."""
+    drafts the gate plans: every answer equals plain greedy decoding, drafts were accepted, and
+    the app serves after them (a plain request completes, its /health says ok). That the default
+    drafts past block 8 for a request decoding alone: tests/deployments/test_configs.py."""
     from tokenizers import Tokenizer
 
     model = LocalTarget(load_model(f"{tiny_bundle}/target"))
@@ -519,15 +518,13 @@ def test_the_one_kind_app_decides_on_lists_and_decodes_exactly_after_odd_request
     cases = [([5, 9, 5, 9], 1, {}), ([(7 * j + 3) % 97 + 1 for j in range(12)], 12, {}),
              ([4, 8, 15, 16, 23, 42] * 2, 20, {"drafter": "ngram"}),
              *(([(5 * i + j) % 80 + 1 for j in range(3 + i)] * 3, 24, {}) for i in range(4))]
-    before, longest = accepted(), 0
+    before = accepted()
     for i, (prompt, n, extra) in enumerate(cases):
         out = guarded.completions.create(model="dcut-demo", prompt=prompt, max_tokens=n, temperature=0, timeout=120,
                                          extra_body={"ignore_eos": True, **extra})
         expected = greedy_decode(model, [100 + i], [prompt], n)[0]  # a fresh cache for each
         assert out.choices[0].text.strip() == tok.decode(expected, skip_special_tokens=False).strip(), i
-        longest = max(longest, *out.model_extra["dcut"][0]["accepted"])  # drafts accepted in each step
     assert accepted() > before  # the gate planned drafts, and they were accepted
-    assert longest > 7, longest  # past block 8's 7 drafts a step: the default's block 16
     out = guarded.completions.create(model="dcut-demo", prompt="w1 w2", max_tokens=2, temperature=0, timeout=30)
     assert out.choices[0].finish_reason == "length"
     health = httpx.get(f"{BASE}/guarded/health", headers={"authorization": "Bearer sekret"}, timeout=10)
