@@ -98,28 +98,3 @@ def test_the_block_defaults_by_kind_and_an_explicit_one_is_kept():
     again = ServeSettings(**ServeSettings().model_dump())
     assert (again.block, again.load_block) == (16, (1, 8))
 
-
-def test_the_serving_default_drafts_past_block_8_for_a_request_decoding_alone(tiny_bundle, tmp_path):
-    """An engine built from the settings as `dcut serve` leaves them (n-gram, block unset) decodes
-    repeating prompts one at a time: every output equals plain greedy decoding, and some step
-    accepted more drafts than block 8 allows (7) — the default's block 16 is what drafted."""
-    from actors.engine.coordinator import Engine
-    from actors.engine.sequence import SamplingParams
-    from actors.target.checkpoint import load_model
-    from actors.target.decode import greedy_decode
-    from actors.target.local import LocalTarget
-
-    model = LocalTarget(load_model(f"{tiny_bundle}/target"))
-    eng = Engine(ServeSettings(model_root=tiny_bundle, cost_model_cache=str(tmp_path), max_running=1).engine_config())
-    longest = 0
-    try:
-        for i, prompt in enumerate([[(5 * i + j) % 80 + 1 for j in range(3 + i)] * 3 for i in range(4)]):
-            rid = eng.add(prompt, SamplingParams(max_tokens=32, ignore_eos=True))
-            while eng.pending:
-                eng.step()
-            seq = eng.claim(rid)
-            assert seq.output == greedy_decode(model, [100 + i], [prompt], 32)[0], i
-            longest = max(longest, *seq.accepted, 0)  # drafts accepted in each step that drafted
-    finally:
-        eng.shutdown()
-    assert longest > 7, longest

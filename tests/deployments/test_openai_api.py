@@ -503,7 +503,7 @@ def test_the_one_kind_app_decides_on_lists_and_decodes_exactly_after_odd_request
     to draft; a prompt that repeats nothing; one naming its drafter), repeating prompts whose
     drafts the gate plans: every answer equals plain greedy decoding, drafts were accepted, and
     the app serves after them (a plain request completes, its /health says ok). That the default
-    drafts past block 8 for a request decoding alone: tests/deployments/test_configs.py."""
+    drafts past block 8 for a request decoding alone: tests/actors/test_engine.py."""
     from tokenizers import Tokenizer
 
     model = LocalTarget(load_model(f"{tiny_bundle}/target"))
