@@ -304,7 +304,7 @@ class OnlineCorrection:
     _sums: list[float] = field(default_factory=lambda: [0.0] * 5, repr=False)
     _split: tuple[float, float] | None = field(default=None, repr=False)  # (s_b, s_e), None: the level's
     # (model, shape, parts) of the last `_parts`: a step's shape is priced where it is committed
-    # and again where it is learnt (and the payoff check's plain step beside it).
+    # and again where it is learnt.
     _last_parts: tuple | None = field(default=None, repr=False, compare=False)
 
     def observe(self, shape: StepShape, seconds: float) -> float:
